@@ -1,0 +1,46 @@
+"""FreeToken's MoE inference engine.
+
+    from freetoken_agents.engine import Engine
+    engine = Engine.from_pretrained("path/to/hf-checkpoint")
+    with engine.new_session() as s:
+        logits = s.prefill([1, 2, 3])      # [T, V]
+        logits = s.decode(4)               # [V]
+"""
+
+from .adapters import SUPPORTED_MODEL_TYPES
+from .engine import Engine
+from .errors import (
+    CheckpointError,
+    ContextOverflowError,
+    EngineError,
+    FTWFormatError,
+    InvalidTokenError,
+    MemoryBudgetError,
+    UnsupportedModelError,
+)
+from .experts import ExpertProvider, ExpertWeights, InMemoryExpertProvider
+from .generate import GenerationResult, SamplingParams, TokenEvent
+from .memory import MemoryBudget
+from .session import Session
+from .spec import ModelSpec
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "CheckpointError",
+    "ContextOverflowError",
+    "Engine",
+    "EngineError",
+    "ExpertProvider",
+    "ExpertWeights",
+    "FTWFormatError",
+    "GenerationResult",
+    "InMemoryExpertProvider",
+    "InvalidTokenError",
+    "MemoryBudget",
+    "MemoryBudgetError",
+    "ModelSpec",
+    "SamplingParams",
+    "Session",
+    "TokenEvent",
+    "UnsupportedModelError",
+]

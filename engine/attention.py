@@ -1,0 +1,166 @@
+"""Attention over the paged KV cache: grouped-query attention and DeepSeek's latent attention.
+
+Letters: T new tokens, S keys (cached + new), H hidden, N query heads, K kv heads, D head dim,
+R kv latent rank (MLA), P rotary dims (MLA).
+Module attribute names follow the Hugging Face checkpoints so that weight mapping stays trivial.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv import StreamSpec
+from .layers import RMSNorm, StepContext, apply_rope
+from .spec import AttentionSpec
+
+
+def _linear(in_f: int, out_f: int, bias: bool) -> nn.Linear:
+    layer = nn.Linear(in_f, out_f, bias=bias, device="meta")
+    layer.requires_grad_(False)
+    return layer
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Softmax attention. q [N, T, D], k [K, S, D], v [K, S, Dv], mask [T, S] bool -> [N, T, Dv].
+
+    With `sinks [N]`, each head has one extra learned logit that takes probability mass but
+    contributes no value (gpt-oss).
+    """
+    if sinks is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scaling, enable_gqa=q.shape[0] != k.shape[0]
+        )
+    group = q.shape[0] // k.shape[0]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [N, T, S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+class GQAAttention(nn.Module):
+    """Grouped-query attention with the variants of Mixtral, Qwen2/3-MoE, OLMoE and gpt-oss."""
+
+    def __init__(self, spec: AttentionSpec, hidden: int, eps: float, layer: int) -> None:
+        super().__init__()
+        self.spec, self.layer = spec, layer
+        n, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_proj = _linear(hidden, n * d, spec.qkv_bias)
+        self.k_proj = _linear(hidden, kv * d, spec.qkv_bias)
+        self.v_proj = _linear(hidden, kv * d, spec.qkv_bias)
+        self.o_proj = _linear(n * d, hidden, spec.o_bias)
+        if spec.qk_norm == "per_head":
+            self.q_norm, self.k_norm = RMSNorm(d, eps), RMSNorm(d, eps)
+        elif spec.qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(n * d, eps), RMSNorm(kv * d, eps)
+        if spec.sinks:
+            self.sinks = nn.Parameter(torch.empty(n, device="meta"), requires_grad=False)
+
+    def kv_streams(self) -> tuple[StreamSpec, ...]:
+        s = self.spec
+        return (StreamSpec("k", (s.num_kv_heads, s.head_dim)), StreamSpec("v", (s.num_kv_heads, s.head_dim)))
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        s = self.spec
+        t = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if s.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if s.clip_qkv is not None:
+            q, k, v = (z.clamp(-s.clip_qkv, s.clip_qkv) for z in (q, k, v))
+        q = q.view(t, s.num_heads, s.head_dim)  # [T, N, D]
+        k = k.view(t, s.num_kv_heads, s.head_dim)  # [T, K, D]
+        v = v.view(t, s.num_kv_heads, s.head_dim)
+        if s.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, ctx.cos, ctx.sin, interleaved=False)
+        k = apply_rope(k, ctx.cos, ctx.sin, interleaved=False)
+        ctx.table.write(self.layer, "k", ctx.new_slots, k)
+        ctx.table.write(self.layer, "v", ctx.new_slots, v)
+        keys = ctx.table.read(self.layer, "k").to(q.dtype).transpose(0, 1)  # [K, S, D]
+        values = ctx.table.read(self.layer, "v").to(q.dtype).transpose(0, 1)
+        out = attend(
+            q.transpose(0, 1),
+            keys,
+            values,
+            ctx.mask(s.sliding_window),
+            s.scaling,
+            self.sinks if s.sinks else None,
+        )  # [N, T, D]
+        return self.o_proj(out.transpose(0, 1).reshape(t, s.num_heads * s.head_dim))
+
+
+class MLAAttention(nn.Module):
+    """DeepSeek-V3 multi-head latent attention; the cache holds only the latent and rotary key.
+
+    Scores use the absorbed form: q_nope is projected into latent space by the key half of
+    kv_b_proj, so keys/values are never expanded per head; the value half is applied to the
+    attention-weighted latent afterwards. This is the same function as expanding K and V.
+    """
+
+    def __init__(self, spec: AttentionSpec, hidden: int, eps: float, layer: int, rope_interleaved: bool) -> None:
+        super().__init__()
+        self.spec, self.layer, self.rope_interleaved = spec, layer, rope_interleaved
+        n = spec.num_heads
+        qk_dim = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+        if spec.q_lora_rank is None:
+            self.q_proj = _linear(hidden, n * qk_dim, False)
+        else:
+            self.q_a_proj = _linear(hidden, spec.q_lora_rank, spec.qkv_bias)
+            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, 1e-6)
+            self.q_b_proj = _linear(spec.q_lora_rank, n * qk_dim, False)
+        self.kv_a_proj_with_mqa = _linear(hidden, spec.kv_lora_rank + spec.qk_rope_head_dim, spec.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, 1e-6)
+        self.kv_b_proj = _linear(spec.kv_lora_rank, n * (spec.qk_nope_head_dim + spec.v_head_dim), False)
+        self.o_proj = _linear(n * spec.v_head_dim, hidden, spec.o_bias)
+
+    def kv_streams(self) -> tuple[StreamSpec, ...]:
+        s = self.spec
+        return (StreamSpec("latent", (s.kv_lora_rank,)), StreamSpec("k_rope", (s.qk_rope_head_dim,)))
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        s = self.spec
+        t, n = x.shape[0], s.num_heads
+        if s.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, n, s.qk_nope_head_dim + s.qk_rope_head_dim)
+        q_nope, q_rope = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # [T, R]
+        q_rope = apply_rope(q_rope, ctx.cos, ctx.sin, interleaved=self.rope_interleaved)
+        k_rope = apply_rope(k_rope[:, None, :], ctx.cos, ctx.sin, interleaved=self.rope_interleaved)[:, 0]
+        ctx.table.write(self.layer, "latent", ctx.new_slots, latent)
+        ctx.table.write(self.layer, "k_rope", ctx.new_slots, k_rope)
+        latents = ctx.table.read(self.layer, "latent").to(q.dtype)  # [S, R]
+        k_ropes = ctx.table.read(self.layer, "k_rope").to(q.dtype)  # [S, P]
+
+        w = self.kv_b_proj.weight.view(n, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        w_k, w_v = w.split([s.qk_nope_head_dim, s.v_head_dim], dim=1)  # [N, Dn, R], [N, Dv, R]
+        q_latent = torch.einsum("tnd,ndr->ntr", q_nope, w_k)  # [N, T, R]
+        scores = torch.matmul(q_latent, latents.T) + torch.matmul(q_rope.transpose(0, 1), k_ropes.T)
+        scores = scores * s.scaling  # [N, T, S]
+        mask = ctx.mask(s.sliding_window)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        ctx_latent = torch.matmul(probs, latents)  # [N, T, R]
+        out = torch.einsum("ntr,nvr->tnv", ctx_latent, w_v)  # [T, N, Dv]
+        return self.o_proj(out.reshape(t, n * s.v_head_dim))
+

@@ -1,0 +1,237 @@
+"""The Engine: load a checkpoint, own the weights, the KV pool and the expert provider."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from .adapters import adapter_for
+from .chat import DEFAULT_CHAT_TEMPLATE
+from .checkpoint import SafetensorsCheckpoint, read_config
+from .errors import CheckpointError, EngineError
+from .experts import ExpertKey, ExpertProvider, ExpertWeights, InMemoryExpertProvider
+from .generate import GenerationResult, SamplingParams, TokenEvent, stream_tokens
+from .kv import DEFAULT_BLOCK_SIZE, BlockPool
+from .memory import MemoryBudget
+from .session import Session
+from .spec import ModelSpec
+from .transformer import MoETransformer
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class Engine:
+    """A loaded MoE model. Create with `Engine.from_pretrained(path)`; run with sessions."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        model: MoETransformer,
+        experts: ExpertProvider,
+        *,
+        tokenizer: Any | None = None,
+        hf_config: PretrainedConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        memory: MemoryBudget | None = None,
+        source: Path | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:
+        self.spec, self.model, self.experts = spec, model, experts
+        self.hf_config = hf_config
+        self.dtype, self.device = dtype, torch.device(device)
+        self.memory = memory or MemoryBudget()
+        self.source = source
+        self._tokenizer = tokenizer
+        model.attach_experts(experts)
+        streams = model.kv_streams()
+        max_blocks = None
+        probe = BlockPool(streams, block_size=block_size, dtype=dtype, device=device, initial_blocks=1)
+        if self.memory.kv_bytes is not None:
+            max_blocks = max(1, self.memory.kv_bytes // probe.bytes_per_block)
+        self.kv_pool = BlockPool(streams, block_size=block_size, dtype=dtype, device=device, max_blocks=max_blocks)
+        self.max_context = spec.max_position_embeddings
+
+    # ---- loading ----------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        memory: MemoryBudget | None = None,
+    ) -> Engine:
+        """Load a Hugging Face checkpoint folder (config.json + *.safetensors [+ tokenizer]).
+
+        Raises CheckpointError (missing/garbled files or tensors), UnsupportedModelError
+        (unknown model_type), EngineError (unsupported device).
+        """
+        folder = Path(path)
+        if device != "cpu" and not device.startswith("cuda"):
+            raise EngineError(f"device must be 'cpu' or 'cuda[:N]', got '{device}'")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise EngineError(f"device '{device}' requested but CUDA is not available")
+        t0 = time.perf_counter()
+        raw = read_config(folder)
+        adapter = adapter_for(raw["model_type"])
+        try:
+            hf_config = AutoConfig.from_pretrained(folder)
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            raise CheckpointError(f"cannot read the config in {folder}: {e}") from e
+        spec = adapter.build_spec(hf_config)
+        ckpt = SafetensorsCheckpoint(folder)
+        model = MoETransformer(spec)
+        _load_dense(model, ckpt, adapter.hf_name, dtype, device)
+        experts: dict[ExpertKey, ExpertWeights] = {}
+        for layer in spec.moe_layers():
+            moe = spec.layers[layer].moe
+            assert moe is not None
+            for e, tensors in adapter.layer_experts(ckpt, layer, moe.num_experts):
+                _check_expert_shapes(tensors, moe.intermediate_size, spec.hidden_size, layer, e, folder)
+                experts[(layer, e)] = ExpertWeights.packed(tensors, dtype)
+        tokenizer = _load_tokenizer(folder)
+        logger.info("loaded %s (%d experts) from %s in %.2fs", spec.model_type, len(experts), folder,
+                    time.perf_counter() - t0)
+        return cls(
+            spec,
+            model,
+            InMemoryExpertProvider(experts),
+            tokenizer=tokenizer,
+            hf_config=hf_config,
+            dtype=dtype,
+            device=device,
+            memory=memory,
+            source=folder,
+        )
+
+    # ---- tokenizer and chat -----------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's own tokenizer (transformers). EngineError if the checkpoint has none."""
+        if self._tokenizer is None:
+            raise EngineError(f"checkpoint {self.source} has no tokenizer files")
+        return self._tokenizer
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self._tokenizer is not None
+
+    def apply_chat_template(
+        self, messages: Sequence[dict], tools: Sequence[dict] | None = None, *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of `messages` rendered with the checkpoint's chat template (or the default)."""
+        tok = self.tokenizer
+        template = tok.chat_template or DEFAULT_CHAT_TEMPLATE
+        rendered = tok.apply_chat_template(
+            list(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=template,
+            tokenize=False,
+        )
+        return tok.encode(rendered, add_special_tokens=False)
+
+    def default_stop_token_ids(self) -> tuple[int, ...]:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if self._tokenizer is not None and self._tokenizer.eos_token_id is not None:
+            eos = eos if eos is not None else self._tokenizer.eos_token_id
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    # ---- sessions and generation ------------------------------------------------------------
+    def new_session(self) -> Session:
+        return Session(self)
+
+    def stream(self, prompt_ids: Sequence[int], **params: Any) -> Iterator[TokenEvent]:
+        """Generate from `prompt_ids` in a fresh session, yielding TokenEvents as they come.
+
+        Keyword arguments are SamplingParams fields (max_new_tokens, temperature, top_k, top_p,
+        seed, stop_token_ids, stop_strings). stop_token_ids defaults to the model's EOS.
+        """
+        sampling = self._params(params)
+        with self.new_session() as session:
+            yield from stream_tokens(session, prompt_ids, sampling, self._tokenizer)
+
+    def generate(self, prompt_ids: Sequence[int], **params: Any) -> GenerationResult:
+        """Generate and return all new tokens at once (see `stream` for the parameters)."""
+        events = list(self.stream(prompt_ids, **params))
+        return GenerationResult(
+            token_ids=[e.token_id for e in events],
+            text="".join(e.text for e in events),
+            finish_reason=events[-1].finish_reason if events else "length",
+            prompt_tokens=len(prompt_ids),
+        )
+
+    def _params(self, params: dict[str, Any]) -> SamplingParams:
+        params = dict(params)
+        params.setdefault("stop_token_ids", self.default_stop_token_ids())
+        params["stop_token_ids"] = tuple(params["stop_token_ids"] or ())
+        params["stop_strings"] = tuple(params.get("stop_strings") or ())
+        try:
+            return SamplingParams(**params)
+        except Exception as e:  # pydantic ValidationError, with the field names in its message
+            raise EngineError(f"invalid generation parameters: {e}") from e
+
+    def describe(self) -> dict:
+        """A small JSON-able summary (architecture, sizes)."""
+        return json.loads(
+            json.dumps(
+                {
+                    "model_type": self.spec.model_type,
+                    "layers": self.spec.num_layers,
+                    "hidden_size": self.spec.hidden_size,
+                    "vocab_size": self.spec.vocab_size,
+                    "moe_layers": self.spec.moe_layers(),
+                    "dtype": str(self.dtype),
+                }
+            )
+        )
+
+
+def _load_dense(model: MoETransformer, ckpt: SafetensorsCheckpoint, hf_name: Any, dtype: torch.dtype,
+                device: str) -> None:
+    state: dict[str, torch.Tensor] = {}
+    for name, param in [*model.named_parameters(), *model.named_buffers()]:
+        source = hf_name(name)
+        tensor = ckpt.get(source)
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"tensor '{source}' in {ckpt.folder} has shape {list(tensor.shape)}, expected {list(param.shape)}"
+            )
+        # DeepSeek's router and its correction bias stay in fp32, as in the reference.
+        keep_fp32 = ".router." in name and model.spec.layers[int(name.split(".")[1])].moe.routing == "sigmoid_group_topk"
+        state[name] = tensor.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+
+
+def _check_expert_shapes(tensors: dict[str, torch.Tensor], inter: int, hidden: int, layer: int, expert: int,
+                         folder: Path) -> None:
+    expected = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise CheckpointError(
+                f"expert {expert} of layer {layer} in {folder}: '{name}' has shape "
+                f"{list(tensors[name].shape)}, expected {list(shape)}"
+            )
+
+
+def _load_tokenizer(folder: Path) -> Any | None:
+    if not any((folder / f).exists() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot load the tokenizer in {folder}: {e}") from e

@@ -1,0 +1,153 @@
+"""Experts as independent, addressable units, and the provider interface the MoE block calls.
+
+Every expert owns one contiguous storage with its projections as views into it, in one
+canonical layout whatever the checkpoint's: `gate_up [2I, H]` (gate rows first, then up rows),
+`down [H, I]`, optional biases `gate_up_bias [2I]`, `down_bias [H]`. Moving an expert between
+memory tiers is therefore one copy, and FTW stores exactly these tensors.
+
+Letters: T tokens, H hidden, I expert intermediate size, A active experts per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+from .spec import MoESpec
+
+ExpertKey = tuple[int, int]  # (layer, expert)
+PROJECTIONS = ("gate_up", "down", "gate_up_bias", "down_bias")
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One expert's tensors (views into `storage` when packed)."""
+
+    gate_up: torch.Tensor  # [2I, H]
+    down: torch.Tensor  # [H, I]
+    gate_up_bias: torch.Tensor | None = None  # [2I]
+    down_bias: torch.Tensor | None = None  # [H]
+    storage: torch.Tensor | None = None  # flat buffer all of the above live in
+
+    @classmethod
+    def packed(cls, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> ExpertWeights:
+        """Copy `tensors` (names from PROJECTIONS) into one contiguous buffer of `dtype`."""
+        present = [name for name in PROJECTIONS if tensors.get(name) is not None]
+        total = sum(tensors[name].numel() for name in present)
+        storage = torch.empty(total, dtype=dtype)
+        views: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name in present:
+            src = tensors[name]
+            view = storage[offset : offset + src.numel()].view(src.shape)
+            view.copy_(src)
+            views[name] = view
+            offset += src.numel()
+        return cls(storage=storage, **views)
+
+    @property
+    def nbytes(self) -> int:
+        if self.storage is not None:
+            return self.storage.numel() * self.storage.element_size()
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The projections by name (biases only when present)."""
+        out = {"gate_up": self.gate_up, "down": self.down}
+        if self.gate_up_bias is not None:
+            out["gate_up_bias"] = self.gate_up_bias
+        if self.down_bias is not None:
+            out["down_bias"] = self.down_bias
+        return out
+
+
+def expert_forward(w: ExpertWeights, x: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """One expert's MLP on `x [T, H]` -> [T, H]."""
+    gate_up = F.linear(x, w.gate_up, w.gate_up_bias)  # [T, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    if spec.activation == "silu":
+        h = F.silu(gate) * up
+    else:  # gpt-oss: clamped SwiGLU with a +1 on the linear branch
+        gate = gate.clamp(max=spec.swiglu_limit)
+        up = up.clamp(-spec.swiglu_limit, spec.swiglu_limit)
+        h = (up + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha))
+    return F.linear(h, w.down, w.down_bias)
+
+
+@runtime_checkable
+class ExpertProvider(Protocol):
+    """Where the MoE block gets its experts. Memory tiers implement this interface.
+
+    `run` computes the weighted sum of the selected experts for every token; a provider may
+    decide per expert where and how it computes (resident, streamed, on the host).
+    """
+
+    def get(self, layer: int, expert: int) -> ExpertWeights: ...
+
+    def run(
+        self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec
+    ) -> torch.Tensor:
+        """hidden [T, H], expert_ids [T, A] (int64), weights [T, A] -> [T, H]."""
+        ...
+
+
+def run_experts(
+    get: Callable[[int, int], ExpertWeights],
+    layer: int,
+    hidden: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    spec: MoESpec,
+) -> torch.Tensor:
+    """Group tokens by expert and accumulate `weight * expert(x)`, experts in ascending id.
+
+    Ascending order with index_add matches the reference summation order.
+    """
+    out = torch.zeros_like(hidden)
+    if hidden.shape[0] == 1:
+        # Decode: one token, A experts; skip the grouping machinery.
+        ids = expert_ids[0].tolist()
+        for a in sorted(range(len(ids)), key=ids.__getitem__):
+            y = expert_forward(get(layer, ids[a]), hidden, spec)
+            out += (y * weights[0, a]).to(out.dtype)
+        return out
+    flat_ids = expert_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    sorted_ids = flat_ids[order]
+    token_of = order // expert_ids.shape[1]
+    experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    start = 0
+    for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
+        idx = order[start : start + count]
+        tokens = token_of[start : start + count]
+        start += count
+        y = expert_forward(get(layer, expert), hidden[tokens], spec)
+        w = weights.reshape(-1)[idx, None]
+        out.index_add_(0, tokens, (y * w).to(out.dtype))
+    return out
+
+
+class InMemoryExpertProvider:
+    """All experts held in RAM, each in its own packed storage."""
+
+    def __init__(self, experts: dict[ExpertKey, ExpertWeights]) -> None:
+        self._experts = experts
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        return self._experts[(layer, expert)]
+
+    def keys(self) -> list[ExpertKey]:
+        return sorted(self._experts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self._experts.values())
+
+    def run(
+        self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec
+    ) -> torch.Tensor:
+        return run_experts(self.get, layer, hidden, expert_ids, weights, spec)

@@ -1,0 +1,136 @@
+"""Token sampling and the streaming decode loop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from .session import Session
+
+FinishReason = Literal["length", "stop_token", "stop_string"]
+
+
+class SamplingParams(BaseModel):
+    """How the next token is picked. temperature 0 is greedy; `seed` makes sampling repeatable."""
+
+    model_config = ConfigDict(frozen=True)
+
+    max_new_tokens: int = Field(default=64, ge=0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_k: int | None = Field(default=None, ge=1)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token: its id, the text it adds (empty without a tokenizer) and, on the
+    last event, why generation ended."""
+
+    token_id: int
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+
+
+class Sampler:
+    """Picks tokens from logits [V] under SamplingParams."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator: torch.Generator | None = None
+        if params.temperature > 0:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        p = self.params
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        scores = logits.float() / p.temperature
+        if p.top_k is not None and p.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, p.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if p.top_p is not None and p.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=True)
+            cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
+            # Drop tokens once the mass before them already reaches top_p (the first always stays).
+            drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= p.top_p
+            scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class _TextTracker:
+    """Incremental detokenisation, robust to tokens that split UTF-8 characters."""
+
+    def __init__(self, tokenizer: object | None) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        self.ids.append(token_id)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=False)  # type: ignore[attr-defined]
+        if full.endswith("\ufffd"):
+            return ""  # wait for the rest of a multi-byte character
+        delta, self.text = full[len(self.text) :], full
+        return delta
+
+
+def stream_tokens(
+    session: Session, prompt_ids: Sequence[int], params: SamplingParams, tokenizer: object | None
+) -> Iterator[TokenEvent]:
+    """Prefill `prompt_ids` into `session`, then decode until a stop condition.
+
+    The stop token itself is not emitted as text but is reported as the last event's token;
+    a stop string is cut from the text and generation ends at the token that completed it.
+    """
+    if params.max_new_tokens == 0:
+        return
+    sampler = Sampler(params)
+    logits = session.prefill(prompt_ids, last_only=True)[-1]
+    tracker = _TextTracker(tokenizer)
+    stops = set(params.stop_token_ids)
+    for step in range(params.max_new_tokens):
+        token = sampler(logits)
+        if token in stops:
+            session.append_unprocessed(token)
+            yield TokenEvent(token, "", "stop_token")
+            return
+        delta = tracker.push(token)
+        if params.stop_strings:
+            hit = _first_stop(tracker.text, params.stop_strings)
+            if hit is not None:
+                cut = hit - (len(tracker.text) - len(delta))
+                session.append_unprocessed(token)
+                yield TokenEvent(token, delta[: max(cut, 0)], "stop_string")
+                return
+        last = step == params.max_new_tokens - 1
+        if last:
+            session.append_unprocessed(token)
+            yield TokenEvent(token, delta, "length")
+            return
+        yield TokenEvent(token, delta)
+        logits = session.decode(token)
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(found) if found else None

@@ -1,0 +1,87 @@
+"""Small building blocks: RMSNorm, rotary embeddings, the per-step attention context.
+
+Letters: T new tokens this step, S cached tokens after this step (keys), H hidden size,
+N query heads, K kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .kv import BlockTable
+from .spec import RopeSpec
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, as the reference models do."""
+
+    def __init__(self, dim: int, eps: float, *, weight_in_fp32: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:
+            return (self.weight * h).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+def rope_cos_sin(rope: RopeSpec, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [T, rot_dim/2] for integer `positions [T]`."""
+    freqs = positions.float()[:, None] * rope.inv_freq[None, :]
+    return (freqs.cos() * rope.attention_scaling).to(dtype), (freqs.sin() * rope.attention_scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate `x [T, heads, rot_dim]` by position; cos/sin [T, rot_dim/2].
+
+    Half layout rotates (x[:d/2], x[d/2:]) pairs. Interleaved layout (DeepSeek) rotates
+    (x[0::2], x[1::2]) pairs and, like the reference, returns the result de-interleaved (evens
+    first); queries and keys get the same permutation, so their dot products are unchanged.
+    """
+    c, s = cos[:, None, :], sin[:, None, :]
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+@dataclass
+class StepContext:
+    """What every layer needs to know about the current forward step of one sequence."""
+
+    table: BlockTable
+    new_slots: torch.Tensor  # [T] KV slots the new tokens are written to
+    positions: torch.Tensor  # [T] absolute positions of the new tokens
+    cos: torch.Tensor  # [T, rot/2]
+    sin: torch.Tensor
+    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    @property
+    def num_keys(self) -> int:
+        return self.table.length
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor | None:
+        """Boolean [T, S] mask (True = attend), or None when every cached key is visible."""
+        if sliding_window not in self._masks:
+            t, s = self.positions.shape[0], self.num_keys
+            needs_causal = t > 1
+            needs_window = sliding_window is not None and s > sliding_window
+            if not (needs_causal or needs_window):
+                self._masks[sliding_window] = None
+            else:
+                q = self.positions[:, None]
+                k = torch.arange(s)[None, :]
+                allowed = k <= q
+                if sliding_window is not None:
+                    allowed &= k > q - sliding_window
+                self._masks[sliding_window] = allowed
+        return self._masks[sliding_window]

@@ -1,0 +1,140 @@
+"""A session: one token sequence, its paged KV cache, and prefill / decode / truncate / fork.
+
+A session may hold *pending* tokens: tokens that are part of the sequence (e.g. the last token
+generate() sampled) but not yet run through the model. The next prefill or decode runs them
+first; truncate and fork treat them like any other token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import ContextOverflowError, EngineError, InvalidTokenError
+from .kv import BlockTable
+from .layers import StepContext, rope_cos_sin
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class Session:
+    """Created by `Engine.new_session()`. Not thread-safe; one sequence per session."""
+
+    def __init__(self, engine: Engine, table: BlockTable | None = None, token_ids: Sequence[int] = ()) -> None:
+        self.engine = engine
+        self.table = table if table is not None else BlockTable(engine.kv_pool)
+        self._tokens: list[int] = list(token_ids)
+        self._pending: list[int] = []
+        self._closed = False
+
+    # ---- state ----------------------------------------------------------------------------
+    @property
+    def position(self) -> int:
+        """Number of tokens in the sequence (including pending ones)."""
+        return len(self._tokens) + len(self._pending)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """A copy of the sequence's token ids."""
+        return self._tokens + self._pending
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose KV is in the cache."""
+        return self.table.length
+
+    # ---- model steps ------------------------------------------------------------------------
+    def prefill(self, token_ids: Sequence[int] | torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+        """Append `token_ids` and run them. Returns logits [T, V] (T = len(token_ids)), or [1, V]
+        for the last token only with `last_only`."""
+        ids = self._validate(token_ids)
+        run = self._pending + ids
+        logits = self._forward(run, last_only=last_only)
+        self._tokens.extend(run)
+        self._pending = []
+        return logits if last_only else logits[len(run) - len(ids) :]
+
+    def decode(self, token_id: int) -> torch.Tensor:
+        """Append one token and run it; returns logits [V] for the next position."""
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise InvalidTokenError(f"decode() takes one int token id, got {type(token_id).__name__}")
+        return self.prefill([token_id], last_only=True)[0]
+
+    def append_unprocessed(self, token_id: int) -> None:
+        """Add a token to the sequence without running it yet (it runs with the next step)."""
+        self._validate([token_id])
+        self._pending.append(token_id)
+
+    def truncate(self, position: int) -> None:
+        """Keep the first `position` tokens. O(number of KV blocks)."""
+        self._check_open()
+        if not 0 <= position <= self.position:
+            raise EngineError(f"cannot truncate a session of {self.position} tokens to {position}")
+        self._pending = self.token_ids[len(self._tokens) :][: max(0, position - len(self._tokens))]
+        self._tokens = self._tokens[:position]
+        if self.table.length > position:
+            self.table.truncate(position)
+
+    def fork(self) -> Session:
+        """An independent session sharing this one's KV blocks (copy-on-write). O(blocks)."""
+        self._check_open()
+        twin = Session(self.engine, self.table.fork(), self._tokens)
+        twin._pending = list(self._pending)
+        return twin
+
+    def close(self) -> None:
+        """Release the session's KV blocks. Idempotent."""
+        if not self._closed:
+            self.table.release()
+            self._closed = True
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError("this session is closed")
+
+    def _validate(self, token_ids: Sequence[int] | torch.Tensor) -> list[int]:
+        self._check_open()
+        if isinstance(token_ids, torch.Tensor):
+            if token_ids.dim() != 1 or token_ids.is_floating_point():
+                raise InvalidTokenError(f"token ids must be a 1-D integer tensor, got shape {list(token_ids.shape)}")
+            ids = token_ids.tolist()
+        else:
+            ids = list(token_ids)
+        if not ids:
+            raise InvalidTokenError("no token ids given")
+        vocab = self.engine.spec.vocab_size
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise InvalidTokenError(f"token at index {i} is {t!r}, not an int")
+            if not 0 <= t < vocab:
+                raise InvalidTokenError(f"token id {t} at index {i} is outside the vocabulary [0, {vocab})")
+        limit = self.engine.max_context
+        if self.position + len(ids) > limit:
+            raise ContextOverflowError(
+                f"{self.position} tokens in the session + {len(ids)} new exceed the model's context of {limit}"
+            )
+        return ids
+
+    def _forward(self, ids: list[int], *, last_only: bool) -> torch.Tensor:
+        engine = self.engine
+        start = self.table.length
+        positions = torch.arange(start, start + len(ids))
+        cos, sin = rope_cos_sin(engine.spec.rope, positions, engine.dtype)
+        with torch.inference_mode():
+            new_slots = self.table.reserve(len(ids))
+            ctx = StepContext(self.table, new_slots, positions, cos, sin)
+            try:
+                return engine.model(torch.tensor(ids, dtype=torch.long), ctx, last_only=last_only)
+            except BaseException:
+                self.table.truncate(start)  # never leave half-written KV behind
+                raise

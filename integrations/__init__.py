@@ -1,0 +1,1 @@
+"""Adapters from FreeToken models to agent frameworks."""

@@ -1,0 +1,1 @@
+"""Ready programs built on the FreeToken SDK."""
