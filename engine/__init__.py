@@ -1,10 +1,10 @@
 """FreeToken's MoE inference engine.
 
-    from freetoken_agents.engine import Engine
-    engine = Engine.from_pretrained("path/to/hf-checkpoint")
-    with engine.new_session() as s:
-        logits = s.prefill([1, 2, 3])      # [T, V]
-        logits = s.decode(4)               # [V]
+from freetoken_agents.engine import Engine
+engine = Engine.from_pretrained("path/to/hf-checkpoint")
+with engine.new_session() as s:
+    logits = s.prefill([1, 2, 3])      # [T, V]
+    logits = s.decode(4)               # [V]
 """
 
 from .adapters import SUPPORTED_MODEL_TYPES

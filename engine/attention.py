@@ -113,7 +113,9 @@ class MLAAttention(nn.Module):
     attention-weighted latent afterwards. This is the same function as expanding K and V.
     """
 
-    def __init__(self, spec: AttentionSpec, hidden: int, eps: float, layer: int, rope_interleaved: bool) -> None:
+    def __init__(
+        self, spec: AttentionSpec, hidden: int, eps: float, layer: int, rope_interleaved: bool
+    ) -> None:
         super().__init__()
         self.spec, self.layer, self.rope_interleaved = spec, layer, rope_interleaved
         n = spec.num_heads
@@ -163,4 +165,3 @@ class MLAAttention(nn.Module):
         ctx_latent = torch.matmul(probs, latents)  # [N, T, R]
         out = torch.einsum("ntr,nvr->tnv", ctx_latent, w_v)  # [T, N, Dv]
         return self.o_proj(out.reshape(t, n * s.v_head_dim))
-

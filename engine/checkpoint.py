@@ -18,7 +18,9 @@ def read_config(folder: Path) -> dict:
     """The parsed config.json of a checkpoint folder."""
     path = folder / "config.json"
     if not folder.is_dir():
-        raise CheckpointError(f"checkpoint folder {folder} does not exist (expected a folder with config.json)")
+        raise CheckpointError(
+            f"checkpoint folder {folder} does not exist (expected a folder with config.json)"
+        )
     if not path.is_file():
         raise CheckpointError(f"{folder} has no config.json: not a Hugging Face checkpoint folder")
     try:

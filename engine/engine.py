@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,9 @@ class Engine:
         probe = BlockPool(streams, block_size=block_size, dtype=dtype, device=device, initial_blocks=1)
         if self.memory.kv_bytes is not None:
             max_blocks = max(1, self.memory.kv_bytes // probe.bytes_per_block)
-        self.kv_pool = BlockPool(streams, block_size=block_size, dtype=dtype, device=device, max_blocks=max_blocks)
+        self.kv_pool = BlockPool(
+            streams, block_size=block_size, dtype=dtype, device=device, max_blocks=max_blocks
+        )
         self.max_context = spec.max_position_embeddings
 
     # ---- loading ----------------------------------------------------------------------------
@@ -91,7 +93,7 @@ class Engine:
         spec = adapter.build_spec(hf_config)
         ckpt = SafetensorsCheckpoint(folder)
         model = MoETransformer(spec)
-        _load_dense(model, ckpt, adapter.hf_name, dtype, device)
+        load_dense_weights(model, lambda name: ckpt.get(adapter.hf_name(name)), str(folder), dtype, device)
         experts: dict[ExpertKey, ExpertWeights] = {}
         for layer in spec.moe_layers():
             moe = spec.layers[layer].moe
@@ -100,8 +102,13 @@ class Engine:
                 _check_expert_shapes(tensors, moe.intermediate_size, spec.hidden_size, layer, e, folder)
                 experts[(layer, e)] = ExpertWeights.packed(tensors, dtype)
         tokenizer = _load_tokenizer(folder)
-        logger.info("loaded %s (%d experts) from %s in %.2fs", spec.model_type, len(experts), folder,
-                    time.perf_counter() - t0)
+        logger.info(
+            "loaded %s (%d experts) from %s in %.2fs",
+            spec.model_type,
+            len(experts),
+            folder,
+            time.perf_counter() - t0,
+        )
         return cls(
             spec,
             model,
@@ -127,7 +134,11 @@ class Engine:
         return self._tokenizer is not None
 
     def apply_chat_template(
-        self, messages: Sequence[dict], tools: Sequence[dict] | None = None, *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict],
+        tools: Sequence[dict] | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """Token ids of `messages` rendered with the checkpoint's chat template (or the default)."""
         tok = self.tokenizer
@@ -199,24 +210,25 @@ class Engine:
         )
 
 
-def _load_dense(model: MoETransformer, ckpt: SafetensorsCheckpoint, hf_name: Any, dtype: torch.dtype,
-                device: str) -> None:
+def load_dense_weights(
+    model: MoETransformer, get: Callable[[str], torch.Tensor], where: str, dtype: torch.dtype, device: str
+) -> None:
+    """Assign every dense parameter/buffer of `model` from `get(engine_name)` (shape-checked)."""
+    keep_fp32 = model.fp32_parameter_names()
     state: dict[str, torch.Tensor] = {}
     for name, param in [*model.named_parameters(), *model.named_buffers()]:
-        source = hf_name(name)
-        tensor = ckpt.get(source)
+        tensor = get(name)
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(
-                f"tensor '{source}' in {ckpt.folder} has shape {list(tensor.shape)}, expected {list(param.shape)}"
+                f"tensor for '{name}' in {where} has shape {list(tensor.shape)}, expected {list(param.shape)}"
             )
-        # DeepSeek's router and its correction bias stay in fp32, as in the reference.
-        keep_fp32 = ".router." in name and model.spec.layers[int(name.split(".")[1])].moe.routing == "sigmoid_group_topk"
-        state[name] = tensor.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+        state[name] = tensor.to(device=device, dtype=torch.float32 if name in keep_fp32 else dtype)
     model.load_state_dict(state, strict=True, assign=True)
 
 
-def _check_expert_shapes(tensors: dict[str, torch.Tensor], inter: int, hidden: int, layer: int, expert: int,
-                         folder: Path) -> None:
+def _check_expert_shapes(
+    tensors: dict[str, torch.Tensor], inter: int, hidden: int, layer: int, expert: int, folder: Path
+) -> None:
     expected = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:

@@ -76,21 +76,33 @@ class Sampler:
 
 
 class _TextTracker:
-    """Incremental detokenisation, robust to tokens that split UTF-8 characters."""
+    """Incremental detokenisation: emitted text only ever grows.
+
+    Decoding all ids each step and emitting the new suffix keeps merges right (BPE pieces,
+    multi-byte characters split over tokens). A trailing U+FFFD (an incomplete UTF-8 sequence)
+    is held back until the next token completes it, or until `flush()`.
+    """
 
     def __init__(self, tokenizer: object | None) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""
+        self._full = ""
 
     def push(self, token_id: int) -> str:
         if self.tokenizer is None:
             return ""
         self.ids.append(token_id)
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=False)  # type: ignore[attr-defined]
-        if full.endswith("\ufffd"):
-            return ""  # wait for the rest of a multi-byte character
-        delta, self.text = full[len(self.text) :], full
+        self._full = self.tokenizer.decode(self.ids, skip_special_tokens=False)  # type: ignore[attr-defined]
+        return self._advance(self._full.rstrip("\ufffd"))
+
+    def flush(self) -> str:
+        return self._advance(self._full)
+
+    def _advance(self, stable: str) -> str:
+        if not stable.startswith(self.text):
+            return ""  # the decoder revised earlier characters; what was emitted stays
+        delta, self.text = stable[len(self.text) :], stable
         return delta
 
 
@@ -99,8 +111,11 @@ def stream_tokens(
 ) -> Iterator[TokenEvent]:
     """Prefill `prompt_ids` into `session`, then decode until a stop condition.
 
-    The stop token itself is not emitted as text but is reported as the last event's token;
-    a stop string is cut from the text and generation ends at the token that completed it.
+    The stop token itself is not emitted as text but is reported as the last event's token.
+    With stop strings, text that could be the start of a stop string is held back until it is
+    known not to be; a stop string is cut from the text and generation ends at the token that
+    completed it. The last token is appended to the session as pending (not yet run), so the
+    session holds the whole sequence and a later prefill continues from it.
     """
     if params.max_new_tokens == 0:
         return
@@ -108,29 +123,43 @@ def stream_tokens(
     logits = session.prefill(prompt_ids, last_only=True)[-1]
     tracker = _TextTracker(tokenizer)
     stops = set(params.stop_token_ids)
-    for step in range(params.max_new_tokens):
+    emitted = 0  # characters of tracker.text already yielded
+    # Never run past the model's context: the last token that fits ends generation ("length").
+    steps = min(params.max_new_tokens, session.engine.max_context - session.position)
+    for step in range(steps):
         token = sampler(logits)
         if token in stops:
             session.append_unprocessed(token)
-            yield TokenEvent(token, "", "stop_token")
+            yield TokenEvent(token, tracker.text[emitted:] + tracker.flush(), "stop_token")
             return
-        delta = tracker.push(token)
-        if params.stop_strings:
-            hit = _first_stop(tracker.text, params.stop_strings)
-            if hit is not None:
-                cut = hit - (len(tracker.text) - len(delta))
-                session.append_unprocessed(token)
-                yield TokenEvent(token, delta[: max(cut, 0)], "stop_string")
-                return
-        last = step == params.max_new_tokens - 1
-        if last:
+        tracker.push(token)
+        text = tracker.text
+        hit = _first_stop(text, params.stop_strings)
+        if hit is not None:
             session.append_unprocessed(token)
-            yield TokenEvent(token, delta, "length")
+            yield TokenEvent(token, text[emitted:hit], "stop_string")
             return
-        yield TokenEvent(token, delta)
+        if step == steps - 1:
+            session.append_unprocessed(token)
+            yield TokenEvent(token, text[emitted:] + tracker.flush(), "length")
+            return
+        safe = len(text) - _held_back(text, params.stop_strings)
+        yield TokenEvent(token, text[emitted:safe])
+        emitted = safe
         logits = session.decode(token)
 
 
 def _first_stop(text: str, stops: Sequence[str]) -> int | None:
     found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     return min(found) if found else None
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest

@@ -186,7 +186,12 @@ class BlockTable:
         """A second table sharing every block (refcounts +1); writes diverge by copy-on-write."""
         self.pool.incref(self.blocks)
         twin = BlockTable.__new__(BlockTable)
-        twin.pool, twin.blocks, twin.length, twin._slots = self.pool, list(self.blocks), self.length, self._slots
+        twin.pool, twin.blocks, twin.length, twin._slots = (
+            self.pool,
+            list(self.blocks),
+            self.length,
+            self._slots,
+        )
         return twin
 
     def release(self) -> None:

@@ -33,7 +33,9 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def rope_cos_sin(rope: RopeSpec, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    rope: RopeSpec, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [T, rot_dim/2] for integer `positions [T]`."""
     freqs = positions.float()[:, None] * rope.inv_freq[None, :]
     return (freqs.cos() * rope.attention_scaling).to(dtype), (freqs.sin() * rope.attention_scaling).to(dtype)

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 class Session:
     """Created by `Engine.new_session()`. Not thread-safe; one sequence per session."""
 
-    def __init__(self, engine: Engine, table: BlockTable | None = None, token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, engine: Engine, table: BlockTable | None = None, token_ids: Sequence[int] = ()
+    ) -> None:
         self.engine = engine
         self.table = table if table is not None else BlockTable(engine.kv_pool)
         self._tokens: list[int] = list(token_ids)
@@ -106,7 +108,9 @@ class Session:
         self._check_open()
         if isinstance(token_ids, torch.Tensor):
             if token_ids.dim() != 1 or token_ids.is_floating_point():
-                raise InvalidTokenError(f"token ids must be a 1-D integer tensor, got shape {list(token_ids.shape)}")
+                raise InvalidTokenError(
+                    f"token ids must be a 1-D integer tensor, got shape {list(token_ids.shape)}"
+                )
             ids = token_ids.tolist()
         else:
             ids = list(token_ids)
@@ -121,7 +125,8 @@ class Session:
         limit = self.engine.max_context
         if self.position + len(ids) > limit:
             raise ContextOverflowError(
-                f"{self.position} tokens in the session + {len(ids)} new exceed the model's context of {limit}"
+                f"{self.position} tokens in the session + {len(ids)} new exceed "
+                f"the model's context of {limit}"
             )
         return ids
 

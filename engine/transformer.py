@@ -47,7 +47,9 @@ class MoETransformer(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, device="meta").requires_grad_(False)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, device="meta").requires_grad_(
+            False
+        )
         self.layers = nn.ModuleList(DecoderLayer(spec, layer, i) for i, layer in enumerate(spec.layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, weight_in_fp32=spec.norm_weight_in_fp32)
         if not spec.tie_word_embeddings:
@@ -58,6 +60,16 @@ class MoETransformer(nn.Module):
         for layer in self.layers:
             if isinstance(layer.mlp, MoEBlock):
                 layer.mlp.provider = provider
+
+    def fp32_parameter_names(self) -> set[str]:
+        """Parameters kept in fp32 whatever the model dtype (DeepSeek's router, as the reference)."""
+        names = set()
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, MoEBlock) and layer.mlp.spec.routing == "sigmoid_group_topk":
+                router = layer.mlp.router
+                prefix = f"layers.{i}.mlp.router."
+                names |= {prefix + n for n, _ in [*router.named_parameters(), *router.named_buffers()]}
+        return names
 
     def kv_streams(self) -> list[tuple[StreamSpec, ...]]:
         return [layer.self_attn.kv_streams() for layer in self.layers]

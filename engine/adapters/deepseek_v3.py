@@ -58,7 +58,9 @@ class DeepseekV3Adapter(Adapter):
         )
         first_dense = config.first_k_dense_replace or 0
         layers = tuple(
-            LayerSpec(attention, moe if i >= first_dense else None, dense_intermediate_size=config.intermediate_size)
+            LayerSpec(
+                attention, moe if i >= first_dense else None, dense_intermediate_size=config.intermediate_size
+            )
             for i in range(config.num_hidden_layers)
         )
         rope = rope_spec(config, config.qk_rope_head_dim, interleaved=bool(config.rope_interleave))

@@ -60,11 +60,17 @@ class GptOssAdapter(Adapter):
         down_bias = ckpt.get(f"{base}.down_proj_bias")  # [E, H]
         mxfp4 = ckpt.has(f"{base}.gate_up_proj_blocks")
         if mxfp4:
-            gu_blocks, gu_scales = ckpt.get(f"{base}.gate_up_proj_blocks"), ckpt.get(f"{base}.gate_up_proj_scales")
+            gu_blocks, gu_scales = (
+                ckpt.get(f"{base}.gate_up_proj_blocks"),
+                ckpt.get(f"{base}.gate_up_proj_scales"),
+            )
             d_blocks, d_scales = ckpt.get(f"{base}.down_proj_blocks"), ckpt.get(f"{base}.down_proj_scales")
             _check_experts(gu_blocks, num_experts, f"{base}.gate_up_proj_blocks")
         else:
-            gate_up, down = ckpt.get(f"{base}.gate_up_proj"), ckpt.get(f"{base}.down_proj")  # [E,H,2I], [E,I,H]
+            gate_up, down = (
+                ckpt.get(f"{base}.gate_up_proj"),
+                ckpt.get(f"{base}.down_proj"),
+            )  # [E,H,2I], [E,I,H]
             _check_experts(gate_up, num_experts, f"{base}.gate_up_proj")
         for e in range(num_experts):
             if mxfp4:
@@ -73,9 +79,12 @@ class GptOssAdapter(Adapter):
                 dn = decode(wrap_mxfp4(d_blocks[e], d_scales[e]))
             else:
                 gu, dn = deinterleave_rows(gate_up[e].T), down[e].T
-            yield e, {
-                "gate_up": gu,
-                "down": dn,
-                "gate_up_bias": deinterleave_rows(gate_up_bias[e]),
-                "down_bias": down_bias[e],
-            }
+            yield (
+                e,
+                {
+                    "gate_up": gu,
+                    "down": dn,
+                    "gate_up_bias": deinterleave_rows(gate_up_bias[e]),
+                    "down_bias": down_bias[e],
+                },
+            )

@@ -22,4 +22,6 @@ class MixtralAdapter(Adapter):
             norm_topk_prob=True,
         )
         layers = tuple(LayerSpec(gqa(config, i), moe) for i in range(config.num_hidden_layers))
-        return ModelSpec(**common_spec_fields(config), layers=layers, rope=rope_spec(config, head_dim_of(config)))
+        return ModelSpec(
+            **common_spec_fields(config), layers=layers, rope=rope_spec(config, head_dim_of(config))
+        )

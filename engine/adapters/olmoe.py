@@ -22,4 +22,6 @@ class OlmoeAdapter(Adapter):
         bias = bool(config.attention_bias)
         attn = dict(qkv_bias=bias, o_bias=bias, qk_norm="full", clip_qkv=config.clip_qkv, sliding_window=None)
         layers = tuple(LayerSpec(gqa(config, i, **attn), moe) for i in range(config.num_hidden_layers))
-        return ModelSpec(**common_spec_fields(config), layers=layers, rope=rope_spec(config, head_dim_of(config)))
+        return ModelSpec(
+            **common_spec_fields(config), layers=layers, rope=rope_spec(config, head_dim_of(config))
+        )

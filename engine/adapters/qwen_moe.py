@@ -25,13 +25,21 @@ class QwenMoeAdapter(Adapter):
         if qwen2:
             bias = dict(qkv_bias=bool(config.qkv_bias), o_bias=False)
         else:
-            bias = dict(qkv_bias=bool(config.attention_bias), o_bias=bool(config.attention_bias), qk_norm="per_head")
+            bias = dict(
+                qkv_bias=bool(config.attention_bias), o_bias=bool(config.attention_bias), qk_norm="per_head"
+            )
         sparse_step = getattr(config, "decoder_sparse_step", 1) or 1
         mlp_only = set(getattr(config, "mlp_only_layers", None) or [])
         layers = []
         for i in range(config.num_hidden_layers):
             sparse = i not in mlp_only and config.num_experts > 0 and (i + 1) % sparse_step == 0
             layers.append(
-                LayerSpec(gqa(config, i, **bias), moe if sparse else None, dense_intermediate_size=config.intermediate_size)
+                LayerSpec(
+                    gqa(config, i, **bias),
+                    moe if sparse else None,
+                    dense_intermediate_size=config.intermediate_size,
+                )
             )
-        return ModelSpec(**common_spec_fields(config), layers=tuple(layers), rope=rope_spec(config, head_dim_of(config)))
+        return ModelSpec(
+            **common_spec_fields(config), layers=tuple(layers), rope=rope_spec(config, head_dim_of(config))
+        )

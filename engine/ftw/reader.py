@@ -1,0 +1,432 @@
+"""`FTWFile`: open, validate and read an FTW file (layout in `layout.py`).
+
+Opening reads and checks the fixed header and the manifest (checksums, version, every record's
+bounds), so a truncated or foreign file fails at open. Dense tensors are zero-copy views of a
+private (copy-on-write) memory map; expert blocks are read with ``os.pread`` on demand, one block at
+a time, and verified against their checksum before anything is decoded. Reading is thread-safe.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import mmap
+import os
+import threading
+import warnings
+from types import TracebackType
+from typing import Any
+
+import torch
+import xxhash
+import zstandard
+
+from ..errors import FTWFormatError
+from .codecs import EncodedTensor, get_codec
+from .layout import (
+    ALIGNMENT,
+    BLOCK_HEADER_SIZE,
+    BLOCK_MAGIC,
+    BLOCK_STRUCT,
+    COMPRESSION_IDS,
+    DTYPES,
+    FORMAT_MAJOR,
+    HEADER_HASH_STRUCT,
+    HEADER_SIZE,
+    HEADER_STRUCT,
+    MAGIC,
+    DenseInfo,
+    ExpertInfo,
+    hex64,
+    parse_dense,
+    parse_expert,
+)
+
+logger = logging.getLogger(__name__)
+
+Buffer = bytes | bytearray | memoryview
+
+
+def _view(buf: Buffer, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
+    """Zero-copy tensor over ``buf[offset:]`` (non-writable buffers give a tensor to treat as read-only)."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset)
+    return t.view(shape)
+
+
+class FTWFile:
+    """A read-only FTW file.
+
+    Args:
+        path: the file to open. Raises `FTWFormatError` (naming the file and byte offset) if it is
+            truncated, not an FTW file, of another major version, or fails a header/manifest check.
+
+    Attributes:
+        path: the file path.
+        bytes_read: number of expert-block bytes (block header + stored bytes) read from the file
+            so far, by any method; dense tensors (memory-mapped) are not counted.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+        self._mm: mmap.mmap | None = None
+        self._mm_base = 0
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except OSError as e:
+            raise FTWFormatError(f"{self.path}: cannot open FTW file: {e}") from e
+        try:
+            self._load()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- opening ---------------------------------------------------------------------------------
+    def _err(
+        self, msg: str, *, offset: int | None = None, key: tuple[int, int] | None = None
+    ) -> FTWFormatError:
+        where = ""
+        if key is not None:
+            where += f" expert block (layer={key[0]}, expert={key[1]})"
+        if offset is not None:
+            where += f" at byte offset {offset}"
+        return FTWFormatError(f"{self.path}:{where}: {msg}" if where else f"{self.path}: {msg}")
+
+    def _pread(self, n: int, offset: int) -> bytes:
+        data = os.pread(self._fd, n, offset)
+        if len(data) < n and data:  # very large reads may come back short: read the rest
+            chunks = [data]
+            got = len(data)
+            while got < n:
+                more = os.pread(self._fd, min(n - got, 1 << 30), offset + got)
+                if not more:
+                    break
+                chunks.append(more)
+                got += len(more)
+            data = b"".join(chunks)
+        if len(data) != n:
+            raise self._err(f"file truncated: wanted {n} bytes, got {len(data)}", offset=offset)
+        return data
+
+    def _load(self) -> None:
+        self.file_size = os.fstat(self._fd).st_size
+        if self.file_size < HEADER_SIZE:
+            raise self._err(f"file truncated or not an FTW file: only {self.file_size} bytes", offset=0)
+        head = self._pread(HEADER_SIZE, 0)
+        fields = HEADER_STRUCT.unpack_from(head)
+        magic, major, minor, flags, alignment, m_off, m_len, m_hash = fields
+        if magic != MAGIC:
+            raise self._err(f"not an FTW file: magic {magic!r}, expected {MAGIC!r}", offset=0)
+        (h_hash,) = HEADER_HASH_STRUCT.unpack_from(head, HEADER_STRUCT.size)
+        if xxhash.xxh64_intdigest(head[: HEADER_STRUCT.size]) != h_hash:
+            raise self._err("header checksum mismatch (corrupted header)", offset=0)
+        if major != FORMAT_MAJOR:
+            raise self._err(
+                f"unsupported FTW format version {major}.{minor}; this reader reads {FORMAT_MAJOR}.x",
+                offset=4,
+            )
+        if alignment != ALIGNMENT:
+            raise self._err(f"unsupported alignment {alignment}, expected {ALIGNMENT}", offset=12)
+        self.version = (major, minor)
+        self.flags = flags
+        if m_off < ALIGNMENT or m_off + m_len > self.file_size:
+            raise self._err(
+                f"file truncated: manifest spans [{m_off}, {m_off + m_len}) but the file has "
+                f"{self.file_size} bytes",
+                offset=m_off,
+            )
+        blob = self._pread(m_len, m_off)
+        if xxhash.xxh64_intdigest(blob) != m_hash:
+            raise self._err("manifest checksum mismatch (corrupted manifest)", offset=m_off)
+        try:
+            man = json.loads(blob.decode("utf-8"))
+            fmt = man["format"]
+            if fmt["major"] != major or fmt["minor"] != minor:
+                raise ValueError(f"manifest format {fmt} disagrees with header {major}.{minor}")
+            self._model_config: dict[str, Any] = man["model_config"]
+            self._metadata: dict[str, Any] = man["metadata"]
+            self._tokenizer_b64: dict[str, str] = dict(man["tokenizer_files"])
+            self._dense = {name: parse_dense(name, rec) for name, rec in man["dense"].items()}
+            self._experts: dict[tuple[int, int], ExpertInfo] = {}
+            for rec in man["experts"]:
+                info = parse_expert(rec)
+                if (info.layer, info.expert) in self._experts:
+                    raise ValueError(f"duplicate expert ({info.layer}, {info.expert})")
+                self._experts[(info.layer, info.expert)] = info
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+            raise self._err(f"malformed manifest: {e!r}", offset=m_off) from e
+        for d in self._dense.values():
+            if d.offset < ALIGNMENT or d.offset + d.nbytes > m_off:
+                raise self._err(f"dense tensor {d.name!r} lies outside the data region", offset=d.offset)
+        for key, x in self._experts.items():
+            if x.offset < ALIGNMENT or x.data_offset + x.stored_length > m_off:
+                raise self._err("block lies outside the data region", offset=x.offset, key=key)
+        self._map_dense()
+        logger.debug(
+            "opened %s: FTW %d.%d, %d dense, %d experts",
+            self.path,
+            major,
+            minor,
+            len(self._dense),
+            len(self._experts),
+        )
+
+    def _map_dense(self) -> None:
+        """Map the span of the file that holds dense tensors (copy-on-write, page aligned)."""
+        if not self._dense or all(d.nbytes == 0 for d in self._dense.values()):
+            return
+        lo = min(d.offset for d in self._dense.values()) // mmap.ALLOCATIONGRANULARITY
+        lo *= mmap.ALLOCATIONGRANULARITY
+        hi = max(d.offset + d.nbytes for d in self._dense.values())
+        self._mm = mmap.mmap(self._fd, hi - lo, access=mmap.ACCESS_COPY, offset=lo)
+        self._mm_base = lo
+
+    # -- metadata --------------------------------------------------------------------------------
+    @property
+    def model_config(self) -> dict[str, Any]:
+        """The model configuration stored by the writer (the parsed JSON; do not mutate)."""
+        return self._model_config
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """Free-form metadata stored by the writer."""
+        return self._metadata
+
+    @property
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """``{file name: bytes}`` of the tokenizer files (decoded on each access)."""
+        try:
+            return {k: base64.b64decode(v, validate=True) for k, v in self._tokenizer_b64.items()}
+        except (binascii.Error, TypeError) as e:
+            raise self._err(f"malformed tokenizer file in manifest: {e}") from e
+
+    # -- dense -----------------------------------------------------------------------------------
+    def dense_names(self) -> list[str]:
+        """Names of the dense tensors, in file order."""
+        return list(self._dense)
+
+    def dense_info(self, name: str) -> DenseInfo:
+        """Manifest record of dense tensor ``name``; FTWFormatError for an unknown name."""
+        try:
+            return self._dense[name]
+        except KeyError:
+            raise self._err(f"no dense tensor named {name!r}") from None
+
+    def dense(self, name: str, *, verify: bool = False) -> torch.Tensor:
+        """Zero-copy tensor of dense tensor ``name`` (its stored dtype and shape).
+
+        The tensor is a view of a private copy-on-write mapping: it never modifies the file, and
+        pages are shared with the page cache until written. Treat it as read-only (in-place writes
+        cost a private page copy and are visible to every view of that tensor in this process);
+        ``clone()`` it to own a copy. ``verify=True`` checks its xxhash64 first (reads it all).
+        """
+        d = self.dense_info(name)
+        if d.nbytes == 0:
+            return torch.empty(d.shape, dtype=DTYPES[d.dtype])
+        if self._mm is None:
+            raise self._err("file is closed")
+        t = _view(self._mm, DTYPES[d.dtype], d.shape, d.offset - self._mm_base)
+        if verify:
+            h = xxhash.xxh64_intdigest(memoryview(self._mm)[d.offset - self._mm_base :][: d.nbytes])
+            if hex64(h) != d.xxhash64:
+                raise self._err(f"dense tensor {name!r}: checksum mismatch", offset=d.offset)
+        return t
+
+    # -- experts ---------------------------------------------------------------------------------
+    def expert_keys(self) -> list[tuple[int, int]]:
+        """``(layer, expert)`` of every expert block, sorted."""
+        return sorted(self._experts)
+
+    def expert_info(self, layer: int, expert: int) -> ExpertInfo:
+        """Manifest record of one block; FTWFormatError for an unknown key."""
+        try:
+            return self._experts[(layer, expert)]
+        except (KeyError, TypeError):
+            raise self._err(f"no expert block (layer={layer}, expert={expert}) in this file") from None
+
+    def read_expert_bytes(self, layer: int, expert: int) -> bytes:
+        """Read one block's stored bytes (possibly compressed), verified against header and checksum.
+
+        Adds the block's header + stored size to `bytes_read`. FTWFormatError on any mismatch.
+        """
+        info = self.expert_info(layer, expert)
+        key = (layer, expert)
+        if self._fd < 0:
+            raise self._err("file is closed")
+        head = self._pread(BLOCK_HEADER_SIZE, info.offset)
+        stored = self._pread(info.stored_length, info.data_offset)
+        with self._lock:
+            self.bytes_read += BLOCK_HEADER_SIZE + info.stored_length
+        magic, b_layer, b_expert, s_len, r_len, digest, comp = BLOCK_STRUCT.unpack_from(head)
+        if magic != BLOCK_MAGIC:
+            raise self._err(
+                f"bad block magic {magic!r}, expected {BLOCK_MAGIC!r}", offset=info.offset, key=key
+            )
+        want = (
+            layer,
+            expert,
+            info.stored_length,
+            info.raw_length,
+            int(info.xxhash64, 16),
+            COMPRESSION_IDS[info.compression],
+        )
+        got = (b_layer, b_expert, s_len, r_len, digest, comp)
+        if got != want:
+            raise self._err(
+                f"block header (layer, expert, stored_length, raw_length, xxhash64, compression) = {got} "
+                f"disagrees with the manifest {want}",
+                offset=info.offset,
+                key=key,
+            )
+        self._check_stored(info, stored)
+        return stored
+
+    def _check_stored(self, info: ExpertInfo, stored: Buffer) -> None:
+        key = (info.layer, info.expert)
+        if len(stored) != info.stored_length:
+            raise self._err(
+                f"stored bytes have length {len(stored)}, expected {info.stored_length}",
+                offset=info.data_offset,
+                key=key,
+            )
+        h = hex64(xxhash.xxh64_intdigest(stored))
+        if h != info.xxhash64:
+            raise self._err(
+                f"checksum mismatch over bytes [{info.data_offset}, "
+                f"{info.data_offset + info.stored_length}): xxhash64 {h}, manifest says "
+                f"{info.xxhash64} (corrupted block)",
+                offset=info.data_offset,
+                key=key,
+            )
+
+    def _raw(self, info: ExpertInfo, stored: Buffer) -> Buffer:
+        if info.compression == "none":
+            return stored
+        key = (info.layer, info.expert)
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=info.raw_length)
+        except zstandard.ZstdError as e:
+            raise self._err(f"zstd decompression failed: {e}", offset=info.data_offset, key=key) from e
+        if len(raw) != info.raw_length:
+            raise self._err(
+                f"decompressed to {len(raw)} bytes, expected {info.raw_length}",
+                offset=info.data_offset,
+                key=key,
+            )
+        return raw
+
+    def _encoded(self, info: ExpertInfo, raw: Buffer) -> dict[str, EncodedTensor]:
+        key = (info.layer, info.expert)
+        out: dict[str, EncodedTensor] = {}
+        for pname, t in info.tensors.items():
+            parts = {
+                part_name: _view(raw, DTYPES[p.dtype], p.shape, p.offset_in_block)
+                for part_name, p in t.parts.items()
+            }
+            enc = EncodedTensor(t.codec, t.shape, parts)
+            try:
+                get_codec(t.codec).validate(enc)
+            except ValueError as e:
+                raise self._err(f"projection {pname!r}: {e}", offset=info.offset, key=key) from e
+            out[pname] = enc
+        return out
+
+    def encoded_expert(self, layer: int, expert: int) -> dict[str, EncodedTensor]:
+        """Read and verify one block and return its projections undecoded (parts as stored).
+
+        The parts are zero-copy views of the block's raw bytes; treat them as read-only.
+        """
+        info = self.expert_info(layer, expert)
+        return self._encoded(info, self._raw(info, self.read_expert_bytes(layer, expert)))
+
+    def decode_stored(
+        self,
+        layer: int,
+        expert: int,
+        stored: Buffer,
+        dtype: torch.dtype = torch.float32,
+        *,
+        verify: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """Decode stored bytes already read with `read_expert_bytes` (e.g. kept in a host-RAM tier).
+
+        Args:
+            stored: the block's stored bytes, exactly as `read_expert_bytes` returned them.
+            dtype: floating dtype of the decoded weights.
+            verify: recheck the xxhash64 (the length is always checked); pass False for bytes that
+                were verified when read and kept in memory since.
+
+        Returns ``{projection name: tensor of its logical shape}``. Tensors may share memory with
+        ``stored`` (fp32/bf16 codecs decoded to their own dtype); treat them as read-only.
+        """
+        info = self.expert_info(layer, expert)
+        if verify:
+            self._check_stored(info, stored)
+        elif len(stored) != info.stored_length:
+            self._check_stored(info, stored)
+        encs = self._encoded(info, self._raw(info, stored))
+        return {pname: get_codec(enc.codec).decode(enc, dtype) for pname, enc in encs.items()}
+
+    def decode_expert(
+        self, layer: int, expert: int, dtype: torch.dtype = torch.float32
+    ) -> dict[str, torch.Tensor]:
+        """Read, verify, decompress and decode one expert block (see `decode_stored`)."""
+        stored = self.read_expert_bytes(layer, expert)
+        return self.decode_stored(layer, expert, stored, dtype, verify=False)
+
+    def verify(self, progress: bool = False) -> None:
+        """Check every dense tensor's and expert block's checksum, block headers and decompression.
+
+        Raises FTWFormatError at the first bad item. ``progress=True`` shows a tqdm bar.
+        """
+        from tqdm import tqdm
+
+        for name in self._dense:
+            self.dense(name, verify=True)
+        for layer, expert in tqdm(
+            self.expert_keys(),
+            desc=f"verify {os.path.basename(self.path)}",
+            unit="block",
+            disable=not progress,
+        ):
+            info = self._experts[(layer, expert)]
+            self._encoded(info, self._raw(info, self.read_expert_bytes(layer, expert)))
+
+    # -- lifetime --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the file. Idempotent.
+
+        Dense tensors returned earlier stay valid: their mapping lives until the last one is freed.
+        """
+        # Never mmap.close(): torch.frombuffer keeps a reference to the map but no buffer export,
+        # so closing it would unmap memory under live dense tensors. Dropping our reference unmaps
+        # it as soon as the last dense tensor is freed.
+        self._mm = None
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> FTWFile:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        n = len(getattr(self, "_experts", {}))
+        return f"FTWFile({self.path!r}, version={getattr(self, 'version', None)}, experts={n})"

@@ -1,0 +1,21 @@
+"""Shared fixtures: tiny random checkpoints of every supported architecture, built once per run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """`tiny_checkpoint(arch)` -> folder of a saved tiny model (cached per arch for the session)."""
+    cache: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in cache:
+            cache[arch] = build_tiny_model(arch, tmp_path_factory.mktemp(arch))
+        return cache[arch]
+
+    return get
