@@ -121,6 +121,11 @@ class Engine:
             source=folder,
         )
 
+    def use_expert_provider(self, provider: ExpertProvider) -> None:
+        """Route every MoE layer through `provider` (e.g. a tiered expert memory)."""
+        self.experts = provider
+        self.model.attach_experts(provider)
+
     # ---- tokenizer and chat -----------------------------------------------------------------
     @property
     def tokenizer(self) -> Any:
