@@ -122,8 +122,10 @@ def run_experts(
     experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     start = 0
     for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
+        # clone(): index_add_ with an index that is a view into a larger tensor runs ~300x
+        # slower on CPU (torch 2.13), measured in bench/decode.py's prefill.
         idx = order[start : start + count]
-        tokens = token_of[start : start + count]
+        tokens = token_of[start : start + count].clone()
         start += count
         y = expert_forward(get(layer, expert), hidden[tokens], spec)
         w = weights.reshape(-1)[idx, None]

@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
+
 from freetoken_agents.engine import (
     CheckpointError,
     ContextOverflowError,
@@ -15,7 +17,6 @@ from freetoken_agents.engine import (
     InvalidTokenError,
     UnsupportedModelError,
 )
-from safetensors.torch import load_file, save_file
 
 
 def _copy(src: Path, dst: Path) -> Path:

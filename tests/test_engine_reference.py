@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from freetoken_agents.engine import Engine
 from tiny_models import ARCHS, PAD_TOKEN_ID, load_reference
+
+from freetoken_agents.engine import Engine
 
 FP32_TOL = 1e-4  # max abs diff relative to the logit scale (max |logit|)
 # bf16 stores weights and activations in 8 bits of mantissa; the reference rounds at different

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from freetoken_agents.engine import Engine, SamplingParams
 from freetoken_agents.engine.generate import Sampler
 

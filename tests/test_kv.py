@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from freetoken_agents.engine import MemoryBudgetError
 from freetoken_agents.engine.kv import BlockPool, BlockTable, StreamSpec
 

@@ -33,7 +33,8 @@ _COMMANDS = [generate]
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(message)s")
+    level = logging.DEBUG if args.debug else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(message)s")
     try:
         return int(args.run(args) or 0)
     except (EngineError, CLIError, OSError, ValueError) as e:
