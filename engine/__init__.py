@@ -8,8 +8,14 @@ with engine.new_session() as s:
 """
 
 from .adapters import SUPPORTED_MODEL_TYPES
+from .anchors import ANCHOR_KINDS, Anchor, AnchorStore
 from .engine import Engine
 from .errors import (
+    AnchorError,
+    AnchorFileError,
+    AnchorFingerprintError,
+    AnchorNotFoundError,
+    AnchorValidationError,
     CheckpointError,
     ContextOverflowError,
     EngineError,
@@ -25,7 +31,15 @@ from .session import Session
 from .spec import ModelSpec
 
 __all__ = [
+    "ANCHOR_KINDS",
     "SUPPORTED_MODEL_TYPES",
+    "Anchor",
+    "AnchorError",
+    "AnchorFileError",
+    "AnchorFingerprintError",
+    "AnchorNotFoundError",
+    "AnchorStore",
+    "AnchorValidationError",
     "CheckpointError",
     "ContextOverflowError",
     "Engine",

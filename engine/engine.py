@@ -13,6 +13,8 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from .adapters import adapter_for
+from .anchors.digest import model_fingerprint
+from .anchors.store import AnchorStore
 from .chat import DEFAULT_CHAT_TEMPLATE
 from .checkpoint import SafetensorsCheckpoint, read_config
 from .errors import CheckpointError, EngineError
@@ -62,6 +64,10 @@ class Engine:
             streams, block_size=block_size, dtype=dtype, device=device, max_blocks=max_blocks
         )
         self.max_context = spec.max_position_embeddings
+        self._model_fingerprint: str | None = None
+        # Semantic anchors of this engine's sessions; a full KV pool first evicts cold anchors.
+        self.anchors = AnchorStore(self)
+        self.kv_pool.reclaim = self.anchors.reclaim
 
     # ---- loading ----------------------------------------------------------------------------
     @classmethod
@@ -73,16 +79,33 @@ class Engine:
         dtype: torch.dtype = torch.float32,
         memory: MemoryBudget | None = None,
     ) -> Engine:
-        """Load a Hugging Face checkpoint folder (config.json + *.safetensors [+ tokenizer]).
+        """Load a Hugging Face checkpoint folder (config.json + *.safetensors [+ tokenizer]) or an
+        FTW file (`ftw.load.load_ftw`: experts are read and decoded on first use).
 
-        Raises CheckpointError (missing/garbled files or tensors), UnsupportedModelError
-        (unknown model_type), EngineError (unsupported device).
+        Raises CheckpointError (missing/garbled files or tensors), FTWFormatError (a corrupted,
+        truncated or foreign FTW file), UnsupportedModelError (unknown model_type), EngineError
+        (unsupported device).
         """
         folder = Path(path)
         if device != "cpu" and not device.startswith("cuda"):
             raise EngineError(f"device must be 'cpu' or 'cuda[:N]', got '{device}'")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise EngineError(f"device '{device}' requested but CUDA is not available")
+        if folder.is_file() or (folder.suffix == ".ftw" and not folder.exists()):
+            from .ftw.load import load_ftw
+
+            ftw = load_ftw(folder, dtype=dtype, device=device)
+            return cls(
+                ftw.spec,
+                ftw.model,
+                ftw.experts,
+                tokenizer=ftw.tokenizer,
+                hf_config=ftw.hf_config,
+                dtype=dtype,
+                device=device,
+                memory=memory,
+                source=folder,
+            )
         t0 = time.perf_counter()
         raw = read_config(folder)
         adapter = adapter_for(raw["model_type"])
@@ -93,7 +116,7 @@ class Engine:
         spec = adapter.build_spec(hf_config)
         ckpt = SafetensorsCheckpoint(folder)
         model = MoETransformer(spec)
-        load_dense_weights(model, lambda name: ckpt.get(adapter.hf_name(name)), str(folder), dtype, device)
+        load_dense_weights(model, lambda name: adapter.dense_tensor(ckpt, name), str(folder), dtype, device)
         experts: dict[ExpertKey, ExpertWeights] = {}
         for layer in spec.moe_layers():
             moe = spec.layers[layer].moe
@@ -137,6 +160,14 @@ class Engine:
     @property
     def has_tokenizer(self) -> bool:
         return self._tokenizer is not None
+
+    @property
+    def model_fingerprint(self) -> str:
+        """sha256 hex of weights, tokenizer, KV layout and anchor format (computed once; see
+        `anchors.digest.model_fingerprint`). Anchors never cross engines with different ones."""
+        if self._model_fingerprint is None:
+            self._model_fingerprint = model_fingerprint(self)
+        return self._model_fingerprint
 
     def apply_chat_template(
         self,

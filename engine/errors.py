@@ -33,3 +33,34 @@ class MemoryBudgetError(EngineError):
 
 class FTWFormatError(EngineError):
     """An FTW file is truncated, corrupted or not an FTW file; the message names file, block and offset."""
+
+
+class AnchorError(EngineError):
+    """Base class of the semantic-anchor errors (also raised for misuse, e.g. an unknown kind)."""
+
+
+class AnchorNotFoundError(AnchorError):
+    """No anchor with that id is in the engine's store (never created, evicted or discarded).
+
+    The SDK rebuilds the state by prefill from the token ids it kept.
+    """
+
+
+class AnchorValidationError(AnchorError):
+    """An anchor's KV data, token ids or identity do not match its signature or digests.
+
+    Raised by `Session.rollback` (the session is left exactly as before the call) and by
+    `AnchorStore.load` (nothing is loaded). The SDK rebuilds by prefill from the token ids.
+    """
+
+
+class AnchorFingerprintError(AnchorError):
+    """An anchor belongs to another model (weights, tokenizer, KV layout or format version).
+
+    Raised by `AnchorStore.load` (nothing is loaded) and by `Session.rollback` given a record made
+    by another model's engine (the session is unchanged). Rebuild by prefill from the token ids.
+    """
+
+
+class AnchorFileError(AnchorError):
+    """A saved anchor file is missing, truncated, corrupted or of an unknown format version."""

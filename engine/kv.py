@@ -6,6 +6,16 @@ copying them, and a write into a shared (partial) block copies it first (copy-on
 last block of a sequence can be partial, so only it is ever copied. Truncation and fork are
 O(number of blocks), never O(tokens x dims).
 
+Read-only pins (`BlockTable.pin()`, what anchors hold) never write, so they do not force a copy:
+the one writing table may keep appending into a partial block it shares with pins, past their
+length, as long as nobody else has written there (the block's `filled` frontier is its own
+length). Twenty anchors along one branch therefore cost no extra blocks.
+
+Integrity: every table keeps a chained digest of its full blocks, computed once when a block
+fills (`seal_full_blocks`, called after each forward step): `chain[i] = sha256(chain[i-1] ||
+xxh3_128(block i))`. The block bytes are hashed layer by layer, stream by stream, in storage
+order. Anchors build their identity on it without rehashing the cache.
+
 Each layer stores one or more named *streams* of per-token features: GQA layers store
 `k [n_kv, head_dim]` and `v [n_kv, head_dim]`; MLA layers store the compressed `latent [kv_lora]`
 and the shared rotary key `k_rope [rope_dim]` (never the expanded K/V).
@@ -13,14 +23,17 @@ and the shared rotary key `k_rope [rope_dim]` (never the expanded K/V).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from .errors import MemoryBudgetError
 
 DEFAULT_BLOCK_SIZE = 16
+CHAIN_SEED = hashlib.sha256(b"freetoken-kv-chain-v1").digest()  # chain value before block 0
 
 
 @dataclass(frozen=True)
@@ -35,7 +48,13 @@ class BlockPool:
     """Storage for KV blocks of all layers, with refcounts and a free list.
 
     Storage for layer l, stream s is a tensor `[capacity, block_size, *shape]`. Capacity grows
-    geometrically when the free list runs dry (up to `max_blocks`, if set).
+    geometrically when the free list runs dry (up to `max_blocks`, if set). When a bounded pool is
+    full, `reclaim` (if set; the engine's anchor store sets it) is called until it frees a block
+    or returns False, before MemoryBudgetError is raised.
+
+    Per block: `refcount` (tables holding it), `pins` (how many of those are read-only pins) and
+    `filled` (one past the highest offset any writer reserved in it). Counters for tests and
+    benchmarks: `digest_calls` / `digested_bytes` (block hashing), `copied_bytes` (copy-on-write).
     """
 
     def __init__(
@@ -58,7 +77,17 @@ class BlockPool:
         self.capacity = 0
         self.storage: list[dict[str, torch.Tensor]] = [{} for _ in self.layer_streams]
         self.refcount: list[int] = []
+        self.pins: list[int] = []
+        self.filled: list[int] = []
         self._free: list[int] = []
+        self.reclaim: Callable[[], bool] | None = None
+        # Called with the KV bytes in use (blocks in use x bytes_per_block) before a block is taken
+        # and after blocks are freed, so a shared fast budget can shrink/regrow the expert tier.
+        # It may raise MemoryBudgetError to refuse a block; the pool is then unchanged.
+        self.on_resize: Callable[[int], None] | None = None
+        self.digest_calls = 0
+        self.digested_bytes = 0
+        self.copied_bytes = 0
         self._grow(initial_blocks if max_blocks is None else min(initial_blocks, max_blocks))
 
     @property
@@ -84,12 +113,17 @@ class BlockPool:
                     fresh[:old].copy_(self.storage[layer][spec.name])
                 self.storage[layer][spec.name] = fresh
         self.refcount.extend([0] * new_blocks)
+        self.pins.extend([0] * new_blocks)
+        self.filled.extend([0] * new_blocks)
         # Pop from the end: lower ids first keeps block order readable in tests and logs.
         self._free.extend(reversed(range(old, new_capacity)))
         self.capacity = new_capacity
 
     def allocate(self) -> int:
         """Take a free block (refcount 1), growing the pool when needed."""
+        while not self._free and self.max_blocks is not None and self.capacity >= self.max_blocks:
+            if self.reclaim is None or not self.reclaim():
+                break
         if not self._free:
             grow = max(self.capacity, 16)
             if self.max_blocks is not None:
@@ -100,22 +134,32 @@ class BlockPool:
                         f"({self.max_blocks * self.bytes_per_block} bytes) are in use"
                     )
             self._grow(grow)
+        if self.on_resize is not None:
+            self.on_resize((self.blocks_in_use + 1) * self.bytes_per_block)
         block = self._free.pop()
         self.refcount[block] = 1
+        self.pins[block] = 0
+        self.filled[block] = 0
         return block
 
-    def incref(self, blocks: Sequence[int]) -> None:
+    def incref(self, blocks: Sequence[int], *, pin: bool = False) -> None:
+        """Take one more reference to each block (`pin`: a read-only one)."""
         for b in blocks:
             self.refcount[b] += 1
+            self.pins[b] += pin
 
-    def decref(self, blocks: Sequence[int]) -> None:
+    def decref(self, blocks: Sequence[int], *, pin: bool = False) -> None:
+        """Drop one reference to each block (`pin`: a read-only one); free blocks nobody holds."""
         for b in blocks:
             count = self.refcount[b] - 1
-            if count < 0:
+            if count < 0 or (pin and self.pins[b] <= 0):
                 raise RuntimeError(f"KV block {b} released more often than it was taken")
             self.refcount[b] = count
+            self.pins[b] -= pin
             if count == 0:
                 self._free.append(b)
+        if self.on_resize is not None and blocks:
+            self.on_resize(self.blocks_in_use * self.bytes_per_block)
 
     def copy_block(self, src: int) -> int:
         """A new private block holding a copy of `src` (all layers); used for copy-on-write."""
@@ -123,7 +167,25 @@ class BlockPool:
         for layer_storage in self.storage:
             for tensor in layer_storage.values():
                 tensor[dst].copy_(tensor[src])
+        self.filled[dst] = self.filled[src]
+        self.copied_bytes += self.bytes_per_block
         return dst
+
+    def digest_block(self, block: int, n_tokens: int | None = None) -> bytes:
+        """xxh3-128 of the first `n_tokens` positions (default: all) of `block`, all layers.
+
+        Bytes are hashed layer by layer, stream by stream (in `layer_streams` order), each stream's
+        `[n_tokens, *shape]` slice in C order. Not cryptographic: it guards against corruption.
+        """
+        n = self.block_size if n_tokens is None else n_tokens
+        h = xxhash.xxh3_128()
+        for layer_storage in self.storage:
+            for tensor in layer_storage.values():
+                data = tensor_bytes(tensor[block, :n])
+                h.update(data)
+                self.digested_bytes += len(data)
+        self.digest_calls += 1
+        return h.digest()
 
     def flat(self, layer: int, name: str) -> torch.Tensor:
         """Layer storage viewed as `[capacity * block_size, *shape]` (slot-addressed)."""
@@ -135,13 +197,16 @@ class BlockTable:
     """One sequence's view of the pool: the ordered block ids and the number of tokens in them.
 
     It keeps the slot index (block * block_size + offset) of every position, so reads and
-    writes are a single gather/scatter per stream.
+    writes are a single gather/scatter per stream, and `chain`: the chained digests of its full
+    blocks that `seal_full_blocks` has hashed (`chain[i]` covers blocks 0..i).
     """
 
     def __init__(self, pool: BlockPool, blocks: list[int] | None = None, length: int = 0) -> None:
         self.pool = pool
         self.blocks: list[int] = list(blocks or [])
         self.length = length
+        self.read_only = False
+        self.chain: list[bytes] = []
         self._slots = self._slots_for(0, length)
 
     def _slots_for(self, start: int, stop: int) -> torch.Tensor:
@@ -157,49 +222,85 @@ class BlockTable:
 
     def reserve(self, n_new: int) -> torch.Tensor:
         """Make room for `n_new` more tokens; return their slots. Shared partial blocks are copied."""
-        bs = self.pool.block_size
+        if self.read_only:
+            raise RuntimeError("a pinned (read-only) block table cannot grow; fork() it first")
+        pool, bs = self.pool, self.pool.block_size
         start, stop = self.length, self.length + n_new
-        if start % bs and self.pool.refcount[self.blocks[-1]] > 1:
+        offset = start % bs
+        if offset and self._must_copy(self.blocks[-1], offset):
             shared = self.blocks[-1]
-            self.blocks[-1] = self.pool.copy_block(shared)
-            self.pool.decref([shared])
+            self.blocks[-1] = pool.copy_block(shared)
+            pool.decref([shared])
             # The shared block's positions now live in the private copy.
             self._slots = self._slots_for(0, start)
         while len(self.blocks) * bs < stop:
-            self.blocks.append(self.pool.allocate())
+            self.blocks.append(pool.allocate())
+        for i in range(start // bs, len(self.blocks)):
+            b = self.blocks[i]
+            pool.filled[b] = max(pool.filled[b], min(bs, stop - i * bs))
         new_slots = self._slots_for(start, stop)
         self._slots = torch.cat([self._slots, new_slots])
         self.length = stop
         return new_slots
+
+    def _must_copy(self, block: int, offset: int) -> bool:
+        """Whether writing from `offset` into `block` could change what another holder reads."""
+        pool = self.pool
+        if pool.refcount[block] == 1:
+            return False
+        other_writers = pool.refcount[block] - pool.pins[block] - 1
+        # Pins read only below their own length; if nobody reserved past `offset`, appending
+        # here leaves every pinned position untouched.
+        return other_writers > 0 or pool.filled[block] != offset
 
     def truncate(self, length: int) -> None:
         """Keep positions [0, length): release whole blocks past it. O(blocks)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a sequence of {self.length} tokens to {length}")
         keep = -(-length // self.pool.block_size)
-        self.pool.decref(self.blocks[keep:])
+        self.pool.decref(self.blocks[keep:], pin=self.read_only)
         del self.blocks[keep:]
+        del self.chain[length // self.pool.block_size :]
         self.length = length
         self._slots = self._slots[:length]
 
     def fork(self) -> BlockTable:
-        """A second table sharing every block (refcounts +1); writes diverge by copy-on-write."""
+        """A second (writable) table sharing every block (refcounts +1); writes diverge by
+        copy-on-write. Forking a pin is how a session rolls back to it."""
         self.pool.incref(self.blocks)
+        return self._twin(read_only=False)
+
+    def pin(self) -> BlockTable:
+        """A read-only table sharing every block: it keeps [0, length) alive and unchanged
+        without forcing the writer to copy the partial last block. O(blocks)."""
+        self.seal_full_blocks()
+        self.pool.incref(self.blocks, pin=True)
+        return self._twin(read_only=True)
+
+    def _twin(self, *, read_only: bool) -> BlockTable:
         twin = BlockTable.__new__(BlockTable)
-        twin.pool, twin.blocks, twin.length, twin._slots = (
-            self.pool,
-            list(self.blocks),
-            self.length,
-            self._slots,
-        )
+        twin.pool, twin.blocks, twin.length = self.pool, list(self.blocks), self.length
+        twin._slots, twin.read_only, twin.chain = self._slots, read_only, list(self.chain)
         return twin
 
     def release(self) -> None:
         """Give every block back; the table is empty afterwards."""
-        self.pool.decref(self.blocks)
+        self.pool.decref(self.blocks, pin=self.read_only)
         self.blocks = []
+        self.chain = []
         self.length = 0
         self._slots = self._slots[:0]
+
+    def seal_full_blocks(self) -> int:
+        """Digest the full blocks not yet in `chain` (each block once); returns how many."""
+        full = self.length // self.pool.block_size
+        sealed = 0
+        while len(self.chain) < full:
+            prev = self.chain[-1] if self.chain else CHAIN_SEED
+            digest = self.pool.digest_block(self.blocks[len(self.chain)])
+            self.chain.append(hashlib.sha256(prev + digest).digest())
+            sealed += 1
+        return sealed
 
     def write(self, layer: int, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Store `values [n, *shape]` at `slots [n]` of one layer's stream."""
@@ -208,6 +309,14 @@ class BlockTable:
     def read(self, layer: int, name: str) -> torch.Tensor:
         """All cached positions of one stream: `[length, *shape]` (a gathered copy)."""
         return self.pool.flat(layer, name).index_select(0, self._slots)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of `t` in C order (on the host; any dtype, bf16 included)."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -3,15 +3,20 @@
 A session may hold *pending* tokens: tokens that are part of the sequence (e.g. the last token
 generate() sampled) but not yet run through the model. The next prefill or decode runs them
 first; truncate and fork treat them like any other token.
+
+Anchors (`anchor()` / `rollback()`, see `engine.anchors`) pin a state of the session and return
+to it by pointer work: the session takes a fork of the anchor's block table and its token ids.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from .anchors.anchor import Anchor, Validation, check_fingerprint, restore_expert_state, verify_anchor
 from .errors import ContextOverflowError, EngineError, InvalidTokenError
 from .kv import BlockTable
 from .layers import StepContext, rope_cos_sin
@@ -31,6 +36,8 @@ class Session:
         self._tokens: list[int] = list(token_ids)
         self._pending: list[int] = []
         self._closed = False
+        self.id = uuid.uuid4().hex  # names the session in anchor records
+        self._lineage: list[tuple[int, str]] = []  # (position, id) of anchors on this branch
 
     # ---- state ----------------------------------------------------------------------------
     @property
@@ -79,19 +86,76 @@ class Session:
         self._tokens = self._tokens[:position]
         if self.table.length > position:
             self.table.truncate(position)
+            self.engine.anchors.enforce_budget()  # released blocks may now be anchor-only
+        while self._lineage and self._lineage[-1][0] > position:
+            self._lineage.pop()
 
     def fork(self) -> Session:
         """An independent session sharing this one's KV blocks (copy-on-write). O(blocks)."""
         self._check_open()
         twin = Session(self.engine, self.table.fork(), self._tokens)
         twin._pending = list(self._pending)
+        twin._lineage = list(self._lineage)
         return twin
+
+    # ---- anchors ------------------------------------------------------------------------------
+    @property
+    def parent_anchor_id(self) -> str | None:
+        """The nearest anchor at or before the current position on this branch, if any."""
+        return self._lineage[-1][1] if self._lineage else None
+
+    def anchor(self, kind: str, label: str | None = None) -> Anchor:
+        """Pin the current state in `engine.anchors` and return its (immutable) record.
+
+        `kind`: system_prompt, tool_call, tool_result, code_block or manual (AnchorError
+        otherwise). Cost: O(block_size) KV bytes hashed plus O(blocks) bookkeeping, never a pass
+        over the cache. Anchoring an identical state again returns the stored record.
+        """
+        self._check_open()
+        self.table.seal_full_blocks()
+        parent = self._lineage[-1][1] if self._lineage else None
+        anchor = self.engine.anchors.create(
+            self.table, self.token_ids, kind=kind, label=label, parent_id=parent, session_id=self.id
+        )
+        if not self._lineage or self._lineage[-1][1] != anchor.id:
+            self._lineage.append((anchor.position, anchor.id))
+        return anchor
+
+    def rollback(self, anchor: Anchor | str, validate: Validation = "signature") -> Anchor:
+        """Return to `anchor` (a record or its id): its token ids and KV, by pointer work.
+
+        Any anchor of this engine works, on this branch or another (or another session's).
+        `validate="signature"` checks the token-prefix hash and the first/last 512 KV bytes;
+        `"full"` also rehashes every block. The check runs on a scratch view before the swap:
+        AnchorNotFoundError (unknown or evicted id), AnchorFingerprintError (a record made by
+        another model's engine) or AnchorValidationError leave the session exactly as it was.
+        The partial last block is copied by the first write after it.
+        """
+        self._check_open()
+        if isinstance(anchor, Anchor):
+            check_fingerprint(anchor, self.engine.model_fingerprint)  # a record from another engine
+        found = self.engine.anchors.get(anchor if isinstance(anchor, str) else anchor.id)
+        scratch = found.table.fork()
+        try:
+            verify_anchor(found, scratch, self.engine.model_fingerprint, validate)
+        except BaseException:
+            scratch.release()
+            raise
+        old, self.table = self.table, scratch
+        old.release()
+        self.engine.anchors.enforce_budget()
+        self._tokens = list(found.token_ids[: found.kv_length])
+        self._pending = list(found.token_ids[found.kv_length :])
+        self._lineage = self.engine.anchors.lineage(found)
+        restore_expert_state(self.engine.experts, found.expert_state)
+        return found
 
     def close(self) -> None:
         """Release the session's KV blocks. Idempotent."""
         if not self._closed:
             self.table.release()
             self._closed = True
+            self.engine.anchors.enforce_budget()  # blocks only anchors hold now count
 
     def __enter__(self) -> Session:
         return self
@@ -139,7 +203,9 @@ class Session:
             new_slots = self.table.reserve(len(ids))
             ctx = StepContext(self.table, new_slots, positions, cos, sin)
             try:
-                return engine.model(torch.tensor(ids, dtype=torch.long), ctx, last_only=last_only)
+                logits = engine.model(torch.tensor(ids, dtype=torch.long), ctx, last_only=last_only)
             except BaseException:
                 self.table.truncate(start)  # never leave half-written KV behind
                 raise
+            self.table.seal_full_blocks()  # digest each block once, when it fills (anchors)
+        return logits

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+
 from freetoken_agents.engine.ftw import codecs as C
 from freetoken_agents.engine.ftw.codecs import CODECS, EncodedTensor, decode, encode, get_codec
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+
 from freetoken_agents.engine.errors import FTWFormatError
 from freetoken_agents.engine.ftw import (
     EncodedTensor,

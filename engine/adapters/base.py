@@ -3,11 +3,17 @@
 An adapter turns a Hugging Face config into a `ModelSpec`, names the checkpoint tensor behind
 each dense engine parameter, and yields each routed expert's tensors in the canonical layout
 (`gate_up [2I, H]` gate rows first, `down [H, I]`, optional biases).
+
+Pre-quantized checkpoints: DeepSeek-V3 style fp8 weights (`*.weight` float8_e4m3fn with a
+`*.weight_scale_inv` fp32 grid of 128x128 blocks) are dequantized exactly to fp32 wherever a float
+tensor is asked for (`dense_tensor`, `layer_experts`), never reinterpreted as floats; and
+`layer_experts_encoded` hands the stored bytes over untouched (as FTW `EncodedTensor`s) so that a
+conversion to FTW needs no lossy round trip.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers import PretrainedConfig
@@ -15,7 +21,12 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..checkpoint import SafetensorsCheckpoint
 from ..errors import CheckpointError, UnsupportedModelError
+from ..ftw.codecs import EncodedTensor, decode, encode, wrap_fp8_block
 from ..spec import AttentionSpec, ModelSpec, RopeSpec
+
+#: suffix of the inverse-scale grid stored next to an fp8 weight (DeepSeek-V3 convention)
+FP8_SCALE_SUFFIX = "_scale_inv"
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # RoPE variants whose frequencies change with the sequence length are not implemented.
 _SUPPORTED_ROPE = {"default", "linear", "yarn", "llama3"}
@@ -50,6 +61,10 @@ class Adapter:
             name = ".".join([*parts[:2], self.moe_prefix, *parts[3:]])
         return "model." + name
 
+    def dense_tensor(self, ckpt: SafetensorsCheckpoint, name: str) -> torch.Tensor:
+        """The float tensor behind engine parameter `name`, fp8 block weights dequantized to fp32."""
+        return dequantized(self.hf_name(name), ckpt.get, ckpt.has, str(ckpt.folder))
+
     # ---- routed experts ------------------------------------------------------------------
     def layer_experts(
         self, ckpt: SafetensorsCheckpoint, layer: int, num_experts: int
@@ -63,14 +78,96 @@ class Adapter:
         if ckpt.has(f"{base}.gate_up_proj"):
             gate_up, down = ckpt.get(f"{base}.gate_up_proj"), ckpt.get(f"{base}.down_proj")
             _check_experts(gate_up, num_experts, base)
+            if gate_up.dtype in _FP8_DTYPES or down.dtype in _FP8_DTYPES:
+                raise CheckpointError(f"{base}: fused fp8 expert tensors are not supported")
             for e in range(num_experts):
                 yield e, {"gate_up": gate_up[e], "down": down[e]}
             return
         g, u, d = self.expert_names
+        where = str(ckpt.folder)
         for e in range(num_experts):
             prefix = f"{base}.{e}"
-            gate, up = ckpt.get(f"{prefix}.{g}.weight"), ckpt.get(f"{prefix}.{u}.weight")
-            yield e, {"gate_up": torch.cat([gate, up], dim=0), "down": ckpt.get(f"{prefix}.{d}.weight")}
+            gate, up, down = (
+                dequantized(f"{prefix}.{n}.weight", ckpt.get, ckpt.has, where) for n in (g, u, d)
+            )
+            yield e, {"gate_up": torch.cat([gate, up], dim=0), "down": down}
+
+    def layer_experts_encoded(
+        self, ckpt: SafetensorsCheckpoint, layer: int, num_experts: int
+    ) -> Iterator[tuple[int, dict[str, EncodedTensor] | None]]:
+        """(expert id, stored projections) for every routed expert of `layer`, without decoding.
+
+        For checkpoints whose experts are already quantized, the dict holds the weights exactly as
+        stored, as FTW `EncodedTensor`s (here: DeepSeek-V3 fp8 per-expert weights as ``"gate"``,
+        ``"up"`` ``[I, H]`` and ``"down"`` ``[H, I]`` in codec ``"fp8_e4m3"``; gate and up stay separate
+        because their 128x128 scale grids only concatenate when I is a multiple of 128), plus any
+        biases in a plain codec (``"fp32"``/``"bf16"``). For float checkpoints it yields None per
+        expert: use `layer_experts` then.
+        """
+        base = f"model.layers.{layer}.{self.moe_prefix}.experts"
+        g, u, d = self.expert_names
+        first = f"{base}.0.{g}.weight"
+        if (
+            ckpt.has(f"{base}.gate_up_proj")
+            or not ckpt.has(first)
+            or ckpt.get(first).dtype not in _FP8_DTYPES
+        ):
+            for e in range(num_experts):
+                yield e, None
+            return
+        for e in range(num_experts):
+            prefix = f"{base}.{e}"
+            yield (
+                e,
+                {
+                    key: fp8_encoded(f"{prefix}.{n}.weight", ckpt.get, ckpt.has, str(ckpt.folder))
+                    for key, n in (("gate", g), ("up", u), ("down", d))
+                },
+            )
+
+
+def fp8_encoded(
+    name: str, get: Callable[[str], torch.Tensor], has: Callable[[str], bool], where: str
+) -> EncodedTensor:
+    """The fp8 weight `name` and its `name + "_scale_inv"` grid as an ``"fp8_e4m3"`` EncodedTensor.
+
+    The bytes are not touched. CheckpointError if the weight is not float8_e4m3fn, has no scale grid,
+    or the grid's shape is not ``[ceil(out/128), ceil(in/128)]``.
+    """
+    weight = get(name)
+    scale_name = name + FP8_SCALE_SUFFIX
+    if weight.dtype != torch.float8_e4m3fn:
+        raise CheckpointError(
+            f"tensor '{name}' in {where} is {weight.dtype}; only float8_e4m3fn is supported"
+        )
+    if not has(scale_name):
+        raise CheckpointError(
+            f"fp8 tensor '{name}' in {where} has no '{scale_name}': cannot dequantize it without its scales"
+        )
+    try:
+        return wrap_fp8_block(weight, get(scale_name))
+    except ValueError as e:
+        raise CheckpointError(f"fp8 tensor '{name}' in {where}: {e}") from e
+
+
+def dequantized(
+    name: str, get: Callable[[str], torch.Tensor], has: Callable[[str], bool], where: str
+) -> torch.Tensor:
+    """Tensor `name` from `get`; an fp8 block-quantized weight comes back dequantized in fp32.
+
+    `get`/`has` look tensors up by name (a safetensors checkpoint, an FTW file's dense tensors);
+    `where` names the source in errors. Dequantization (``weight.float() * scale_inv`` per 128x128
+    block) is exact in fp32. CheckpointError for fp8 tensors without a usable scale grid.
+    """
+    t = get(name)
+    if t.dtype in _FP8_DTYPES:
+        return decode(fp8_encoded(name, get, has, where), torch.float32)
+    return t
+
+
+def plain_encoded(t: torch.Tensor) -> EncodedTensor:
+    """`t` (e.g. a bias) in the plain codec of its own dtype: ``"bf16"`` for bf16, else ``"fp32"``."""
+    return encode(t, "bf16" if t.dtype == torch.bfloat16 else "fp32")
 
 
 def _check_experts(fused: torch.Tensor, num_experts: int, name: str) -> None:

@@ -14,9 +14,10 @@ import torch
 from transformers import PretrainedConfig
 
 from ..checkpoint import SafetensorsCheckpoint
-from ..ftw.codecs import decode, wrap_mxfp4
+from ..errors import CheckpointError
+from ..ftw.codecs import EncodedTensor, decode, wrap_mxfp4
 from ..spec import LayerSpec, ModelSpec, MoESpec
-from .base import Adapter, _check_experts, common_spec_fields, gqa, head_dim_of, rope_spec
+from .base import Adapter, _check_experts, common_spec_fields, gqa, head_dim_of, plain_encoded, rope_spec
 
 
 def deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
@@ -55,36 +56,62 @@ class GptOssAdapter(Adapter):
     def layer_experts(
         self, ckpt: SafetensorsCheckpoint, layer: int, num_experts: int
     ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        encoded = self.layer_experts_encoded(ckpt, layer, num_experts)
         base = f"model.layers.{layer}.mlp.experts"
+        if ckpt.has(f"{base}.gate_up_proj_blocks"):
+            # MXFP4 decodes exactly to fp32 (E2M1 values times powers of two).
+            for e, enc in encoded:
+                assert enc is not None
+                yield e, {name: decode(t) for name, t in enc.items()}
+            return
         gate_up_bias = ckpt.get(f"{base}.gate_up_proj_bias")  # [E, 2I]
         down_bias = ckpt.get(f"{base}.down_proj_bias")  # [E, H]
-        mxfp4 = ckpt.has(f"{base}.gate_up_proj_blocks")
-        if mxfp4:
-            gu_blocks, gu_scales = (
-                ckpt.get(f"{base}.gate_up_proj_blocks"),
-                ckpt.get(f"{base}.gate_up_proj_scales"),
-            )
-            d_blocks, d_scales = ckpt.get(f"{base}.down_proj_blocks"), ckpt.get(f"{base}.down_proj_scales")
-            _check_experts(gu_blocks, num_experts, f"{base}.gate_up_proj_blocks")
-        else:
-            gate_up, down = (
-                ckpt.get(f"{base}.gate_up_proj"),
-                ckpt.get(f"{base}.down_proj"),
-            )  # [E,H,2I], [E,I,H]
-            _check_experts(gate_up, num_experts, f"{base}.gate_up_proj")
+        gate_up, down = ckpt.get(f"{base}.gate_up_proj"), ckpt.get(f"{base}.down_proj")  # [E,H,2I], [E,I,H]
+        _check_experts(gate_up, num_experts, f"{base}.gate_up_proj")
         for e in range(num_experts):
-            if mxfp4:
+            yield (
+                e,
+                {
+                    "gate_up": deinterleave_rows(gate_up[e].T),
+                    "down": down[e].T,
+                    "gate_up_bias": deinterleave_rows(gate_up_bias[e]),
+                    "down_bias": down_bias[e],
+                },
+            )
+
+    def layer_experts_encoded(
+        self, ckpt: SafetensorsCheckpoint, layer: int, num_experts: int
+    ) -> Iterator[tuple[int, dict[str, EncodedTensor] | None]]:
+        """MXFP4 experts as stored: ``"gate_up"`` ``[2I, H]`` and ``"down"`` ``[H, I]`` in codec
+        ``"mxfp4"`` (blocks/scales rows de-interleaved to gate-first, a lossless permutation of whole
+        rows), biases in their own plain codec; None per expert for float checkpoints."""
+        base = f"model.layers.{layer}.mlp.experts"
+        if not ckpt.has(f"{base}.gate_up_proj_blocks"):
+            for e in range(num_experts):
+                yield e, None
+            return
+        gate_up_bias = ckpt.get(f"{base}.gate_up_proj_bias")  # [E, 2I]
+        down_bias = ckpt.get(f"{base}.down_proj_bias")  # [E, H]
+        gu_blocks, gu_scales = (
+            ckpt.get(f"{base}.gate_up_proj_blocks"),
+            ckpt.get(f"{base}.gate_up_proj_scales"),
+        )
+        d_blocks, d_scales = ckpt.get(f"{base}.down_proj_blocks"), ckpt.get(f"{base}.down_proj_scales")
+        _check_experts(gu_blocks, num_experts, f"{base}.gate_up_proj_blocks")
+        _check_experts(d_blocks, num_experts, f"{base}.down_proj_blocks")
+        for e in range(num_experts):
+            try:
                 # blocks [out, in/32, 16] are already [out, in]-major: no transpose needed.
-                gu = decode(wrap_mxfp4(deinterleave_rows(gu_blocks[e]), deinterleave_rows(gu_scales[e])))
-                dn = decode(wrap_mxfp4(d_blocks[e], d_scales[e]))
-            else:
-                gu, dn = deinterleave_rows(gate_up[e].T), down[e].T
+                gu = wrap_mxfp4(deinterleave_rows(gu_blocks[e]), deinterleave_rows(gu_scales[e]))
+                dn = wrap_mxfp4(d_blocks[e], d_scales[e])
+            except ValueError as err:
+                raise CheckpointError(f"{base}, expert {e}: bad MXFP4 tensors: {err}") from err
             yield (
                 e,
                 {
                     "gate_up": gu,
                     "down": dn,
-                    "gate_up_bias": deinterleave_rows(gate_up_bias[e]),
-                    "down_bias": down_bias[e],
+                    "gate_up_bias": plain_encoded(deinterleave_rows(gate_up_bias[e])),
+                    "down_bias": plain_encoded(down_bias[e]),
                 },
             )

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from ..engine import EngineError
-from . import generate
+from . import ftw, generate
 
 
 class CLIError(Exception):
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_COMMANDS = [generate]
+_COMMANDS = [generate, ftw]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,233 @@
+"""The `Anchor` record, its signature, expert-state snapshots, and the checks a rollback runs.
+
+An anchor is immutable and content-addressed: `id = sha256(model_fingerprint || token ids ||
+kv_digest || expert_state)` (see `digest.anchor_id`). Kind, label, parent, time and session are
+metadata, not identity: anchoring an identical state twice yields the same id (the store keeps the
+first record).
+
+Expert-cache state: a provider may implement the optional methods
+
+    snapshot_state() -> Mapping[str, Iterable[ExpertKey]]   # tier name -> experts resident there
+    restore_state(state: Mapping[str, Sequence[ExpertKey]]) -> None   # re-warm the tiers
+
+A provider without `snapshot_state` but with `keys()` (InMemoryExpertProvider: every expert always
+resident) is recorded as `{"resident": keys()}`; one with neither as the empty state. Restoring
+calls `restore_state` when the provider has it and otherwise does nothing (nothing to re-warm).
+The state is normalised (tiers and keys sorted) and is part of the anchor's identity.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from ..errors import AnchorError, AnchorFingerprintError, AnchorValidationError
+from ..experts import ExpertKey
+from ..kv import BlockTable
+from .digest import (
+    FORMAT_VERSION,
+    SIGNATURE_SPAN,
+    anchor_id,
+    kv_digest,
+    rehash_kv,
+    signature_edges,
+    token_hash,
+)
+
+logger = logging.getLogger(__name__)
+
+AnchorKind = Literal["system_prompt", "tool_call", "tool_result", "code_block", "manual"]
+ANCHOR_KINDS: tuple[str, ...] = get_args(AnchorKind)
+Validation = Literal["signature", "full"]
+ExpertState = tuple[tuple[str, tuple[ExpertKey, ...]], ...]
+
+
+@dataclass(frozen=True)
+class AnchorSignature:
+    """What a default (`validate="signature"`) rollback checks, in O(1) of the context length."""
+
+    edges: str  # sha256 hex of the first and last `span` bytes of the KV byte stream (digest.py)
+    token_hash: str  # sha256 hex of the token ids (fixed-width little-endian int64)
+    span: int = SIGNATURE_SPAN  # bytes taken from each end
+
+
+@dataclass(frozen=True, eq=False)
+class Anchor:
+    """One pinned session state. Equal (and hashed) by `id`.
+
+    The record never changes; the KV it pins lives in the engine's pool until the anchor store
+    evicts or discards it, after which rollback to it raises AnchorNotFoundError.
+    """
+
+    id: str  # 64 hex chars: sha256(model_fingerprint || token ids || kv_digest || expert_state)
+    kind: AnchorKind  # why it was placed: system_prompt, tool_call, tool_result, code_block, manual
+    label: str | None  # free text for traces and listings
+    position: int  # number of tokens in the anchored sequence (pending ones included)
+    kv_length: int  # tokens whose KV is pinned (position minus the pending tokens)
+    parent_id: str | None  # the nearest anchor before this one on the same branch, if any
+    created: float  # creation time, seconds since the epoch
+    session_id: str  # id of the session that created it
+    token_ids: tuple[int, ...]  # the sequence [0, position)
+    expert_state: ExpertState  # (tier, sorted expert keys) pairs, sorted by tier
+    kv_digest: str  # sha256 hex over the chained block digests and the partial last block
+    model_fingerprint: str  # sha256 hex of weights, tokenizer, KV layout, format version
+    signature: AnchorSignature
+    table: BlockTable = field(repr=False)  # read-only pin of the KV blocks (refcounted, shared)
+    v: int = FORMAT_VERSION  # record format version
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Anchor) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """Ids of the KV blocks the anchor holds (one reference each)."""
+        return tuple(self.table.blocks)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the KV blocks the anchor references (shared with others or not)."""
+        return len(self.table.blocks) * self.table.pool.bytes_per_block
+
+
+def check_kind(kind: str) -> AnchorKind:
+    if kind not in ANCHOR_KINDS:
+        raise AnchorError(f"anchor kind must be one of {', '.join(ANCHOR_KINDS)}; got {kind!r}")
+    return kind  # type: ignore[return-value]
+
+
+def snapshot_expert_state(provider: Any) -> ExpertState:
+    """The provider's expert-cache state, normalised (see the module docstring)."""
+    snapshot = getattr(provider, "snapshot_state", None)
+    keys = getattr(provider, "keys", None)
+    if callable(snapshot):
+        raw: Mapping[str, Any] = snapshot()
+    elif callable(keys):
+        raw = {"resident": keys()}
+    else:
+        raw = {}
+    return tuple(
+        (str(tier), tuple(sorted((int(layer), int(expert)) for layer, expert in experts)))
+        for tier, experts in sorted(raw.items())
+    )
+
+
+def restore_expert_state(provider: Any, state: ExpertState) -> bool:
+    """Re-warm the provider's tiers from `state`; False when the provider cannot restore.
+
+    Warmth is a performance matter, not correctness: a failing `restore_state` is logged, not raised.
+    """
+    restore = getattr(provider, "restore_state", None)
+    if not callable(restore):
+        return False
+    try:
+        restore({tier: list(keys) for tier, keys in state})
+    except Exception:
+        logger.warning(
+            "expert provider %s failed to restore an anchor's state", type(provider).__name__, exc_info=True
+        )
+        return False
+    return True
+
+
+def identify(
+    table: BlockTable, token_ids: Sequence[int], fingerprint: str, expert_state: ExpertState
+) -> tuple[str, str, AnchorSignature]:
+    """(id, kv_digest, signature) of `table` + `token_ids`, without pinning anything.
+
+    Cost: O(block_size + signature span) KV bytes read and hashed (the full blocks' digests were
+    computed when they filled) plus O(tokens) integer hashing: independent of the KV size.
+    """
+    ids = tuple(int(t) for t in token_ids)
+    digest = kv_digest(table)
+    signature = AnchorSignature(edges=signature_edges(table), token_hash=token_hash(ids))
+    return anchor_id(fingerprint, ids, digest, expert_state), digest, signature
+
+
+def make_anchor(
+    table: BlockTable,
+    token_ids: Sequence[int],
+    identity: tuple[str, str, AnchorSignature],
+    *,
+    kind: str,
+    label: str | None,
+    parent_id: str | None,
+    session_id: str,
+    fingerprint: str,
+    expert_state: ExpertState,
+) -> Anchor:
+    """The anchor record for `identify(...)`'s result, holding a fresh pin of the table. O(blocks)."""
+    anchor_hex, digest, signature = identity
+    ids = tuple(int(t) for t in token_ids)
+    return Anchor(
+        id=anchor_hex,
+        kind=check_kind(kind),
+        label=label,
+        position=len(ids),
+        kv_length=table.length,
+        parent_id=parent_id,
+        created=time.time(),
+        session_id=session_id,
+        token_ids=ids,
+        expert_state=expert_state,
+        kv_digest=digest,
+        model_fingerprint=fingerprint,
+        signature=signature,
+        table=table.pin(),
+    )
+
+
+def identity_of(anchor: Anchor) -> str:
+    """The id the anchor's recorded parts hash to (equals `anchor.id` unless tampered with)."""
+    return anchor_id(anchor.model_fingerprint, anchor.token_ids, anchor.kv_digest, anchor.expert_state)
+
+
+def check_fingerprint(anchor: Anchor, fingerprint: str) -> None:
+    """AnchorFingerprintError unless the anchor was made by the model with `fingerprint`."""
+    if anchor.model_fingerprint != fingerprint:
+        raise AnchorFingerprintError(
+            f"anchor {anchor.id} was made by another model ({anchor.model_fingerprint[:16]}...); "
+            f"this engine is {fingerprint[:16]}..."
+        )
+
+
+def verify_anchor(anchor: Anchor, view: BlockTable, fingerprint: str, validate: Validation) -> None:
+    """Check `view` (a table over the anchor's blocks) against the anchor; raise on any mismatch.
+
+    "signature": token-prefix hash and the first/last `span` bytes of the KV (cheap: O(1) KV
+    bytes, O(tokens) integer hashing). "full": also rehash every KV block and the identity.
+    Raises AnchorValidationError (naming what differs), AnchorFingerprintError (another model),
+    AnchorError (unknown `validate`).
+    """
+    if validate not in ("signature", "full"):
+        raise AnchorError(f"validate must be 'signature' or 'full', got {validate!r}")
+    check_fingerprint(anchor, fingerprint)
+    if view.length != anchor.kv_length or len(anchor.token_ids) != anchor.position:
+        raise AnchorValidationError(
+            f"anchor {anchor.id}: pins {view.length} KV positions and {len(anchor.token_ids)} token ids, "
+            f"recorded {anchor.kv_length} and {anchor.position}"
+        )
+    if token_hash(anchor.token_ids) != anchor.signature.token_hash:
+        raise AnchorValidationError(f"anchor {anchor.id}: its token ids do not match the token-prefix hash")
+    if signature_edges(view, anchor.signature.span) != anchor.signature.edges:
+        raise AnchorValidationError(
+            f"anchor {anchor.id}: the first/last {anchor.signature.span} bytes of its KV changed "
+            f"(corrupted KV cache)"
+        )
+    if validate == "full":
+        digest, first_bad = rehash_kv(view)
+        if digest != anchor.kv_digest:
+            bs = view.pool.block_size
+            where = (
+                f"block {first_bad} (positions {first_bad * bs}..{first_bad * bs + bs - 1})"
+                if first_bad is not None
+                else f"the partial last block (positions {view.length // bs * bs}..{view.length - 1})"
+            )
+            raise AnchorValidationError(f"anchor {anchor.id}: KV data differs from its digest in {where}")
+        if identity_of(anchor) != anchor.id:
+            raise AnchorValidationError(f"anchor {anchor.id}: its recorded parts hash to another id")

@@ -1,0 +1,113 @@
+"""`freetoken convert HF_DIR OUT.ftw` and `freetoken inspect OUT.ftw [--verify]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter, defaultdict
+
+from ..engine.ftw import CODECS, ExpertInfo, FTWFile
+from ..engine.ftw.calibrate import AutoPolicy
+from ..engine.ftw.convert import QUANTS, convert_checkpoint
+from ..engine.ftw.layout import ALIGNMENT
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="convert a Hugging Face checkpoint folder into one .ftw file")
+    p.add_argument("hf_dir", help="Hugging Face checkpoint folder (config.json + *.safetensors)")
+    p.add_argument("out", help="output .ftw file")
+    p.add_argument(
+        "--quant",
+        choices=QUANTS,
+        default="bf16",
+        help="expert codec; 'auto' keeps the most-routed experts in --hot-codec, the rest in --cold-codec",
+    )
+    p.add_argument("--compress", action="store_true", help="zstd-compress every expert block")
+    p.add_argument("--hot-fraction", type=float, default=0.25, help="auto: share of hot experts per layer")
+    p.add_argument("--hot-codec", choices=CODECS, default="bf16", help="auto: codec of hot experts")
+    p.add_argument("--cold-codec", choices=CODECS, default="mxfp4", help="auto: codec of cold experts")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run_convert)
+
+    p = sub.add_parser("inspect", help="print an .ftw file's header, codecs and sizes per layer")
+    p.add_argument("file", help=".ftw file")
+    p.add_argument("--verify", action="store_true", help="check every dense tensor and expert block")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while verifying")
+    p.set_defaults(run=run_inspect)
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    return not args.no_progress and sys.stderr.isatty()
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    policy = AutoPolicy(hot_fraction=args.hot_fraction, hot_codec=args.hot_codec, cold_codec=args.cold_codec)
+    report = convert_checkpoint(
+        args.hf_dir,
+        args.out,
+        quant=args.quant,
+        compress=args.compress,
+        progress=_progress(args),
+        auto_policy=policy,
+    )
+    print(report.summary())  # noqa: T201
+    return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    with FTWFile(args.file) as f:
+        for line in describe(f):
+            print(line)  # noqa: T201
+        if args.verify:
+            f.verify(progress=_progress(args))
+            print(  # noqa: T201
+                f"verify: OK ({len(f.dense_names())} dense tensors, {len(f.expert_keys())} expert blocks)"
+            )
+    return 0
+
+
+def describe(f: FTWFile) -> list[str]:
+    """Human-readable lines about an open FTW file, from its header and manifest only."""
+    cfg = f.model_config if isinstance(f.model_config, dict) else {}
+    infos = [f.expert_info(*k) for k in f.expert_keys()]
+    dense = [f.dense_info(n) for n in f.dense_names()]
+    compression = Counter(i.compression for i in infos)
+    dense_dtypes = Counter(d.dtype for d in dense)
+    lines = [
+        f"file: {f.path} ({f.file_size:,} bytes)",
+        f"format: FTW {f.version[0]}.{f.version[1]}, alignment {ALIGNMENT}, flags {f.flags}",
+        f"model: {cfg.get('model_type', '?')}, {cfg.get('num_hidden_layers', '?')} layers, "
+        f"hidden {cfg.get('hidden_size', '?')}, vocab {cfg.get('vocab_size', '?')}",
+        f"tokenizer files: {', '.join(sorted(f.tokenizer_files)) or 'none'}",
+        f"dense: {len(dense)} tensors, {sum(d.nbytes for d in dense):,} bytes ({_counts(dense_dtypes)})",
+        f"experts: {len(infos)} blocks, {sum(i.stored_length for i in infos):,} bytes stored"
+        f" ({sum(i.raw_length for i in infos):,} raw); compression {_counts(compression)}",
+        f"codecs: weights {_counts(_codecs(infos, bias=False))}; biases {_counts(_codecs(infos, bias=True))}",
+    ]
+    per_layer: dict[int, list[ExpertInfo]] = defaultdict(list)
+    for i in infos:
+        per_layer[i.layer].append(i)
+    if per_layer:
+        lines.append(f"{'layer':>5}  {'experts':>7}  {'stored bytes':>12}  weight codecs")
+    for layer, items in sorted(per_layer.items()):
+        lines.append(
+            f"{layer:>5}  {len(items):>7}  {sum(i.stored_length for i in items):>12,}  "
+            + _counts(_codecs(items, bias=False))
+        )
+    meta = f.metadata if isinstance(f.metadata, dict) else {}
+    if "quant" in meta:
+        lines.append(f"converted with quant {meta['quant']} from {meta.get('source', '?')}")
+    auto = meta.get("auto")
+    if isinstance(auto, dict) and isinstance(auto.get("hot_experts"), dict):
+        hot = "; ".join(f"{k}: {v}" for k, v in auto["hot_experts"].items())
+        lines.append(f"auto: {auto.get('calibration_tokens', '?')} calibration tokens, hot experts {hot}")
+    return lines
+
+
+def _codecs(infos: list[ExpertInfo], *, bias: bool) -> Counter[str]:
+    """Codec -> number of projections, over expert weights (``bias=False``) or biases."""
+    return Counter(t.codec for i in infos for n, t in i.tensors.items() if n.endswith("_bias") == bias)
+
+
+def _counts(c: Counter[str]) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) or "none"
