@@ -123,7 +123,7 @@ class Engine:
             assert moe is not None
             for e, tensors in adapter.layer_experts(ckpt, layer, moe.num_experts):
                 _check_expert_shapes(tensors, moe.intermediate_size, spec.hidden_size, layer, e, folder)
-                experts[(layer, e)] = ExpertWeights.packed(tensors, dtype)
+                experts[(layer, e)] = ExpertWeights.packed(tensors, dtype, device)
         tokenizer = _load_tokenizer(folder)
         logger.info(
             "loaded %s (%d experts) from %s in %.2fs",
@@ -244,6 +244,24 @@ class Engine:
                 }
             )
         )
+
+    def stats(self) -> dict[str, Any]:
+        """The expert provider's `stats()` when it has one (tiered memory: hits/misses, bytes
+        moved, prefetch accuracy, bandwidth, decisions, phase times), else basic counters; both
+        with the KV pool's `kv_blocks_in_use` / `kv_bytes_in_use`."""
+        provider_stats = getattr(self.experts, "stats", None)
+        if callable(provider_stats):
+            out: dict[str, Any] = dict(provider_stats())
+        else:
+            loaded = getattr(self.experts, "loaded_keys", None) or getattr(self.experts, "keys", None)
+            out = {
+                "experts_in_ram": len(loaded()) if callable(loaded) else None,
+                "expert_bytes_in_ram": getattr(self.experts, "nbytes", None),
+            }
+        pool = self.kv_pool
+        out["kv_blocks_in_use"] = pool.blocks_in_use
+        out["kv_bytes_in_use"] = pool.blocks_in_use * pool.bytes_per_block
+        return out
 
 
 def load_dense_weights(

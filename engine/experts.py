@@ -34,11 +34,13 @@ class ExpertWeights:
     storage: torch.Tensor | None = None  # flat buffer all of the above live in
 
     @classmethod
-    def packed(cls, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> ExpertWeights:
-        """Copy `tensors` (names from PROJECTIONS) into one contiguous buffer of `dtype`."""
+    def packed(
+        cls, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> ExpertWeights:
+        """Copy `tensors` (names from PROJECTIONS) into one contiguous buffer of `dtype` on `device`."""
         present = [name for name in PROJECTIONS if tensors.get(name) is not None]
         total = sum(tensors[name].numel() for name in present)
-        storage = torch.empty(total, dtype=dtype)
+        storage = torch.empty(total, dtype=dtype, device=device)
         views: dict[str, torch.Tensor] = {}
         offset = 0
         for name in present:

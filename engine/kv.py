@@ -158,8 +158,34 @@ class BlockPool:
             self.pins[b] -= pin
             if count == 0:
                 self._free.append(b)
+        if blocks:
+            self.shrink()
         if self.on_resize is not None and blocks:
             self.on_resize(self.blocks_in_use * self.bytes_per_block)
+
+    def shrink(self, min_blocks: int = 16, *, slack: float = 0.5) -> int:
+        """Release storage of trailing free blocks; returns the bytes released (0: nothing done).
+
+        Only the free run at the END of the pool is released (block ids of live tables never
+        change, nothing is moved between slots), and only when that run is at least `slack` of the
+        capacity, so grow/shrink cannot ping-pong and the copy of the live prefix is amortised by
+        the growth that preceded it. Capacity never drops below `min_blocks`. Called by `decref`.
+        Free blocks in the middle of the pool stay allocated (compacting them would renumber
+        blocks that tables and pins hold).
+        """
+        keep = self.capacity
+        while keep > min_blocks and self.refcount[keep - 1] == 0:
+            keep -= 1
+        if keep == self.capacity or self.capacity - keep < slack * self.capacity:
+            return 0
+        for layer_storage in self.storage:
+            for name, tensor in layer_storage.items():
+                layer_storage[name] = tensor[:keep].clone()
+        released = (self.capacity - keep) * self.bytes_per_block
+        del self.refcount[keep:], self.pins[keep:], self.filled[keep:]
+        self._free = [b for b in self._free if b < keep]
+        self.capacity = keep
+        return released
 
     def copy_block(self, src: int) -> int:
         """A new private block holding a copy of `src` (all layers); used for copy-on-write."""
@@ -211,9 +237,12 @@ class BlockTable:
 
     def _slots_for(self, start: int, stop: int) -> torch.Tensor:
         bs = self.pool.block_size
-        pos = torch.arange(start, stop)
-        ids = torch.tensor(self.blocks, dtype=torch.long) if self.blocks else torch.empty(0, dtype=torch.long)
-        return ids[pos // bs] * bs + pos % bs if stop > start else torch.empty(0, dtype=torch.long)
+        device = self.pool.device
+        if stop <= start:
+            return torch.empty(0, dtype=torch.long, device=device)
+        pos = torch.arange(start, stop, device=device)
+        ids = torch.tensor(self.blocks, dtype=torch.long, device=device)
+        return ids[pos // bs] * bs + pos % bs
 
     @property
     def slots(self) -> torch.Tensor:

@@ -37,7 +37,7 @@ def rope_cos_sin(
     rope: RopeSpec, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [T, rot_dim/2] for integer `positions [T]`."""
-    freqs = positions.float()[:, None] * rope.inv_freq[None, :]
+    freqs = positions.float()[:, None] * rope.inv_freq.to(positions.device)[None, :]
     return (freqs.cos() * rope.attention_scaling).to(dtype), (freqs.sin() * rope.attention_scaling).to(dtype)
 
 
@@ -81,7 +81,7 @@ class StepContext:
                 self._masks[sliding_window] = None
             else:
                 q = self.positions[:, None]
-                k = torch.arange(s)[None, :]
+                k = torch.arange(s, device=q.device)[None, :]
                 allowed = k <= q
                 if sliding_window is not None:
                     allowed &= k > q - sliding_window

@@ -197,13 +197,14 @@ class Session:
     def _forward(self, ids: list[int], *, last_only: bool) -> torch.Tensor:
         engine = self.engine
         start = self.table.length
-        positions = torch.arange(start, start + len(ids))
+        positions = torch.arange(start, start + len(ids), device=engine.device)
         cos, sin = rope_cos_sin(engine.spec.rope, positions, engine.dtype)
         with torch.inference_mode():
             new_slots = self.table.reserve(len(ids))
             ctx = StepContext(self.table, new_slots, positions, cos, sin)
             try:
-                logits = engine.model(torch.tensor(ids, dtype=torch.long), ctx, last_only=last_only)
+                tokens = torch.tensor(ids, dtype=torch.long, device=engine.device)
+                logits = engine.model(tokens, ctx, last_only=last_only)
             except BaseException:
                 self.table.truncate(start)  # never leave half-written KV behind
                 raise
