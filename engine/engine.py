@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -10,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from transformers import AutoConfig, PretrainedConfig
 
 from .adapters import adapter_for
@@ -20,7 +20,7 @@ from .checkpoint import SafetensorsCheckpoint, read_config
 from .errors import CheckpointError, EngineError
 from .experts import ExpertKey, ExpertProvider, ExpertWeights, InMemoryExpertProvider
 from .generate import GenerationResult, SamplingParams, TokenEvent, stream_tokens
-from .kv import DEFAULT_BLOCK_SIZE, BlockPool
+from .kv import DEFAULT_BLOCK_SIZE, BlockPool, bytes_per_block
 from .memory import MemoryBudget
 from .session import Session
 from .spec import ModelSpec
@@ -57,9 +57,9 @@ class Engine:
         model.attach_experts(experts)
         streams = model.kv_streams()
         max_blocks = None
-        probe = BlockPool(streams, block_size=block_size, dtype=dtype, device=device, initial_blocks=1)
         if self.memory.kv_bytes is not None:
-            max_blocks = max(1, self.memory.kv_bytes // probe.bytes_per_block)
+            block_bytes = bytes_per_block(streams, block_size, dtype)
+            max_blocks = max(1, self.memory.kv_bytes // block_bytes)
         self.kv_pool = BlockPool(
             streams, block_size=block_size, dtype=dtype, device=device, max_blocks=max_blocks
         )
@@ -227,23 +227,19 @@ class Engine:
         params["stop_strings"] = tuple(params.get("stop_strings") or ())
         try:
             return SamplingParams(**params)
-        except Exception as e:  # pydantic ValidationError, with the field names in its message
+        except ValidationError as e:  # names the offending fields
             raise EngineError(f"invalid generation parameters: {e}") from e
 
     def describe(self) -> dict:
         """A small JSON-able summary (architecture, sizes)."""
-        return json.loads(
-            json.dumps(
-                {
-                    "model_type": self.spec.model_type,
-                    "layers": self.spec.num_layers,
-                    "hidden_size": self.spec.hidden_size,
-                    "vocab_size": self.spec.vocab_size,
-                    "moe_layers": self.spec.moe_layers(),
-                    "dtype": str(self.dtype),
-                }
-            )
-        )
+        return {
+            "model_type": self.spec.model_type,
+            "layers": self.spec.num_layers,
+            "hidden_size": self.spec.hidden_size,
+            "vocab_size": self.spec.vocab_size,
+            "moe_layers": self.spec.moe_layers(),
+            "dtype": str(self.dtype),
+        }
 
     def stats(self) -> dict[str, Any]:
         """The expert provider's `stats()` when it has one (tiered memory: hits/misses, bytes

@@ -93,9 +93,7 @@ class BlockPool:
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block occupies across all layers and streams."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_token = sum(_numel(s.shape) for streams in self.layer_streams for s in streams)
-        return per_token * self.block_size * elem
+        return bytes_per_block(self.layer_streams, self.block_size, self.dtype)
 
     @property
     def blocks_in_use(self) -> int:
@@ -346,6 +344,15 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if flat.device.type != "cpu":
         flat = flat.cpu()
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def bytes_per_block(
+    layer_streams: Sequence[Sequence[StreamSpec]], block_size: int, dtype: torch.dtype
+) -> int:
+    """Bytes one KV block of `block_size` tokens occupies across all layers and streams."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_token = sum(_numel(s.shape) for streams in layer_streams for s in streams)
+    return per_token * block_size * elem
 
 
 def _numel(shape: tuple[int, ...]) -> int:

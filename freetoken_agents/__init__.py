@@ -1,3 +1,52 @@
 """FreeToken: tool-calling agents on large Mixture-of-Experts models on one machine."""
 
 __version__ = "0.1.0"
+
+from .agent import Agent, AgentEvent, AgentResult
+from .errors import (
+    AgentError,
+    MaxStepsExceeded,
+    ModelCausedError,
+    ModelRetry,
+    ResultRejected,
+    RetryableToolError,
+    ToolArgumentsInvalid,
+    ToolCallMalformed,
+    ToolExecutionError,
+    ToolRetryExhausted,
+    ToolTimeout,
+    UnexpectedModelBehavior,
+    UnknownTool,
+)
+from .model import FreeTokenModel, GenerateRequest, ModelBackend, Usage
+from .retry import RetryPolicy
+from .tools import Tool, tool
+from .trace import Trace
+
+__all__ = [
+    "Agent",
+    "AgentError",
+    "AgentEvent",
+    "AgentResult",
+    "FreeTokenModel",
+    "GenerateRequest",
+    "MaxStepsExceeded",
+    "ModelBackend",
+    "ModelCausedError",
+    "ModelRetry",
+    "ResultRejected",
+    "RetryPolicy",
+    "RetryableToolError",
+    "Tool",
+    "ToolArgumentsInvalid",
+    "ToolCallMalformed",
+    "ToolExecutionError",
+    "ToolRetryExhausted",
+    "ToolTimeout",
+    "Trace",
+    "UnexpectedModelBehavior",
+    "UnknownTool",
+    "Usage",
+    "__version__",
+    "tool",
+]

@@ -140,14 +140,25 @@ class ExpertInfo:
         return BLOCK_HEADER_SIZE + self.stored_length
 
 
+MAX_ELEMENTS = 2**48
+"""Bound on the product of a shape's dims (zero dims counted as 1): torch computes sizes and strides
+in int64, so a zero-sized tensor with dims past that bound would make it raise, not hold no data."""
+_U32_MAX = 2**32 - 1
+
+
 def _shape(v: Any) -> tuple[int, ...]:
     if not isinstance(v, list) or not all(isinstance(s, int) and s >= 0 for s in v):
         raise ValueError(f"bad shape {v!r}")
+    extent = 1
+    for s in v:
+        extent *= max(s, 1)
+    if extent > MAX_ELEMENTS:
+        raise ValueError(f"shape {v!r} is too large")
     return tuple(v)
 
 
-def _nonneg(v: Any, what: str) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+def _nonneg(v: Any, what: str, limit: int | None = None) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (limit is not None and v > limit):
         raise ValueError(f"bad {what} {v!r}")
     return v
 
@@ -209,8 +220,8 @@ def parse_expert(rec: dict[str, Any]) -> ExpertInfo:
             raise ValueError(f"bad codec {t['codec']!r}")
         tensors[pname] = TensorInfo(codec=t["codec"], shape=_shape(t["shape"]), parts=parts)
     info = ExpertInfo(
-        layer=_nonneg(rec["layer"], "layer"),
-        expert=_nonneg(rec["expert"], "expert"),
+        layer=_nonneg(rec["layer"], "layer", _U32_MAX),  # the block header stores them as u32
+        expert=_nonneg(rec["expert"], "expert", _U32_MAX),
         offset=_nonneg(rec["offset"], "offset"),
         stored_length=_nonneg(rec["stored_length"], "stored_length"),
         raw_length=raw_length,

@@ -163,7 +163,7 @@ class FTWFile:
                 if (info.layer, info.expert) in self._experts:
                     raise ValueError(f"duplicate expert ({info.layer}, {info.expert})")
                 self._experts[(info.layer, info.expert)] = info
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
             raise self._err(f"malformed manifest: {e!r}", offset=m_off) from e
         for d in self._dense.values():
             if d.offset < ALIGNMENT or d.offset + d.nbytes > m_off:
@@ -314,9 +314,24 @@ class FTWFile:
             return stored
         key = (info.layer, info.expert)
         try:
+            # zstandard allocates the size the frame header declares: check it before decompressing.
+            declared = zstandard.frame_content_size(stored)
+            if declared not in (-1, info.raw_length):
+                raise self._err(
+                    f"zstd frame declares {declared} bytes of content, the manifest's raw_length is "
+                    f"{info.raw_length}",
+                    offset=info.data_offset,
+                    key=key,
+                )
             raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=info.raw_length)
         except zstandard.ZstdError as e:
             raise self._err(f"zstd decompression failed: {e}", offset=info.data_offset, key=key) from e
+        except MemoryError as e:  # a raw_length no machine can hold
+            raise self._err(
+                f"cannot allocate {info.raw_length} bytes to decompress the block",
+                offset=info.data_offset,
+                key=key,
+            ) from e
         if len(raw) != info.raw_length:
             raise self._err(
                 f"decompressed to {len(raw)} bytes, expected {info.raw_length}",

@@ -1,0 +1,213 @@
+"""The q* cost model: per expert per step, RESIDENT, STREAM or HOST, whichever costs least.
+
+Costs in seconds for one expert and T tokens routed to it (DESIGN.md section 5):
+
+    t_resident = t_compute(fast, T)
+    t_stream   = t_fetch + bytes / bw(host->fast) - overlap + t_compute(fast, T) + loss - gain
+    t_host     = t_fetch + t_compute(host, T) + activation bytes / bw(activations)
+
+`t_fetch` = stored bytes / bw(storage->host) when the block is not in tier 2 (else 0); `overlap`
+is the part of the copy a prefetch already hid. Residency is valued by expected future uses, the
+decayed routing frequency f: each later use of a resident expert saves
+`s + reload` with `s = max(0, t_compute(host, 1) - t_compute(fast, 1))` (a decode step on the
+host instead of tier 1) and `reload` = what bringing it back costs (copy + host-tier miss rate x
+fetch). `gain = f_candidate x (s + reload_candidate)`, `loss = sum over the victims a STREAM must
+evict of f_v x (s + reload_v)`. So a STREAM that only pushes out an equally hot expert is not
+worth its copy (no LRU thrashing when one step's experts exceed tier 1), and a hot expert
+displaces a cold one.
+
+Compute times are measured online: an EMA per (device, codec, tokens bucket) where the bucket is
+the power of two at or above T. Until a bucket has a measurement, the nearest measured bucket of
+the same (device, codec) is scaled linearly in T for T above it (compute-bound) and used as is
+below (weight-read bound); with nothing measured, `prior_seconds` answers.
+On a CPU-only machine "fast" is matmul on decoded tier-1 tensors and "host" is decode-into-a-
+scratch-buffer + matmul; the host->fast link is the decode (its oracle times decodes).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from .oracle import BandwidthOracle
+
+logger = logging.getLogger(__name__)
+
+
+class Placement(str, Enum):
+    """Where one expert computes this step."""
+
+    RESIDENT = "resident"  # weights in tier 1: compute there
+    STREAM = "stream"  # copy tier 2/3 -> tier 1 (cached there), compute there
+    HOST = "host"  # compute where the weights are (host), move only activations
+
+
+def tokens_bucket(tokens: int) -> int:
+    """The power of two >= tokens (1, 2, 4, ...)."""
+    return 1 << max(0, math.ceil(math.log2(max(1, tokens))))
+
+
+class ComputeCostModel:
+    """EMA of measured compute seconds per (device, codec, tokens bucket).
+
+    `observe` normalises a measurement at T tokens to its bucket size (linear in T inside a
+    bucket) so that measurements at different T of the same bucket agree.
+    """
+
+    def __init__(self, alpha: float = 0.2, prior_seconds: float = 1e-3) -> None:
+        self.alpha, self.prior_seconds = alpha, prior_seconds
+        self._ema: dict[tuple[str, str, int], float] = {}
+
+    def observe(self, device: str, codec: str, tokens: int, seconds: float) -> None:
+        b = tokens_bucket(tokens)
+        value = seconds * b / max(1, tokens)
+        key = (device, codec, b)
+        old = self._ema.get(key)
+        self._ema[key] = value if old is None else (1 - self.alpha) * old + self.alpha * value
+
+    def set(self, device: str, codec: str, tokens: int, seconds: float) -> None:
+        """Set a bucket directly (tests, calibration)."""
+        self._ema[(device, codec, tokens_bucket(tokens))] = seconds
+
+    def estimate(self, device: str, codec: str, tokens: int) -> float:
+        b = tokens_bucket(tokens)
+        exact = self._ema.get((device, codec, b))
+        if exact is not None:
+            return exact
+        measured = sorted(k[2] for k in self._ema if k[0] == device and k[1] == codec)
+        if not measured:
+            return self.prior_seconds * max(1, tokens)
+        below = [m for m in measured if m <= b]
+        if below:
+            m = below[-1]
+            return self._ema[(device, codec, m)] * b / m
+        return self._ema[(device, codec, measured[0])]
+
+    def snapshot(self) -> dict[str, float]:
+        return {f"{d}/{c}/T<={b}": v for (d, c, b), v in sorted(self._ema.items())}
+
+
+@dataclass(frozen=True)
+class ExpertCase:
+    """What the policy needs to know about one expert this step.
+
+    `stored_bytes`: bytes of its FTW block (tier 2/3 form); `fast_bytes`: its tier-1 size;
+    `activation_bytes`: bytes of its input + output activations (HOST moves them);
+    `prefetched_s`: seconds of copy a prefetch already hid (0 if none); `victims`: reload times
+    (s) and decayed frequencies of what a STREAM would evict; `frequency`: its own.
+    """
+
+    tokens: int
+    codec: str
+    resident: bool
+    in_host: bool
+    stored_bytes: int
+    fast_bytes: int
+    activation_bytes: int = 0
+    prefetched_s: float = 0.0
+    frequency: float = 0.0
+    victims: Sequence[tuple[float, float]] = ()
+    can_stream: bool = True
+    free_room: bool = False  # tier 1 can take it without evicting anything
+    host_miss: float = 0.0  # measured probability that an expert not in tier 1 misses tier 2
+
+
+class QStarPolicy:
+    """Chooses a Placement per expert per step from measured compute and oracle bandwidth.
+
+    Links: `storage` (tier 3 -> tier 2), `host_fast` (tier 2 -> tier 1), `activations` (moving
+    hidden states to the host and back; on CPU-only nothing moves and it is None).
+    `fast_device` / `host_device`: the device names compute is measured under.
+    """
+
+    def __init__(
+        self,
+        storage: BandwidthOracle,
+        host_fast: BandwidthOracle,
+        activations: BandwidthOracle | None = None,
+        compute: ComputeCostModel | None = None,
+        *,
+        fast_device: str = "fast",
+        host_device: str = "host",
+    ) -> None:
+        self.storage, self.host_fast, self.activations = storage, host_fast, activations
+        self.compute = compute or ComputeCostModel()
+        self.fast_device, self.host_device = fast_device, host_device
+        self.decisions: Counter[str] = Counter()
+        self.decisions_by_phase: Counter[str] = Counter()
+
+    def costs(self, case: ExpertCase) -> dict[Placement, float]:
+        """Predicted seconds of each feasible placement."""
+        t_fast = self.compute.estimate(self.fast_device, "decoded", case.tokens)
+        if case.resident:
+            return {Placement.RESIDENT: t_fast}
+        fetch = 0.0 if case.in_host else self.storage.seconds_for(case.stored_bytes)
+        out: dict[Placement, float] = {}
+        if case.can_stream:
+            full_copy = self.host_fast.seconds_for(case.stored_bytes)
+            copy = max(0.0, full_copy - case.prefetched_s)
+            saving = max(
+                0.0,
+                self.compute.estimate(self.host_device, case.codec, 1)
+                - self.compute.estimate(self.fast_device, "decoded", 1),
+            )
+            reload = full_copy + case.host_miss * self.storage.seconds_for(case.stored_bytes)
+            gain = case.frequency * (saving + reload)
+            loss = sum(vf * (saving + vr) for vr, vf in case.victims)
+            out[Placement.STREAM] = fetch + copy + t_fast + loss - gain
+        act = 0.0
+        if self.activations is not None and case.activation_bytes:
+            act = self.activations.seconds_for(case.activation_bytes)
+        out[Placement.HOST] = fetch + self.compute.estimate(self.host_device, case.codec, case.tokens) + act
+        return out
+
+    def decide(self, key: tuple[int, int], case: ExpertCase) -> Placement:
+        """The cheapest placement (ties: RESIDENT, then STREAM); counted and logged at debug."""
+        costs = self.costs(case)
+        order = (Placement.RESIDENT, Placement.STREAM, Placement.HOST)
+        if case.free_room and Placement.STREAM in costs:
+            # Free fast memory is never better left empty: fill it (this also seeds the
+            # fast-compute measurements the later, contested decisions need).
+            choice = Placement.STREAM
+        else:
+            choice = min(costs, key=lambda p: (costs[p], order.index(p)))
+        self.decisions[choice.value] += 1
+        phase = "decode" if case.tokens == 1 else "prefill"
+        self.decisions_by_phase[f"{phase}/{choice.value}"] += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "q* %s T=%d -> %s (%s)",
+                key,
+                case.tokens,
+                choice.value,
+                ", ".join(f"{p.value}={c * 1e3:.3f}ms" for p, c in costs.items()),
+            )
+        return choice
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "decisions": dict(self.decisions),
+            "decisions_by_phase": dict(self.decisions_by_phase),
+            "compute_ema_s": self.compute.snapshot(),
+        }
+
+
+class AlwaysStreamPolicy(QStarPolicy):
+    """Baseline policy: RESIDENT when in tier 1, else STREAM (HOST only when the expert cannot fit
+    tier 1 at all). What an LRU expert cache without a cost model does (mixtral-offloading)."""
+
+    def decide(self, key: tuple[int, int], case: ExpertCase) -> Placement:
+        if case.resident:
+            choice = Placement.RESIDENT
+        elif case.can_stream:
+            choice = Placement.STREAM
+        else:
+            choice = Placement.HOST
+        self.decisions[choice.value] += 1
+        phase = "decode" if case.tokens == 1 else "prefill"
+        self.decisions_by_phase[f"{phase}/{choice.value}"] += 1
+        return choice

@@ -1,0 +1,281 @@
+"""Byte-budgeted expert tiers: an LRU with counters, the fast tier (pinned hot set + LRU) and the
+host tier (one LRU shared by every layer).
+
+What a tier holds depends on the machine (see `provider.py`): on CUDA tier 1 holds device tensors
+and tier 2 pinned host tensors; on a CPU-only machine tier 1 holds decoded `ExpertWeights` ready
+for matmul and tier 2 the stored FTW block bytes. The tiers only count bytes and order keys.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import asdict, dataclass
+from typing import Generic, TypeVar
+
+from ..experts import ExpertKey
+
+V = TypeVar("V")
+
+
+@dataclass
+class TierCounters:
+    """Counters of one tier. `bytes_in`/`bytes_out`: bytes inserted / evicted (not hits)."""
+
+    hits: int = 0
+    misses: int = 0
+    inserts: int = 0
+    evictions: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    shrinks: int = 0  # capacity reductions (KV pressure)
+    regrows: int = 0  # capacity increases
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class LRUTier(Generic[V]):
+    """Keys -> values with a byte size, least recently used first, under `capacity_bytes`.
+
+    Pinned keys are never chosen by `put`'s evictions; `resize` evicts unpinned keys coldest first
+    and only then pinned ones (coldest first). `capacity_bytes=None` means unbounded.
+    """
+
+    def __init__(self, name: str, capacity_bytes: int | None) -> None:
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self.counters = TierCounters()
+        self._items: OrderedDict[Hashable, tuple[V, int]] = OrderedDict()
+        self.pinned: set[Hashable] = set()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def keys(self) -> list[ExpertKey]:
+        """Keys, coldest (least recently used) first."""
+        return list(self._items)  # type: ignore[arg-type]
+
+    def get(self, key: ExpertKey, *, count: bool = True) -> V | None:
+        """The value (marked most recently used) or None; counts a hit or a miss."""
+        item = self._items.get(key)
+        if item is None:
+            if count:
+                self.counters.misses += 1
+            return None
+        self._items.move_to_end(key)
+        if count:
+            self.counters.hits += 1
+        return item[0]
+
+    def peek(self, key: ExpertKey) -> V | None:
+        """The value without touching recency or counters."""
+        item = self._items.get(key)
+        return None if item is None else item[0]
+
+    def fits(self, nbytes: int, key: ExpertKey | None = None) -> bool:
+        """Whether `nbytes` (for `key`) could be held at all (pinned bytes cannot be evicted by
+        `put`). `key` matters only to tiers that partition capacity (`LayerLRUTier`)."""
+        if self.capacity_bytes is None:
+            return True
+        return nbytes <= self.capacity_bytes - self.pinned_bytes()
+
+    def has_room(self, nbytes: int, key: ExpertKey | None = None) -> bool:
+        """Whether `nbytes` (for `key`) fit without evicting anything."""
+        return self.capacity_bytes is None or self.used_bytes + nbytes <= self.capacity_bytes
+
+    def victims_for(self, nbytes: int, key: ExpertKey | None = None) -> list[ExpertKey]:
+        """The unpinned keys `put(key, …, nbytes)` would evict, coldest first (no change made)."""
+        if self.capacity_bytes is None:
+            return []
+        need = self.used_bytes + nbytes - self.capacity_bytes
+        out: list[ExpertKey] = []
+        for key, (_, size) in self._items.items():
+            if need <= 0:
+                break
+            if key in self.pinned:
+                continue
+            out.append(key)  # type: ignore[arg-type]
+            need -= size
+        return out
+
+    def put(self, key: ExpertKey, value: V, nbytes: int) -> list[ExpertKey]:
+        """Insert as most recently used, evicting unpinned keys coldest first; returns them.
+
+        Returns [] and inserts nothing when `nbytes` cannot fit beside the pinned set.
+        """
+        if key in self._items:
+            self._items.move_to_end(key)
+            return []
+        if not self.fits(nbytes, key):
+            return []
+        evicted = self.victims_for(nbytes, key)
+        for victim in evicted:
+            self._drop(victim)
+        self._items[key] = (value, nbytes)
+        self.used_bytes += nbytes
+        self.counters.inserts += 1
+        self.counters.bytes_in += nbytes
+        return evicted
+
+    def pop(self, key: ExpertKey) -> V | None:
+        """Remove `key` (not counted as an eviction); returns its value."""
+        item = self._items.pop(key, None)
+        if item is None:
+            return None
+        self.used_bytes -= item[1]
+        self.pinned.discard(key)
+        return item[0]
+
+    def _drop(self, key: Hashable) -> None:
+        _, size = self._items.pop(key)
+        self.used_bytes -= size
+        self.pinned.discard(key)
+        self.counters.evictions += 1
+        self.counters.bytes_out += size
+
+    def evict_coldest(self, *, include_pinned: bool = False) -> ExpertKey | None:
+        """Evict the least recently used unpinned key (or pinned, if none and allowed)."""
+        for key in self._items:
+            if key not in self.pinned:
+                self._drop(key)
+                return key  # type: ignore[return-value]
+        if include_pinned and self._items:
+            key = next(iter(self._items))
+            self._drop(key)
+            return key  # type: ignore[return-value]
+        return None
+
+    def resize(self, capacity_bytes: int | None) -> list[ExpertKey]:
+        """Set the capacity; evict (unpinned coldest first, pinned last) until it holds. Returns
+        the evicted keys."""
+        old = self.capacity_bytes
+        self.capacity_bytes = capacity_bytes
+        if old is not None and (capacity_bytes is None or capacity_bytes > old):
+            self.counters.regrows += 1
+        elif capacity_bytes is not None and (old is None or capacity_bytes < old):
+            self.counters.shrinks += 1
+        evicted: list[ExpertKey] = []
+        while capacity_bytes is not None and self.used_bytes > capacity_bytes:
+            key = self.evict_coldest(include_pinned=True)
+            if key is None:
+                break
+            evicted.append(key)
+        return evicted
+
+    def pinned_bytes(self) -> int:
+        return sum(self._items[k][1] for k in self.pinned if k in self._items)
+
+    def stats(self) -> dict[str, int | None]:
+        return {
+            **self.counters.as_dict(),
+            "entries": len(self._items),
+            "used_bytes": self.used_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "pinned": len(self.pinned),
+        }
+
+
+class FastTier(LRUTier[V]):
+    """Tier 1: a pinned hot set that `put` never evicts, plus an LRU for the rest.
+
+    `set_hot(keys)` re-evaluates the hot set: resident keys among `keys` become pinned, at most
+    `max_pinned_fraction` of the capacity in bytes; the others are unpinned.
+    """
+
+    def __init__(self, capacity_bytes: int | None, *, max_pinned_fraction: float = 0.5) -> None:
+        super().__init__("fast", capacity_bytes)
+        self.max_pinned_fraction = max_pinned_fraction
+
+    def pin(self, key: ExpertKey) -> bool:
+        """Pin a resident key; False if absent or it would exceed the pinned-bytes cap."""
+        if key not in self._items:
+            return False
+        if key in self.pinned:
+            return True
+        size = self._items[key][1]
+        if self.capacity_bytes is not None:
+            cap = int(self.capacity_bytes * self.max_pinned_fraction)
+            if self.pinned_bytes() + size > cap:
+                return False
+        self.pinned.add(key)
+        return True
+
+    def unpin(self, key: ExpertKey) -> None:
+        self.pinned.discard(key)
+
+    def set_hot(self, keys: list[ExpertKey]) -> list[ExpertKey]:
+        """Pin the resident keys of `keys` (hottest first) within the cap; returns the pinned set."""
+        self.pinned.clear()
+        for key in keys:
+            self.pin(key)
+        return sorted(self.pinned)  # type: ignore[type-var]
+
+
+class HostTier(LRUTier[V]):
+    """Tier 2: one LRU shared by all layers (a hot layer may take the whole tier)."""
+
+    def __init__(self, capacity_bytes: int | None) -> None:
+        super().__init__("host", capacity_bytes)
+
+
+class LayerLRUTier(FastTier[V]):
+    """Tier 1 as one LRU per layer, each with `capacity / n_layers` bytes and no hot set: the
+    mixtral-offloading design, kept as a baseline for benchmarks (`placement="stream"`).
+
+    `put` evicts only the same layer's coldest entries; `set_hot` pins nothing.
+    """
+
+    def __init__(self, capacity_bytes: int | None, n_layers: int) -> None:
+        super().__init__(capacity_bytes, max_pinned_fraction=0.0)
+        self.name = "fast(per-layer LRU)"
+        self.n_layers = max(1, n_layers)
+
+    def layer_capacity(self) -> int | None:
+        """Bytes each layer's LRU may hold (None: unbounded)."""
+        return None if self.capacity_bytes is None else self.capacity_bytes // self.n_layers
+
+    def _layer_used(self, layer: int) -> int:
+        return sum(size for k, (_, size) in self._items.items() if k[0] == layer)  # type: ignore[index]
+
+    def fits(self, nbytes: int, key: ExpertKey | None = None) -> bool:
+        cap = self.layer_capacity()
+        return cap is None or nbytes <= cap
+
+    def has_room(self, nbytes: int, key: ExpertKey | None = None) -> bool:
+        cap = self.layer_capacity()
+        return cap is None or key is None or self._layer_used(key[0]) + nbytes <= cap
+
+    def victims_for(self, nbytes: int, key: ExpertKey | None = None) -> list[ExpertKey]:
+        cap = self.layer_capacity()
+        if cap is None or key is None:
+            return super().victims_for(nbytes, key)
+        need = self._layer_used(key[0]) + nbytes - cap
+        out: list[ExpertKey] = []
+        for k, (_, size) in self._items.items():
+            if need <= 0:
+                break
+            if k[0] == key[0]:  # type: ignore[index]
+                out.append(k)  # type: ignore[arg-type]
+                need -= size
+        return out
+
+    def resize(self, capacity_bytes: int | None) -> list[ExpertKey]:
+        evicted = super().resize(capacity_bytes)
+        cap = self.layer_capacity()
+        if cap is not None:  # the total may hold while one layer is over its share
+            for layer in sorted({k[0] for k in self._items}):  # type: ignore[index]
+                while self._layer_used(layer) > cap:
+                    victim = next(k for k in self._items if k[0] == layer)  # type: ignore[index]
+                    self._drop(victim)
+                    evicted.append(victim)  # type: ignore[arg-type]
+        return evicted
+
+    def set_hot(self, keys: list[ExpertKey]) -> list[ExpertKey]:
+        """No hot set in this design."""
+        self.pinned.clear()
+        return []

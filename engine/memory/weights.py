@@ -1,0 +1,46 @@
+"""Helpers for moving packed experts between tiers: sizes, codec names, pinned host buffers and
+rebuilding an expert's projection views over another flat storage (device or pinned host)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..experts import PROJECTIONS, ExpertKey, ExpertWeights
+from ..ftw import FTWFile
+
+
+def decoded_bytes(ftw: FTWFile, key: ExpertKey, elem: int) -> int:
+    total = 0
+    for t in ftw.expert_info(*key).tensors.values():
+        n = 1
+        for d in t.shape:
+            n *= d
+        total += n * elem
+    return total
+
+
+def codec_name(ftw: FTWFile, key: ExpertKey) -> str:
+    return "+".join(sorted({t.codec for t in ftw.expert_info(*key).tensors.values()}))
+
+
+def pinned_storage(w: ExpertWeights, dtype: torch.dtype) -> torch.Tensor:
+    """`w`'s projections copied into one flat page-locked host buffer (ExpertWeights.packed order)."""
+    parts = [getattr(w, n) for n in PROJECTIONS if getattr(w, n) is not None]
+    storage = torch.empty(sum(p.numel() for p in parts), dtype=dtype, pin_memory=True)
+    offset = 0
+    for p in parts:
+        storage[offset : offset + p.numel()].view(p.shape).copy_(p)
+        offset += p.numel()
+    return storage
+
+
+def rebase(w: ExpertWeights, storage: torch.Tensor) -> ExpertWeights:
+    """`w`'s views rebuilt over `storage` (same layout as ExpertWeights.packed)."""
+    views: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, src in ((n, getattr(w, n)) for n in PROJECTIONS):
+        if src is None:
+            continue
+        views[name] = storage[offset : offset + src.numel()].view(src.shape)
+        offset += src.numel()
+    return ExpertWeights(storage=storage, **views)

@@ -1,0 +1,395 @@
+"""Agent: the tool loop. Model-caused failures roll back to the anchor before the call, append a
+failure note and regenerate; transient tool failures retry the tool; both under tenacity."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import tenacity
+from pydantic import BaseModel, ConfigDict
+
+from .anchors import AnchorHandle
+from .constrained import ToolChoice, resolve_tool_choice
+from .errors import (
+    MaxStepsExceeded,
+    ModelCausedError,
+    ModelRetry,
+    ResultRejected,
+    ToolCallMalformed,
+    ToolExecutionError,
+    ToolRetryExhausted,
+    UnknownTool,
+)
+from .model import GenerateRequest, ModelBackend
+from .parsers import ParsedToolCall
+from .retry import RetryPolicy
+from .tools import Tool
+from .trace import AnchorRecord, Attempt, RollbackRecord, Step, ToolCallRecord, Trace
+
+logger = logging.getLogger(__name__)
+
+ResultValidator = Callable[[str, Any], bool]
+"""(tool name, result) -> False to reject the result (or raise ModelRetry with a message)."""
+
+ToolChoicePolicy = Callable[[int], ToolChoice]
+"""step number (1-based) -> that model turn's tool_choice."""
+
+_DONE = object()  # end of an astream's event queue
+
+
+class AgentResult(BaseModel):
+    """What `run()` returns: the final answer, the trace and the chat messages."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    output: str
+    trace: Trace
+    messages: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class AgentEvent:
+    """A streamed event. kind: text (delta), anchor, rollback, retry, tool_call, tool_result, final."""
+
+    kind: Literal["text", "anchor", "rollback", "retry", "tool_call", "tool_result", "final"]
+    step: int
+    data: Any = None
+
+
+@dataclass
+class _Run:
+    trace: Trace
+    messages: list[dict[str, Any]]
+    emit: Callable[[AgentEvent], None]  # hands an event to the astream consumer, at once
+    step: int = 0
+    call_anchor: AnchorHandle | None = None
+    last_error: ModelCausedError | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class Agent:
+    """`Agent(model, tools=[...], system_prompt=..., retry=RetryPolicy(...), max_steps=...)`.
+
+    `tool_choice` (a ToolChoice) applies to the first model turn (later turns are 'auto', so a run
+    can end); a callable `tool_choice(step)` gives every turn's choice instead.
+    `result_validator(tool_name, result)` returning False makes the result a model-caused failure.
+    `model_settings`: more GenerateRequest fields for every turn (e.g. `logit_bias`, `prefix`,
+    `max_call_tokens`); they override `max_new_tokens`, `temperature` and `seed`.
+
+    Model steps (prefill, decode, rollback) run on the agent's own worker thread, one at a time,
+    so `arun` / `astream` leave the event loop free for other tasks while the model works. One
+    run at a time per model: concurrent runs on one model would interleave its context.
+    """
+
+    def __init__(
+        self,
+        model: ModelBackend,
+        tools: Sequence[Tool] = (),
+        *,
+        system_prompt: str | None = None,
+        retry: RetryPolicy | None = None,
+        max_steps: int = 8,
+        tool_choice: ToolChoice | ToolChoicePolicy = "auto",
+        result_validator: ResultValidator | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        model_settings: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.model, self.system_prompt = model, system_prompt
+        self.tools = {t.name: t for t in tools}
+        self.retry = retry or RetryPolicy()
+        self.max_steps, self.tool_choice = max_steps, tool_choice
+        self.result_validator = result_validator
+        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
+        self.model_settings = dict(model_settings or {})
+        if {"tools", "force"} & set(self.model_settings):
+            raise ValueError("model_settings cannot set 'tools' or 'force': use tools= and tool_choice=")
+        self._request(None, "auto")  # fail early on an unknown setting
+        if not callable(tool_choice):
+            resolve_tool_choice(tool_choice, list(self.tools))  # fail early on an unknown name
+        self._model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="freetoken-model")
+
+    # ---- public entry points --------------------------------------------------------------------
+    async def astream(self, task: str) -> AsyncIterator[AgentEvent]:
+        """Run `task`, yielding AgentEvents as they happen; the last one is `final` with the
+        AgentResult. The run is a task of its own feeding a queue; closing the stream early
+        cancels it (a model step in flight finishes on the worker thread first)."""
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        run = _Run(Trace(), [], emit=queue.put_nowait)
+        worker = asyncio.create_task(self._loop(task, run))
+        worker.add_done_callback(lambda _: queue.put_nowait(_DONE))
+        try:
+            while (event := await queue.get()) is not _DONE:
+                yield event
+            await worker  # raises the run's error, if it failed
+        finally:
+            if not worker.done():
+                worker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await worker
+
+    async def arun(self, task: str) -> AgentResult:
+        """Run `task` to its final answer; raises the run's AgentError if it fails."""
+        result = None
+        async for event in self.astream(task):
+            if event.kind == "final":
+                result = event.data
+        assert result is not None
+        return result
+
+    def run(self, task: str) -> AgentResult:
+        """Synchronous `arun` (not from inside a running event loop: use `arun` there)."""
+        return asyncio.run(self.arun(task))
+
+    def stream(self, task: str) -> Iterator[AgentEvent]:
+        """Synchronous `astream`, driven on a private event loop."""
+        loop = asyncio.new_event_loop()
+        agen = self.astream(task)
+        try:
+            while True:
+                try:
+                    yield loop.run_until_complete(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            loop.run_until_complete(agen.aclose())
+            loop.close()
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def _schemas(self) -> list[dict[str, Any]]:
+        return [t.json_schema() for t in self.tools.values()]
+
+    def _choice(self, step: int) -> ToolChoice:
+        if callable(self.tool_choice):
+            choice = self.tool_choice(step)
+            resolve_tool_choice(choice, list(self.tools))
+            return choice
+        return self.tool_choice if step == 1 else "auto"
+
+    def _request(self, force: str | None, choice: ToolChoice) -> GenerateRequest:
+        settings = dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed)
+        return GenerateRequest(
+            tools=[] if choice == "none" else self._schemas(),
+            force=force,
+            **{**settings, **self.model_settings},
+        )
+
+    async def _step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one model step on the agent's worker thread (off the event loop)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._model_thread, functools.partial(fn, *args, **kwargs))
+
+    async def _sync(self, messages: list[dict[str, Any]], *, generation_prompt: bool = True) -> None:
+        m = self.model
+        await self._step(
+            lambda: m.sync(m.render(messages, self._schemas(), generation_prompt=generation_prompt))
+        )
+
+    async def _loop(self, task: str, run: _Run) -> AgentResult:
+        m = self.model
+        await self._step(m.reset)
+        if self.system_prompt is not None:
+            run.messages.append({"role": "system", "content": self.system_prompt})
+            await self._sync(run.messages, generation_prompt=False)
+            run.emit(self._anchor(run, await self._step(m.anchor, "system_prompt")))
+        run.messages.append({"role": "user", "content": task})
+        for step in range(1, self.max_steps + 1):
+            run.step, run.notes, run.call_anchor = step, [], None
+            choice = self._choice(step)
+            usage0 = m.usage()
+            await self._sync(run.messages)
+            record = Step(number=step)
+            run.trace.steps.append(record)
+            calls = await self._turn(run, record, resolve_tool_choice(choice, list(self.tools)), choice)
+            usage = m.usage()
+            record.tokens_prefilled = usage.prefilled - usage0.prefilled
+            record.tokens_decoded = usage.decoded - usage0.decoded
+            self._totals(run)
+            if calls is None:
+                record.final = True
+                run.messages.append({"role": "assistant", "content": record.text})
+                result = AgentResult(output=record.text, trace=run.trace, messages=run.messages)
+                run.emit(AgentEvent("final", step, result))
+                return result
+            run.messages.extend(record.to_messages())
+            await self._sync(run.messages, generation_prompt=False)
+            label = record.tool_calls[-1].tool
+            run.emit(self._anchor(run, await self._step(m.anchor, "tool_result", label=label)))
+        self._totals(run)
+        raise MaxStepsExceeded(f"no final answer after {self.max_steps} steps", run.trace)
+
+    async def _turn(self, run: _Run, record: Step, force: str | None, choice: ToolChoice) -> list | None:
+        """One model turn under the model-scope retry. Returns the executed calls, or None for a
+        final answer."""
+        attempts: list[Attempt] = []
+        retrying = self.retry.model_retrying()
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    number = attempt.retry_state.attempt_number
+                    if number > 1:
+                        await self._rollback_and_note(run, number - 1)
+                    try:
+                        return await self._attempt(run, record, force, choice)
+                    except ModelCausedError as e:
+                        run.last_error = e
+                        attempts.append(_attempt_record(number, "model", e))
+                        run.trace.retries.append(attempts[-1])
+                        run.emit(AgentEvent("retry", run.step, attempts[-1]))
+                        raise
+        except tenacity.RetryError as e:
+            raise ToolRetryExhausted(
+                "the model's tool call kept failing", attempts
+            ) from e.last_attempt.exception()
+        return None  # pragma: no cover - tenacity returns or raises
+
+    async def _attempt(self, run: _Run, record: Step, force: str | None, choice: ToolChoice) -> list | None:
+        m = self.model
+        events = m.generate(self._request(force, choice))
+        text = ""
+        try:
+            while (event := await self._step(next, events, None)) is not None:
+                if event.kind == "text":
+                    text += event.text
+                    run.emit(AgentEvent("text", run.step, event.text))
+                elif event.kind == "anchor" and event.anchor is not None:
+                    run.emit(self._anchor(run, event.anchor))
+                    if event.anchor.kind == "tool_call" and run.call_anchor is None:
+                        run.call_anchor = event.anchor
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                await self._step(close)
+        parsed = m.parser.parse(text)
+        kept_notes = "".join(run.notes) if self.retry.keep_failure_notes else ""
+        record.text = (kept_notes + parsed.content).strip()
+        if parsed.partial is not None:
+            raise ToolCallMalformed(f"the tool call was not finished: {parsed.partial[:80]!r}")
+        if not parsed.calls:
+            return None
+        record.tool_calls = []
+        for i, call in enumerate(parsed.calls):
+            record.tool_calls.append(await self._execute(run, call, f"call_{run.step}_{i}"))
+            run.emit(AgentEvent("tool_result", run.step, record.tool_calls[-1]))
+        return record.tool_calls
+
+    async def _execute(self, run: _Run, call: ParsedToolCall, call_id: str) -> ToolCallRecord:
+        if call.error:
+            raise ToolCallMalformed(call.error, tool=call.name or None, arguments=call.arguments)
+        tool = self.tools.get(call.name)
+        if tool is None:
+            raise UnknownTool(f"no tool named {call.name!r}; tools: {sorted(self.tools)}", tool=call.name)
+        args = tool.validate(call.arguments)
+        run.emit(AgentEvent("tool_call", run.step, {"tool": tool.name, "arguments": call.arguments}))
+        t0 = time.perf_counter()
+        result = await self._call_with_retries(run, tool, args, call.arguments)
+        if self.result_validator is not None and not self.result_validator(tool.name, result):
+            raise ResultRejected(
+                f"the result was rejected: {str(result)[:80]}", tool=tool.name, arguments=call.arguments
+            )
+        return ToolCallRecord(
+            id=call_id,
+            tool=tool.name,
+            arguments=call.arguments,
+            result=result,
+            seconds=time.perf_counter() - t0,
+        )
+
+    async def _call_with_retries(self, run: _Run, tool: Tool, args: BaseModel, raw_args: Any) -> Any:
+        """Transient errors retry the tool (model untouched); a tool's input errors become ModelRetry;
+        anything else is a ToolExecutionError."""
+        attempts: list[Attempt] = []
+        try:
+            async for attempt in self.retry.tool_retrying(tool.retries):
+                with attempt:
+                    try:
+                        return await tool.acall(args)
+                    except Exception as e:
+                        if self.retry.is_transient(e):
+                            attempts.append(
+                                _attempt_record(
+                                    attempt.retry_state.attempt_number, "tool", e, tool.name, raw_args
+                                )
+                            )
+                            run.trace.retries.append(attempts[-1])
+                            run.emit(AgentEvent("retry", run.step, attempts[-1]))
+                        raise
+        except tenacity.RetryError as e:
+            raise ToolRetryExhausted(
+                f"tool '{tool.name}' kept failing", attempts
+            ) from e.last_attempt.exception()
+        except ModelCausedError:
+            raise
+        except self.retry.model_errors as e:
+            raise ModelRetry(f"{type(e).__name__}: {e}", tool=tool.name, arguments=raw_args) from e
+        except Exception as e:
+            raise ToolExecutionError(tool.name, raw_args, e) from e
+
+    # ---- rollback, anchors, totals --------------------------------------------------------------
+    async def _rollback_and_note(self, run: _Run, failed_attempt: int) -> None:
+        m, error = self.model, run.last_error
+        assert error is not None
+        start = m.position
+        if run.call_anchor is not None:
+            outcome = await self._step(m.rollback, run.call_anchor)
+            saved = 0 if outcome.rebuilt else run.call_anchor.position
+            run.trace.rollbacks.append(
+                RollbackRecord(
+                    anchor_id=run.call_anchor.id,
+                    from_position=start,
+                    to_position=outcome.to_position,
+                    tokens_discarded=start - outcome.to_position,
+                    tokens_saved=saved,
+                    rebuilt=outcome.rebuilt,
+                    reason=f"{type(error).__name__}: {error}",
+                )
+            )
+            run.trace.tokens_saved_by_rollback += saved
+            run.emit(AgentEvent("rollback", run.step, run.trace.rollbacks[-1]))
+        else:  # no call was started: regenerate the turn from its start
+            await self._sync(run.messages)
+        note = self.retry.note(
+            attempt=failed_attempt, tool=error.tool, arguments=error.arguments, error=error
+        )
+        run.notes.append(note)
+        await self._step(m.append_text, note)
+
+    def _anchor(self, run: _Run, handle: AnchorHandle) -> AgentEvent:
+        record = AnchorRecord(
+            id=handle.id, kind=handle.kind, position=handle.position, label=handle.label, step=run.step
+        )
+        run.trace.anchors.append(record)
+        return AgentEvent("anchor", run.step, record)
+
+    def _totals(self, run: _Run) -> None:
+        usage = self.model.usage()
+        run.trace.tokens_prefilled, run.trace.tokens_decoded = usage.prefilled, usage.decoded
+        run.trace.tokens_reused = usage.reused
+
+
+def _attempt_record(
+    number: int,
+    scope: Literal["tool", "model"],
+    error: BaseException,
+    tool: str | None = None,
+    arguments: Any = None,
+) -> Attempt:
+    return Attempt(
+        number=number,
+        scope=scope,
+        tool=getattr(error, "tool", None) or tool,
+        arguments=getattr(error, "arguments", None)
+        if getattr(error, "arguments", None) is not None
+        else arguments,
+        error=str(error),
+        error_type=type(error).__name__,
+    )

@@ -1,0 +1,109 @@
+"""The agent's error hierarchy. The class of an error decides what the loop does with it.
+
+AgentError
+├── ModelCausedError          the model did something wrong: roll back to the anchor before the
+│   │                         call, append a compact failure note, regenerate (RetryPolicy.model_attempts)
+│   ├── ModelRetry            raised by a tool or a result validator to send a message back
+│   ├── ToolCallMalformed     the call could not be parsed (partial, unterminated, bad JSON)
+│   ├── UnknownTool           the call names a tool the agent does not have
+│   ├── ToolArgumentsInvalid  the arguments failed the tool's pydantic model
+│   └── ResultRejected        the caller's result validator rejected the tool's result
+├── RetryableToolError        transient: retry the tool itself with backoff, model state untouched
+│   └── ToolTimeout           the tool ran past its timeout
+├── ToolExecutionError        a bug in the tool or our code: propagates, naming tool and arguments
+├── ToolRetryExhausted        retries ran out; carries every attempt
+├── UnexpectedModelBehavior   the model broke the protocol in a way retries cannot fix
+└── MaxStepsExceeded          the run used `max_steps` model turns without a final answer
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .trace import Attempt
+
+
+class AgentError(Exception):
+    """Base of every error the agent raises."""
+
+
+class ModelCausedError(AgentError):
+    """An error the model caused. The loop rolls back to the anchor before the tool call, appends
+    `note` (or the RetryPolicy's note) and regenerates, up to `RetryPolicy.model_attempts` times;
+    then raises ToolRetryExhausted."""
+
+    def __init__(self, message: str, *, tool: str | None = None, arguments: Any = None) -> None:
+        super().__init__(message)
+        self.message, self.tool, self.arguments = message, tool, arguments
+
+
+class ModelRetry(ModelCausedError):
+    """Raise inside a tool (or a result validator) when the model's input was wrong and it should
+    try again; the message goes into the failure note the model sees."""
+
+
+class ToolCallMalformed(ModelCausedError):
+    """Raised when the model's tool call cannot be parsed (bad JSON, a partial or unterminated
+    call). Handled like every ModelCausedError: rollback, note, regenerate."""
+
+
+class UnknownTool(ModelCausedError):
+    """Raised when the model calls a tool name the agent does not have. Rollback, note, regenerate."""
+
+
+class ToolArgumentsInvalid(ModelCausedError):
+    """Raised when the call's arguments fail the tool's pydantic argument model (message: the
+    validation errors). Rollback, note, regenerate."""
+
+
+class ResultRejected(ModelCausedError):
+    """Raised when the caller's `result_validator` returns False for a tool's result. Rollback,
+    note, regenerate."""
+
+
+class RetryableToolError(AgentError):
+    """Raise inside a tool for a transient failure (a flaky service). The loop retries the tool
+    itself with the RetryPolicy's backoff (`tool_attempts`), leaving the model's state untouched;
+    TimeoutError and ConnectionError are treated the same way."""
+
+
+class ToolTimeout(RetryableToolError, TimeoutError):
+    """Raised when a tool runs past its `timeout` (seconds). Retried like RetryableToolError. A
+    timed-out sync tool's thread cannot be killed; it is abandoned."""
+
+
+class ToolExecutionError(AgentError):
+    """Raised when a tool fails in a way that is neither the model's fault nor transient (a bug).
+    Propagates out of `run()` with the tool name and arguments; the original is `__cause__`."""
+
+    def __init__(self, tool: str, arguments: Any, error: BaseException) -> None:
+        super().__init__(
+            f"tool '{tool}' failed with {type(error).__name__}: {error} (arguments: {arguments!r})"
+        )
+        self.tool, self.arguments, self.error = tool, arguments, error
+
+
+class ToolRetryExhausted(AgentError):
+    """Raised when the RetryPolicy's attempts run out, for transient tool errors or for model-caused
+    ones. `attempts` holds every try (kind, error, arguments), oldest first."""
+
+    def __init__(self, message: str, attempts: list[Attempt]) -> None:
+        super().__init__(
+            f"{message} after {len(attempts)} attempts: {attempts[-1].error if attempts else ''}"
+        )
+        self.attempts = attempts
+
+
+class UnexpectedModelBehavior(AgentError):
+    """Raised when the model breaks the protocol irrecoverably (e.g. tool_choice='required' with
+    no tools). Propagates."""
+
+
+class MaxStepsExceeded(AgentError):
+    """Raised when a run takes `max_steps` model turns without a final answer. Propagates; the
+    partial trace is on `.trace`."""
+
+    def __init__(self, message: str, trace: Any = None) -> None:
+        super().__init__(message)
+        self.trace = trace

@@ -1,0 +1,49 @@
+"""Tool-call parsers, one module per chat-template family. `parser_for(...)` picks one."""
+
+from __future__ import annotations
+
+from .base import ParsedToolCall, ParseResult, ToolCallParser
+from .deepseek import DeepSeekParser
+from .harmony import HarmonyParser
+from .hermes import HermesParser
+from .mistral import MistralParser
+
+PARSERS: dict[str, type[ToolCallParser]] = {
+    "hermes": HermesParser,
+    "mistral": MistralParser,
+    "deepseek": DeepSeekParser,
+    "harmony": HarmonyParser,
+}
+
+
+def parser_for(family: str | None = None, *, chat_template: str | None = None) -> ToolCallParser:
+    """A parser by family name, or guessed from a chat template's text; Hermes by default (the
+    engine's default template)."""
+    if family is not None:
+        try:
+            return PARSERS[family]()
+        except KeyError:
+            raise ValueError(
+                f"unknown tool-call family {family!r}; expected one of {sorted(PARSERS)}"
+            ) from None
+    template = chat_template or ""
+    if "[TOOL_CALLS]" in template:
+        return MistralParser()
+    if "tool▁calls▁begin" in template:
+        return DeepSeekParser()
+    if "<|channel|>" in template:
+        return HarmonyParser()
+    return HermesParser()
+
+
+__all__ = [
+    "PARSERS",
+    "DeepSeekParser",
+    "HarmonyParser",
+    "HermesParser",
+    "MistralParser",
+    "ParseResult",
+    "ParsedToolCall",
+    "ToolCallParser",
+    "parser_for",
+]

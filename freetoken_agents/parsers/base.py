@@ -1,0 +1,118 @@
+"""Tool-call parsing: one parser per chat-template family over one small interface."""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class ParsedToolCall(BaseModel):
+    """A complete tool call found in model text. `arguments` is a dict, or the raw string when it
+    was not valid JSON (validation then fails with a message the model sees)."""
+
+    name: str
+    arguments: dict[str, Any] | str
+    raw: str = ""
+    error: str | None = Field(default=None, description="why the call is malformed, if it is")
+
+
+class ParseResult(BaseModel):
+    """The parse of one assistant turn."""
+
+    content: str = Field(description="text outside tool calls")
+    calls: list[ParsedToolCall] = Field(default_factory=list)
+    partial: str | None = Field(default=None, description="an unterminated call's text, if any")
+
+    @property
+    def malformed(self) -> list[ParsedToolCall]:
+        return [c for c in self.calls if c.error]
+
+
+class ToolCallParser(ABC):
+    """Parses one family's tool-call format.
+
+    `start` / `end` are the markers of one call; `call_prefix(name)` and `call_suffix()` are the
+    text the agent forces around constrained arguments; `body_schema(tools)` is the JSON schema of
+    the text between them.
+    """
+
+    family: str = ""
+    start: str = ""
+    end: str = ""
+
+    @abstractmethod
+    def parse(self, text: str) -> ParseResult: ...
+
+    @abstractmethod
+    def call_prefix(self, name: str | None) -> str: ...
+
+    @abstractmethod
+    def call_suffix(self) -> str: ...
+
+    @abstractmethod
+    def body_schema(self, tools: list[dict[str, Any]]) -> dict[str, Any]: ...
+
+    def needs_name_in_prefix(self) -> bool:
+        """True when the call's name is part of the prefix (the body holds only arguments)."""
+        return False
+
+    def call_started(self, text: str) -> int | None:
+        """Index in `text` where a tool call starts, or None."""
+        i = text.find(self.start)
+        return i if i >= 0 else None
+
+    def held_back(self, text: str) -> int:
+        """Length of the suffix of `text` that could be the start of a call marker."""
+        for k in range(min(len(self.start) - 1, len(text)), 0, -1):
+            if text.endswith(self.start[:k]):
+                return k
+        return 0
+
+
+def load_arguments(raw: str) -> tuple[dict[str, Any] | str, str | None]:
+    """JSON object text -> (dict, None), or (raw, error) when it is not a JSON object."""
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return raw, f"arguments are not valid JSON: {e.msg} at position {e.pos}"
+    if not isinstance(value, dict):
+        return raw, f"arguments must be a JSON object, got {type(value).__name__}"
+    return value, None
+
+
+def split_blocks(text: str, start: str, end: str) -> tuple[str, list[str], str | None]:
+    """Text outside `start..end` blocks, the blocks' insides, and an unterminated block's text."""
+    pattern = re.compile(re.escape(start) + r"(.*?)" + re.escape(end), re.S)
+    blocks = [m.group(1) for m in pattern.finditer(text)]
+    rest = pattern.sub("", text)
+    partial = None
+    i = rest.find(start)
+    if i >= 0:
+        rest, partial = rest[:i], rest[i:]
+    return rest, blocks, partial
+
+
+def tools_by_name(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for t in tools:
+        fn = t.get("function", t)
+        out[fn["name"]] = fn.get("parameters") or {"type": "object", "properties": {}}
+    return out
+
+
+def name_args_schema(tools: list[dict[str, Any]], args_key: str = "arguments") -> dict[str, Any]:
+    """Schema of {"name": <one of tools>, "<args_key>": <that tool's parameters>}."""
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, args_key: params},
+            "required": ["name", args_key],
+            "additionalProperties": False,
+        }
+        for name, params in tools_by_name(tools).items()
+    ]
+    return options[0] if len(options) == 1 else {"anyOf": options}

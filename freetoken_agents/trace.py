@@ -1,0 +1,112 @@
+"""Trace: everything one run did, as small pydantic records; `to_json()` / `Trace.model_validate_json`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+AnchorKind = Literal["system_prompt", "tool_call", "tool_result", "code_block", "manual"]
+
+
+class AnchorRecord(BaseModel):
+    """An anchor placed in the model's context."""
+
+    id: str = Field(description="backend anchor id")
+    kind: AnchorKind
+    position: int = Field(description="tokens before the anchor")
+    label: str | None = None
+    step: int = Field(description="model turn it was placed in")
+
+
+class RollbackRecord(BaseModel):
+    """A rollback to an anchor."""
+
+    anchor_id: str
+    from_position: int = Field(description="context length before the rollback")
+    to_position: int = Field(description="context length after it (the anchor's position)")
+    tokens_discarded: int = Field(description="tokens of the failed attempt removed from the context")
+    tokens_saved: int = Field(description="prefix tokens kept: what a re-send would have recomputed")
+    rebuilt: bool = Field(default=False, description="anchor failed validation; prefix re-prefilled")
+    reason: str = ""
+
+
+class Attempt(BaseModel):
+    """One try of a tool call that failed (or the final success, with error None)."""
+
+    number: int
+    scope: Literal["tool", "model"] = Field(description="tool: transient retry; model: rollback")
+    tool: str | None = None
+    arguments: Any = None
+    error: str | None = None
+    error_type: str | None = None
+
+
+class ToolCallRecord(BaseModel):
+    """A tool call that ran (successfully or not) and its result."""
+
+    id: str
+    tool: str
+    arguments: Any
+    result: Any = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+class Step(BaseModel):
+    """One model turn: what the model produced and what followed."""
+
+    number: int
+    text: str = ""
+    tool_calls: list[ToolCallRecord] = Field(default_factory=list)
+    tokens_prefilled: int = 0
+    tokens_decoded: int = 0
+    final: bool = False
+
+    def to_messages(self) -> list[dict[str, Any]]:
+        """The chat messages this step contributes (assistant turn, then tool results)."""
+        if not self.tool_calls:
+            return [{"role": "assistant", "content": self.text}]
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.tool, "arguments": c.arguments}}
+            for c in self.tool_calls
+        ]
+        out: list[dict[str, Any]] = [{"role": "assistant", "content": self.text, "tool_calls": calls}]
+        for c in self.tool_calls:
+            out.append({"role": "tool", "tool_call_id": c.id, "name": c.tool, "content": _as_text(c.result)})
+        return out
+
+
+class Trace(BaseModel):
+    """The record of a run. Token counts are the backend's."""
+
+    started_at: float = Field(default_factory=time.time)
+    steps: list[Step] = Field(default_factory=list)
+    anchors: list[AnchorRecord] = Field(default_factory=list)
+    rollbacks: list[RollbackRecord] = Field(default_factory=list)
+    retries: list[Attempt] = Field(default_factory=list)
+    tokens_prefilled: int = 0
+    tokens_decoded: int = 0
+    tokens_reused: int = Field(default=0, description="prefix tokens kept when the context was synced")
+    tokens_saved_by_rollback: int = 0
+
+    @property
+    def tool_calls(self) -> list[ToolCallRecord]:
+        return [c for s in self.steps for c in s.tool_calls]
+
+    def to_json(self, **kwargs: Any) -> str:
+        return self.model_dump_json(**kwargs)
+
+
+def _as_text(result: Any) -> str:
+    import json
+
+    if isinstance(result, str):
+        return result
+    if isinstance(result, BaseModel):
+        return result.model_dump_json()
+    try:
+        return json.dumps(result, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return str(result)

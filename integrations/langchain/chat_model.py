@@ -1,0 +1,288 @@
+"""`ChatFreeToken`: a LangChain chat model over the FreeToken engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from operator import itemgetter
+from typing import Any, Literal
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.exceptions import ContextOverflowError
+from langchain_core.language_models import LanguageModelInput
+from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models.model_profile import ModelProfile
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import ConfigDict, Field
+
+from .engines import EngineHandle, shared_engine
+from .messages import to_chat_dicts
+from .tool_choice import normalize_tool_choice
+from .turn import TurnOptions, TurnState, run_turn
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+
+
+class ChatFreeToken(BaseChatModel):
+    """A FreeToken model (Hugging Face checkpoint folder or .ftw file) as a LangChain chat model.
+
+    Construction is cheap: the engine loads on the first call and is shared by every instance
+    with the same path and load options. Prompts are rendered with the checkpoint's chat
+    template; repeated history prefixes are reused from the engine's KV cache (anchors), and the
+    reused tokens are reported as `usage_metadata["input_token_details"]["cache_read"]`.
+
+    Example::
+
+        llm = ChatFreeToken(model="/models/qwen3-moe", max_tokens=256)
+        llm.bind_tools([get_weather], tool_choice="any").invoke("Weather in Paris?")
+    """
+
+    model_config = ConfigDict(populate_by_name=True, extra="ignore", arbitrary_types_allowed=True)
+
+    model: str = Field(alias="model_name")
+    """Path of a Hugging Face checkpoint folder or an .ftw file (also accepted as `model_name`)."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 is greedy."""
+    max_tokens: int | None = 256
+    """Most tokens of free text per turn (tool-call arguments have `max_call_tokens`)."""
+    max_call_tokens: int = 192
+    """Token budget of one tool call's (or one structured output's) JSON; past half of it the
+    decoder only picks tokens that close values, so the JSON is complete and schema-valid."""
+    stop: list[str] | None = None
+    """Stop strings: the text ends before the first one (not applied inside tool calls)."""
+    streaming: bool = False
+    """Use `_stream` for `invoke` (callbacks get tokens as they are decoded)."""
+    seed: int | None = None
+    """Sampling seed (temperature > 0)."""
+    prefix_cache: bool = True
+    """Reuse the longest cached prefix of each prompt; False prefills every prompt from scratch."""
+    dtype: str = "float32"
+    """torch dtype name the engine loads weights in."""
+    device: str = "cpu"
+    """'cpu' or 'cuda[:N]'."""
+    memory: dict[str, Any] | None = None
+    """`freetoken_agents.engine.memory.MemoryBudget` fields (e.g. {"kv_bytes": 2**30})."""
+    tool_format: str | None = None
+    """Tool-call family ('hermes', 'mistral', 'deepseek', 'harmony'); None: from the template."""
+    timeout: float | None = None
+    """Accepted for drop-in compatibility with hosted chat models; unused (local engine)."""
+    max_retries: int | None = None
+    """Accepted for drop-in compatibility; unused."""
+    api_key: Any = None
+    """Accepted for drop-in compatibility; unused."""
+
+    # ---- LangChain metadata -----------------------------------------------------------------------
+    @property
+    def _llm_type(self) -> str:
+        return "freetoken"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "dtype": self.dtype,
+            "device": self.device,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="freetoken",
+            ls_model_name=kwargs.get("model") or self.model,
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+        )
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if max_tokens is not None:
+            params["ls_max_tokens"] = max_tokens
+        stops = stop or kwargs.get("stop") or self.stop
+        if stops:
+            params["ls_stop"] = list(stops)
+        return params
+
+    def _resolve_model_profile(self) -> ModelProfile | None:
+        return ModelProfile(
+            open_weights=True,
+            text_inputs=True,
+            text_outputs=True,
+            image_inputs=False,
+            audio_inputs=False,
+            pdf_inputs=False,
+            video_inputs=False,
+            tool_calling=True,
+            tool_choice=True,
+            tool_call_streaming=True,
+            structured_output=True,
+        )
+
+    # ---- tools and structured output ---------------------------------------------------------------
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        *,
+        tool_choice: dict | str | bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools. `tool_choice`: "auto" (default), "none", "any"/"required" (some tool must
+        be called), a tool name, or a dict naming one; forced choices are enforced by
+        grammar-constrained decoding, so the call always parses and matches the tool's schema."""
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        names = [t["function"]["name"] for t in formatted]
+        choice = normalize_tool_choice(tool_choice, names)
+        return super().bind(tools=formatted, tool_choice=choice, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        include_raw: bool = False,
+        method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | Any]:
+        """Structured output. "function_calling": a forced, constrained tool call; "json_schema"
+        and "json_mode": the whole reply is decoded under the schema's grammar (so json_mode is
+        as strict as json_schema here). `strict` is accepted; output is always schema-valid."""
+        if method == "function_calling":
+            return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
+        if kwargs:
+            raise ValueError(f"unsupported arguments {kwargs}")
+        json_schema = convert_to_json_schema(schema)
+        llm = self.bind(
+            response_format={"type": "json_schema", "schema": json_schema},
+            ls_structured_output_format={"kwargs": {"method": method}, "schema": json_schema},
+        )
+        is_model = isinstance(schema, type) and is_basemodel_subclass(schema)
+        parser: Runnable = PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()
+        if not include_raw:
+            return llm | parser
+        assign = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | assign.with_fallbacks([fallback], exception_key="parsing_error")
+
+    # ---- generation ------------------------------------------------------------------------------
+    def _handle(self) -> EngineHandle:
+        return shared_engine(
+            self.model, dtype=self.dtype, device=self.device, memory=self.memory, family=self.tool_format
+        )
+
+    def _turn(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], state: TurnState
+    ) -> Iterator[AIMessageChunk]:
+        handle = self._handle()
+        tools = list(kwargs.get("tools") or [])
+        fmt = kwargs.get("response_format")
+        schema = None
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            schema = fmt.get("schema") or (fmt.get("json_schema") or {}).get("schema")
+        ids = handle.backend.render(to_chat_dicts(messages), tools or None)
+        budget = handle.engine.max_context
+        if len(ids) >= budget:
+            raise ContextOverflowError(
+                f"the prompt is {len(ids)} tokens; {self.model} has a context of {budget} tokens"
+            )
+        room = budget - len(ids)
+        call_budget = min(self.max_call_tokens, max(1, room // 2))
+        max_tokens = kwargs.get("max_tokens", self.max_tokens) or 256
+        opts = TurnOptions(
+            model_name=kwargs.get("model") or self.model,
+            tools=tools,
+            tool_choice=kwargs.get("tool_choice") or "auto",
+            json_schema=schema,
+            stop=tuple(stop or self.stop or ()),
+            max_tokens=max(1, min(max_tokens, room - call_budget - 1)),
+            max_call_tokens=call_budget,
+            temperature=kwargs.get("temperature", self.temperature),
+            seed=kwargs.get("seed", self.seed),
+            reuse=self.prefix_cache,
+        )
+        return run_turn(handle, ids, opts, state)
+
+    @staticmethod
+    def _result(state: TurnState) -> ChatResult:
+        message = AIMessage(
+            content=state.content,
+            tool_calls=state.tool_calls,
+            invalid_tool_calls=state.invalid_tool_calls,
+            usage_metadata=state.usage,  # type: ignore[arg-type]
+            response_metadata=state.response_metadata,
+        )
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        state = TurnState()
+        for _ in self._turn(messages, stop, kwargs, state):
+            pass
+        return self._result(state)
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        for chunk in self._turn(messages, stop, kwargs, TurnState()):
+            out = ChatGenerationChunk(message=chunk)
+            if run_manager and isinstance(chunk.content, str) and chunk.content:
+                run_manager.on_llm_new_token(chunk.content, chunk=out)
+            yield out
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        async for chunk in self._aturn(messages, stop, kwargs, TurnState()):
+            out = ChatGenerationChunk(message=chunk)
+            if run_manager and isinstance(chunk.content, str) and chunk.content:
+                await run_manager.on_llm_new_token(chunk.content, chunk=out)
+            yield out
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        state = TurnState()
+        async for _ in self._aturn(messages, stop, kwargs, state):
+            pass
+        return self._result(state)
+
+    async def _aturn(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], state: TurnState
+    ) -> AsyncIterator[AIMessageChunk]:
+        """The turn with every engine step (load, prefill, each decode) in a worker thread, so the
+        event loop keeps running between tokens and concurrent calls queue on the engine lock."""
+        gen = await asyncio.to_thread(self._turn, messages, stop, kwargs, state)
+        try:
+            while True:
+                chunk = await asyncio.to_thread(next, gen, _END)
+                if chunk is _END:
+                    return
+                yield chunk
+        finally:
+            try:
+                await asyncio.to_thread(gen.close)
+            except ValueError:  # still executing in a cancelled worker; it finishes and is collected
+                logger.debug("turn generator still running at close")

@@ -1,0 +1,170 @@
+"""Mid-turn decoding on the REAL engine (tiny random qwen3_moe): code-block anchors, the
+tool_choice='auto' switch to constrained arguments, and decoding off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Literal
+
+import pytest
+import torch
+from tiny_models import build_tiny_model
+
+from freetoken_agents import Agent, FreeTokenModel, GenerateRequest, RetryPolicy, tool
+from freetoken_agents._decode import FenceDetector, fence_held_back, opening_fences
+from freetoken_agents.constrained import JsonConstraint
+from freetoken_agents.engine import Engine
+
+TOOL_CALL_ID = 3  # "<tool_call>" in the tiny tokenizer (special tokens come first)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """The tiny model's ops are too small to split: one thread avoids OpenMP contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    path = build_tiny_model("qwen3_moe", tmp_path_factory.mktemp("agent_dec"), max_position_embeddings=4096)
+    return Engine.from_pretrained(path)
+
+
+def fresh_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    with engine.new_session() as s:
+        return s.prefill(ids, last_only=True)[-1]
+
+
+# ---- the fence detector, on any split of the text ---------------------------------------------------
+TEXT = "Intro with ``` inline\n```python\nx = 1\n```\nthen\n  ````\n```\nstill code\n````\n"
+FENCES = [TEXT.index("```python"), TEXT.index("  ````") + 2]  # the inline run opens nothing
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, len(TEXT)])
+def test_fence_detector_on_split_tokens(size: int) -> None:
+    assert opening_fences(TEXT) == FENCES
+    detector, found, text = FenceDetector(), [], ""
+    for i in range(0, len(TEXT), size):
+        text += TEXT[i : i + size]
+        while (j := detector.feed(text)) is not None:
+            found.append((j, len(text)))
+    assert [j for j, _ in found] == FENCES
+    # Each fence is reported by the first piece that completes its third backtick.
+    assert all(seen - j <= 2 + size for j, seen in found)
+    assert fence_held_back("a\n``") == 2 and fence_held_back("a ``") == 0 and fence_held_back("a\n```") == 0
+
+
+# ---- code-block anchors on the engine ---------------------------------------------------------------
+def test_code_block_anchor_sits_before_the_fence(engine: Engine) -> None:
+    model = FreeTokenModel(engine)
+    prefix = "Here:\n```python\n"  # forced, token by token, through the same checks as sampled text
+    agent = Agent(model, system_prompt="Be brief.", max_new_tokens=4, model_settings={"prefix": prefix})
+    events = list(agent.stream("Show me code"))
+    trace = events[-1].data.trace
+    (code,) = [a for a in trace.anchors if a.kind == "code_block"]
+    ids, tok = model.token_ids, engine.tokenizer
+    turn_start = trace.anchors[0].position  # the system prompt anchor, then the user turn
+    assert tok.decode(ids[code.position : code.position + 3]) == "```"
+    assert tok.decode(ids[: code.position]).endswith("<|im_start|>assistant\nHere:\n")
+    assert turn_start < code.position
+    # Streamed in order: the text before the fence, then the anchor, then the fence.
+    kinds = [(e.kind, e.data if e.kind == "text" else None) for e in events if e.step == 1]
+    at = kinds.index(("anchor", None), 1)
+    assert "".join(d for k, d in kinds[:at] if k == "text") == "Here:\n"
+    assert events[-1].data.output.startswith(prefix.strip())
+    # The anchor's cut-and-replay left the KV exactly as a fresh prefill of the same tokens.
+    torch.testing.assert_close(model.next_logits(), fresh_logits(engine, ids), rtol=1e-4, atol=1e-4)
+
+
+# ---- tool_choice="auto": a call start mid-stream switches to constrained arguments --------------------
+def test_auto_call_start_switches_to_constrained_arguments(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = FreeTokenModel(engine)
+    masked = {"n": 0}
+    mask = JsonConstraint.mask_
+
+    def counting_mask(self: JsonConstraint, logits: torch.Tensor) -> torch.Tensor:
+        masked["n"] += 1
+        return mask(self, logits)
+
+    monkeypatch.setattr(JsonConstraint, "mask_", counting_mask)
+    generate, turns = model.generate, []
+
+    def first_turn_starts_a_call(request: GenerateRequest):  # the model "decides" to call
+        turns.append(request)
+        if len(turns) == 1:
+            request = request.model_copy(update={"logit_bias": {TOOL_CALL_ID: 100.0}})
+        return generate(request)
+
+    monkeypatch.setattr(model, "generate", first_turn_starts_a_call)
+    seen: list[dict] = []
+
+    @tool
+    def get_weather(city: Literal["Paris", "Tokyo"], unit: Literal["c", "f"] = "c") -> str:
+        "Current weather."
+        seen.append({"city": city, "unit": unit})
+        return "sunny"
+
+    @tool
+    def get_time(zone: Literal["UTC", "CET"]) -> str:
+        "Current time."
+        seen.append({"zone": zone})
+        return "noon"
+
+    agent = Agent(model, [get_weather, get_time], max_new_tokens=3, max_steps=3, retry=RetryPolicy())
+    result = agent.run("Weather in Paris?")
+    assert turns[0].force is None and agent.tool_choice == "auto"  # the auto path, nothing forced
+    call_anchor = next(a for a in result.trace.anchors if a.kind == "tool_call")
+    assert call_anchor.step == 1 and call_anchor.label is None  # the model picks the tool
+    (call,) = result.trace.tool_calls[:1]
+    tool_obj = {"get_weather": get_weather, "get_time": get_time}[call.tool]
+    tool_obj.validate(call.arguments)  # the constrained arguments validate
+    assert seen and result.trace.retries == [] and masked["n"] > 0
+    assert result.trace.steps[0].tokens_decoded >= masked["n"]  # masked tokens were decoded ones
+
+
+# ---- async: the engine steps run off the event loop ---------------------------------------------------
+def test_other_coroutines_run_while_the_agent_decodes(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = FreeTokenModel(engine)
+    ticks = {"n": 0}
+    during: list[int] = []  # ticks that happened while each decode step ran
+    threads: set[int] = set()
+    decode = model._decode
+
+    def watched_decode(token_id: int) -> None:
+        threads.add(threading.get_ident())
+        before = ticks["n"]
+        decode(token_id)
+        during.append(ticks["n"] - before)
+
+    monkeypatch.setattr(model, "_decode", watched_decode)
+    agent = Agent(model, system_prompt="Be brief.", max_new_tokens=32)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            while not stop.is_set():
+                ticks["n"] += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        try:
+            await agent.arun("Tell me a story")
+        finally:
+            stop.set()
+            await task
+
+    asyncio.run(main())
+    assert threading.get_ident() not in threads and len(threads) == 1
+    # On the loop thread no tick could ever land inside a step; off it, they do (how many depends
+    # on the machine's load, so the bound is loose).
+    assert len(during) >= 10 and sum(1 for n in during if n > 0) >= 2

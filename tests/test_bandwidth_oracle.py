@@ -1,0 +1,56 @@
+"""BandwidthOracle with an injected clock: step changes tracked fast, outliers rejected."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from freetoken_agents.engine.memory import BandwidthOracle, ManualClock, ThrottledLink
+
+MiB = 1 << 20
+
+
+def _until_tracked(link: ThrottledLink, nbytes: int, target: float, tol: float = 0.1) -> float:
+    """Transfer until the estimate is within `tol` of `target`; returns the transfer seconds spent."""
+    spent = 0.0
+    for _ in range(1000):
+        spent += link.transfer(nbytes)
+        est = link.oracle.estimate()
+        if est is not None and abs(est - target) <= tol * target:
+            return spent
+    raise AssertionError("never tracked")
+
+
+@pytest.mark.parametrize("nbytes", [MiB, 16 * MiB, 64 * MiB])
+def test_step_change_tracked_within_300ms_of_transfers(nbytes):
+    clock = ManualClock()
+    oracle = BandwidthOracle("host->fast", clock=clock)
+    link = ThrottledLink(oracle, clock, 10e9)
+    for _ in range(32):
+        link.transfer(nbytes)
+    assert oracle.estimate() == pytest.approx(10e9, rel=1e-6)
+    link.bytes_per_s = 0.5e9  # drop 20x
+    assert _until_tracked(link, nbytes, 0.5e9) <= 0.3
+    link.bytes_per_s = 10e9  # and back
+    assert _until_tracked(link, nbytes, 10e9) <= 0.3
+    assert oracle.changes == 2
+
+
+def test_isolated_outliers_are_rejected():
+    clock = ManualClock()
+    oracle = BandwidthOracle("storage->host", clock=clock)
+    jitter = itertools.cycle([1.0, 1.05, 0.95, 1.02, 0.98, 1.0, 1.0, 40.0])  # every 8th: a 40x stall
+    link = ThrottledLink(oracle, clock, 2e9, jitter=lambda: next(jitter))
+    for _ in range(200):
+        link.transfer(4 * MiB)
+        if oracle.samples > 8:
+            assert oracle.estimate() == pytest.approx(2e9, rel=0.06)
+    assert oracle.outliers >= 200 // 8 - 1
+    assert oracle.changes == 0
+
+
+def test_prior_and_unknown():
+    assert BandwidthOracle("x").estimate() is None
+    assert BandwidthOracle("x").seconds_for(10) == float("inf")
+    assert BandwidthOracle("x", prior_bps=1e9).seconds_for(10**9) == pytest.approx(1.0)

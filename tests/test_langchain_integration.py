@@ -1,0 +1,135 @@
+"""langchain-tests `ChatModelIntegrationTests` for ChatFreeToken on the real engine (tiny random
+qwen3_moe, Hermes/ChatML template). Every protocol test runs as is; the few that assert what a
+random model would have to *understand* (an argument value taken from the prompt, deciding on its
+own to call a tool) are marked xfail with that reason."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import pytest
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+from tiny_models import build_tiny_model
+
+from freetoken_agents.integrations.langchain import ChatFreeToken
+from freetoken_agents.integrations.langchain.messages import to_chat_dicts
+
+NEEDS_INSTRUCTION_FOLLOWING = (
+    "needs an instruction-following model: asserts content the tiny random model cannot infer "
+    "from the prompt (the protocol part is covered by tests that force the call)"
+)
+
+
+@functools.cache
+def tiny_chat_checkpoint() -> Path:
+    out = Path(tempfile.mkdtemp(prefix="freetoken-lc-int-"))
+    return build_tiny_model("qwen3_moe", out, max_position_embeddings=4096)
+
+
+class TestChatFreeTokenIntegration(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self) -> type[ChatFreeToken]:
+        return ChatFreeToken
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"model": str(tiny_chat_checkpoint()), "max_tokens": 8, "max_call_tokens": 24}
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def supported_usage_metadata_details(self) -> dict:
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        llm = self.chat_model_class(**self.chat_model_params)
+        prompt = [HumanMessage("A long shared prefix. " * 20)]
+        llm.invoke(prompt)
+        if stream:
+            full = None
+            for chunk in llm.stream(prompt):
+                full = chunk if full is None else full + chunk
+            assert full is not None
+            assert full.usage_metadata["input_token_details"]["cache_read"] > 0
+            return full  # type: ignore[return-value]
+        msg = llm.invoke(prompt)
+        assert msg.usage_metadata["input_token_details"]["cache_read"] > 0
+        return msg
+
+    @pytest.mark.xfail(reason=NEEDS_INSTRUCTION_FOLLOWING + ": args must equal {'input': 3}")
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    def test_tool_calling(self, model: BaseChatModel) -> None:
+        super().test_tool_calling(model)
+
+    @pytest.mark.xfail(reason=NEEDS_INSTRUCTION_FOLLOWING + ": args must equal {'input': 3}")
+    async def test_tool_calling_async(self, model: BaseChatModel) -> None:
+        await super().test_tool_calling_async(model)
+
+    @pytest.mark.xfail(reason=NEEDS_INSTRUCTION_FOLLOWING + ": the name must copy the prompt's Chinese text")
+    def test_unicode_tool_call_integration(
+        self, model: BaseChatModel, *, tool_choice: str | None = None, force_tool_call: bool = True
+    ) -> None:
+        super().test_unicode_tool_call_integration(
+            model, tool_choice=tool_choice, force_tool_call=force_tool_call
+        )
+
+    @pytest.mark.xfail(reason=NEEDS_INSTRUCTION_FOLLOWING + ": with tool_choice auto it must decide to call")
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    def test_agent_loop(self, model: BaseChatModel) -> None:
+        super().test_agent_loop(model)
+
+
+def _customer(customer_name: str, description: str) -> str:
+    """Create a customer."""
+    return customer_name
+
+
+def test_unicode_tool_call_round_trip() -> None:
+    """The protocol half of the unicode test: a forced call keeps non-ASCII text intact, and a
+    history holding a unicode call and result renders and continues."""
+    llm = ChatFreeToken(model=str(tiny_chat_checkpoint()), max_tokens=4, max_call_tokens=16)
+    bound = llm.bind_tools([_customer], tool_choice="_customer")
+    msg = bound.invoke("Create a customer named '你好啊集团'")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "_customer"
+    assert set(msg.tool_calls[0]["args"]) == {"customer_name", "description"}
+    history = [
+        HumanMessage("Create a customer named '你好啊集团'"),
+        AIMessage(
+            "",
+            tool_calls=[
+                {
+                    "name": "_customer",
+                    "args": {"customer_name": "你好啊集团", "description": "こんにちは"},
+                    "id": "c1",
+                    "type": "tool_call",
+                }
+            ],
+        ),
+        ToolMessage("你好啊集团", tool_call_id="c1"),
+    ]
+    ids = llm._handle().backend.render(to_chat_dicts(history), None)
+    assert "你好啊集团" in llm._handle().backend.tokenizer.decode(ids)
+    assert isinstance(bound.invoke(history), AIMessage)
+
+
+def test_streamed_tool_call_chunks_have_an_index() -> None:
+    llm = ChatFreeToken(model=str(tiny_chat_checkpoint()), max_tokens=4, max_call_tokens=16)
+    chunks = list(llm.bind_tools([_customer], tool_choice="any").stream("hi"))
+    calls = [c for ch in chunks for c in ch.tool_call_chunks]
+    assert calls and calls[0]["index"] == 0 and calls[0]["id"]
+    assert chunks[-1].chunk_position == "last" and chunks[-1].usage_metadata
+    assert sum(1 for ch in chunks if ch.usage_metadata) == 1
+
+
+def test_context_overflow_is_langchains_error() -> None:
+    from langchain_core.exceptions import ContextOverflowError
+
+    llm = ChatFreeToken(model=str(tiny_chat_checkpoint()), max_tokens=4)
+    with pytest.raises(ContextOverflowError):
+        llm.invoke("word " * 5000)

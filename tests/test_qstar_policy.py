@@ -1,0 +1,93 @@
+"""q*: RESIDENT / STREAM / HOST as the costs dictate; prefill and decode differ; adaptivity."""
+
+from __future__ import annotations
+
+from freetoken_agents.engine.memory import (
+    BandwidthOracle,
+    ComputeCostModel,
+    ExpertCase,
+    ManualClock,
+    Placement,
+    QStarPolicy,
+    ThrottledLink,
+)
+
+MB = 10**6
+
+
+def _policy(storage_bps: float = 2e9, fast_bps: float = 25e9, act_bps: float | None = 25e9) -> QStarPolicy:
+    return QStarPolicy(
+        BandwidthOracle("storage->host", prior_bps=storage_bps),
+        BandwidthOracle("host->fast", prior_bps=fast_bps),
+        BandwidthOracle("activations", prior_bps=act_bps) if act_bps else None,
+        ComputeCostModel(),
+        fast_device="cuda",
+        host_device="cpu",
+    )
+
+
+def _case(tokens: int = 1, **kw) -> ExpertCase:
+    base = dict(tokens=tokens, codec="bf16", resident=False, in_host=True, stored_bytes=10 * MB,
+                fast_bytes=10 * MB, activation_bytes=tokens * 16_384)
+    base.update(kw)
+    return ExpertCase(**base)
+
+
+def test_injected_costs_pick_each_placement():
+    p = _policy()
+    p.compute.set("cuda", "decoded", 1, 50e-6)
+    p.compute.set("cpu", "bf16", 1, 5e-3)  # host compute slow: stream (0.4 ms + 0.05 ms) wins
+    assert p.decide((0, 0), _case(resident=True)) is Placement.RESIDENT
+    assert p.decide((0, 1), _case()) is Placement.STREAM
+    p.compute.set("cpu", "bf16", 1, 0.1e-3)  # host compute cheap: compute there
+    assert p.decide((0, 2), _case()) is Placement.HOST
+    assert p.decisions == {"resident": 1, "stream": 1, "host": 1}
+
+
+def test_eviction_of_a_hot_expert_is_charged():
+    p = _policy()
+    p.compute.set("cuda", "decoded", 1, 50e-6)
+    p.compute.set("cpu", "bf16", 1, 0.5e-3)
+    assert p.decide((0, 1), _case()) is Placement.STREAM
+    hot_victim = [(2e-3, 50.0)]  # reload 2 ms, far hotter than the candidate
+    assert p.decide((0, 1), _case(victims=hot_victim, frequency=0.1)) is Placement.HOST
+
+
+def test_measured_like_costs_make_decode_and_prefill_differ():
+    """CPU GEMM cost grows with tokens, the PCIe copy of the weights does not (Fiddler)."""
+    p = _policy()
+    for _ in range(5):  # as the provider feeds measurements
+        p.compute.observe("cuda", "decoded", 1, 40e-6)
+        p.compute.observe("cuda", "decoded", 512, 0.6e-3)
+        p.compute.observe("cpu", "bf16", 1, 0.25e-3)  # GEMV over 10 MB at ~40 GB/s
+        p.compute.observe("cpu", "bf16", 512, 60e-3)  # GEMM, compute bound
+    decode = p.decide((3, 1), _case(tokens=1))
+    prefill = p.decide((3, 1), _case(tokens=512))
+    assert (decode, prefill) == (Placement.HOST, Placement.STREAM)
+    assert p.decisions_by_phase == {"decode/host": 1, "prefill/stream": 1}
+    # An unmeasured bucket is extrapolated from the nearest measured one below.
+    assert p.compute.estimate("cpu", "bf16", 1024) == p.compute.estimate("cpu", "bf16", 512) * 2
+
+
+def test_free_room_fills_fast_memory():
+    p = _policy()
+    p.compute.set("cuda", "decoded", 1, 50e-6)
+    p.compute.set("cpu", "bf16", 1, 0.1e-3)
+    assert p.decide((0, 0), _case(free_room=True)) is Placement.STREAM
+
+
+def test_throttled_link_shifts_stream_to_host_and_back():
+    clock = ManualClock()
+    fast = BandwidthOracle("host->fast", clock=clock)
+    link = ThrottledLink(fast, clock, 25e9)
+    p = QStarPolicy(BandwidthOracle("storage->host", prior_bps=2e9), fast, None, ComputeCostModel())
+    p.compute.set("fast", "decoded", 1, 50e-6)
+    p.compute.set("host", "bf16", 1, 1e-3)
+    seen = []
+    for bw in (25e9, 1e9, 25e9):
+        link.bytes_per_s = bw
+        spent = 0.0
+        while spent < 0.3:  # 300 ms of transfers at each bandwidth
+            spent += link.transfer(10 * MB)
+        seen.append(p.decide((0, 0), _case()))
+    assert seen == [Placement.STREAM, Placement.HOST, Placement.STREAM]
