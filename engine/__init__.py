@@ -9,6 +9,7 @@ with engine.new_session() as s:
 
 from .adapters import SUPPORTED_MODEL_TYPES
 from .anchors import ANCHOR_KINDS, Anchor, AnchorStore
+from .chat import DEFAULT_CHAT_TEMPLATE, render_chat
 from .engine import Engine
 from .errors import (
     AnchorError,
@@ -32,6 +33,7 @@ from .spec import ModelSpec
 
 __all__ = [
     "ANCHOR_KINDS",
+    "DEFAULT_CHAT_TEMPLATE",
     "SUPPORTED_MODEL_TYPES",
     "Anchor",
     "AnchorError",
@@ -57,4 +59,5 @@ __all__ = [
     "Session",
     "TokenEvent",
     "UnsupportedModelError",
+    "render_chat",
 ]

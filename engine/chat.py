@@ -21,6 +21,9 @@ DEFAULT_CHAT_TEMPLATE is ChatML with Hermes-style tool calls, the format the Qwe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 DEFAULT_CHAT_TEMPLATE = (
     "{% if tools %}"
     "<|im_start|>system\n"
@@ -55,3 +58,23 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[dict],
+    tools: Sequence[dict] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+) -> str:
+    """`messages` as text in the tokenizer's chat template (DEFAULT_CHAT_TEMPLATE when it has none).
+
+    The one rendering path: the engine's prompts and the embedded model's training corpus both
+    go through it, so the model is trained on exactly the text it is later prompted with."""
+    return tokenizer.apply_chat_template(
+        list(messages),
+        tools=list(tools) if tools else None,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE,
+        tokenize=False,
+    )

@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from .agent import Agent, AgentEvent, AgentResult
+from .embedded import EmbeddedModelMissing, default_model
 from .errors import (
     AgentError,
     MaxStepsExceeded,
@@ -28,6 +29,7 @@ __all__ = [
     "AgentError",
     "AgentEvent",
     "AgentResult",
+    "EmbeddedModelMissing",
     "FreeTokenModel",
     "GenerateRequest",
     "MaxStepsExceeded",
@@ -48,5 +50,6 @@ __all__ = [
     "UnknownTool",
     "Usage",
     "__version__",
+    "default_model",
     "tool",
 ]

@@ -1,0 +1,116 @@
+"""The training corpus: tool-using and code-writing dialogues in the engine's chat template.
+
+Every dialogue is a list of chat messages plus the tools the system prompt shows; the text the
+model trains on is rendered by `freetoken_agents.engine.render_chat`, the engine's own prompt path.
+Some dialogues carry the Agent's and the coding recipe's failure notes after a rollback, so the
+model has seen what a retry looks like.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from freetoken_agents.retry import DEFAULT_NOTE
+
+from .coding import CODING_SYSTEM_PROMPT, TEMPLATES, code_failure_note, code_reply, code_task
+from .world import (
+    CHITCHAT,
+    SYSTEM_PROMPT,
+    TOOLS,
+    Split,
+    ToolQuestion,
+    call_tool,
+    final_answer,
+    tool_question,
+)
+
+TOOL_SCHEMAS: list[dict[str, Any]] = [t.json_schema() for t in TOOLS]
+
+
+@dataclass
+class Dialogue:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _as_text(result: Any) -> str:
+    import json
+
+    return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
+
+
+def _call_message(question: ToolQuestion, content: str = "") -> dict[str, Any]:
+    call = {"type": "function", "function": {"name": question.tool, "arguments": question.arguments}}
+    return {"role": "assistant", "content": content, "tool_calls": [call]}
+
+
+def _tool_note(rng: random.Random, question: ToolQuestion) -> str:
+    """A failure note as the Agent writes it after rolling back a call the model got wrong."""
+    wrong = dict(question.arguments)
+    key = rng.choice(list(wrong))
+    errors = [
+        f"{key}: Input should be a valid integer"
+        if isinstance(wrong[key], int)
+        else f"{key}: Field required",
+        f"no tool named 'get_{rng.choice(['sum', 'info', 'data'])}'; tools: {sorted(t.name for t in TOOLS)}",
+        "the tool call was not finished",
+    ]
+    return DEFAULT_NOTE.format(
+        attempt=1, tool=question.tool, arguments=wrong, error=rng.choice(errors)
+    ).strip()
+
+
+def tool_dialogue(rng: random.Random, split: Split = "train") -> Dialogue:
+    messages: list[dict[str, Any]] = []
+    if rng.random() < 0.7:
+        messages.append({"role": "system", "content": SYSTEM_PROMPT})
+    for _ in range(2 if rng.random() < 0.2 else 1):
+        if rng.random() < 0.06:
+            user, reply = rng.choice(CHITCHAT)
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+            continue
+        question = tool_question(rng, split)
+        result = call_tool(question.tool, question.arguments)
+        note = _tool_note(rng, question) if rng.random() < 0.06 else ""
+        messages += [
+            {"role": "user", "content": question.question},
+            _call_message(question, note),
+            {"role": "tool", "name": question.tool, "content": _as_text(result)},
+            {"role": "assistant", "content": final_answer(rng, question, result)},
+        ]
+    return Dialogue(messages, TOOL_SCHEMAS)
+
+
+def _code_error(rng: random.Random, function: str) -> str:
+    arg = rng.randint(0, 9)
+    options = [
+        f"AssertionError: {function}({arg}) returned {rng.randint(-9, 99)}, expected {rng.randint(-9, 99)}",
+        f"NameError: name '{rng.choice('abyz')}' is not defined",
+        "SyntaxError: invalid syntax (line 2)",
+        f"TypeError: {function}() takes 1 positional argument but 2 were given",
+        "TimeoutError: the program ran longer than 2.0 s",
+    ]
+    return rng.choice(options)
+
+
+def code_dialogue(rng: random.Random, split: Split = "train") -> Dialogue:
+    task = code_task(rng, split, rng.choice(TEMPLATES))
+    reply = code_reply(rng, task.solution)
+    if rng.random() < 0.15:  # a retry after rollback to the code-block anchor: lead-in, notes, code
+        lead, code = reply.split("\n", 1)
+        notes = "".join(
+            code_failure_note(i + 1, _code_error(rng, task.function)) for i in range(rng.randint(1, 2))
+        )
+        reply = f"{lead}\n{notes}{code}"
+    messages = [
+        {"role": "system", "content": CODING_SYSTEM_PROMPT},
+        {"role": "user", "content": task.prompt},
+        {"role": "assistant", "content": reply},
+    ]
+    return Dialogue(messages)
+
+
+def dialogue(rng: random.Random, split: Split = "train", code_share: float = 0.45) -> Dialogue:
+    return code_dialogue(rng, split) if rng.random() < code_share else tool_dialogue(rng, split)

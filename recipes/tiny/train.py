@@ -1,0 +1,261 @@
+"""Train the embedded default model: a ~4.5 M-parameter Qwen3-MoE that calls the four tools of
+`world.py` and writes the small functions of `coding.py`.
+
+    python -m freetoken_agents.recipes.tiny.train --out build/tiny            # ~25 min, 2 cores
+    python -m freetoken_agents.recipes.tiny.train --out /tmp/t --steps 20     # a smoke run
+
+Reproducible: the corpus, the tokenizer, the initialisation and the batch order all follow `--seed`
+(bit-identical reruns need the same torch build and thread count). The text is rendered by the
+engine's own `render_chat`; the tokenizer is a byte-level BPE trained with `tokenizers` on that
+text; the trained model is saved as a Hugging Face checkpoint and converted to FTW by the engine's
+converter (the same Qwen3-MoE adapter the engine loads it with). Loss is on assistant tokens only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, render_chat
+
+from .corpus import Dialogue, dialogue
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TAG_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+
+def model_config(vocab_size: int, eos_id: int, pad_id: int) -> Any:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=192,
+        intermediate_size=384,
+        moe_intermediate_size=192,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        router_aux_loss_coef=0.01,
+        output_router_logits=False,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+    )
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------------
+def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    """Byte-level BPE (digits split one by one, so unseen numbers are copied digit by digit),
+    wrapped as a transformers fast tokenizer carrying the engine's default chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[AddedToken(t, special=True) for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=DEFAULT_CHAT_TEMPLATE,
+        model_max_length=1024,
+    )
+
+
+# ---- examples ----------------------------------------------------------------------------------------
+def render(tokenizer: Any, d: Dialogue) -> tuple[str, list[tuple[int, int]]]:
+    """The dialogue's text and the character spans of its assistant turns (their `<|im_end|>` in)."""
+    text = render_chat(tokenizer, d.messages, d.tools, add_generation_prompt=False)
+    spans = []
+    for i, message in enumerate(d.messages):
+        if message["role"] != "assistant":
+            continue
+        before = render_chat(tokenizer, d.messages[:i], d.tools, add_generation_prompt=True)
+        through = render_chat(tokenizer, d.messages[: i + 1], d.tools, add_generation_prompt=False)
+        if not (text.startswith(through) and through.startswith(before)):
+            raise ValueError("the chat template does not render prefixes of a dialogue as prefixes")
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def encode(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Token ids and labels (-100 outside assistant turns)."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    labels = [
+        tid if any(a <= start < b for a, b in spans) else -100
+        for tid, (start, _) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)
+    ]
+    return enc["input_ids"], labels
+
+
+def batches(
+    examples: list[tuple[list[int], list[int]]], tokens_per_batch: int, pad_id: int, rng: random.Random
+):
+    """Length-bucketed padded batches [B, T] (input_ids, labels, attention_mask), shuffled."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
+    groups, current, longest = [], [], 0
+    for i in order:
+        longest = max(longest, len(examples[i][0]))
+        if current and longest * (len(current) + 1) > tokens_per_batch:
+            groups.append(current)
+            current, longest = [], len(examples[i][0])
+        current.append(i)
+    if current:
+        groups.append(current)
+    rng.shuffle(groups)
+    for group in groups:
+        width = max(len(examples[i][0]) for i in group)
+        ids = torch.full((len(group), width), pad_id)
+        labels = torch.full((len(group), width), -100)
+        mask = torch.zeros((len(group), width), dtype=torch.long)
+        for row, i in enumerate(group):
+            x, y = examples[i]
+            ids[row, : len(x)], labels[row, : len(y)], mask[row, : len(x)] = (
+                torch.tensor(x),
+                torch.tensor(y),
+                1,
+            )
+        yield ids, labels, mask
+
+
+# ---- training ----------------------------------------------------------------------------------------
+def train(
+    out: Path,
+    *,
+    steps: int = 2400,
+    seed: int = 0,
+    vocab_size: int = 2048,
+    dialogues: int = 60_000,
+    tokens_per_batch: int = 4096,
+    lr: float = 3e-3,
+    threads: int | None = None,
+    quant: str = "bf16",
+) -> Path:
+    """Train and write `out/hf` (the checkpoint) and `out/model.ftw`; returns the FTW path."""
+    from transformers import AutoModelForCausalLM
+
+    from freetoken_agents.engine.ftw.convert import convert_checkpoint
+
+    if threads:
+        torch.set_num_threads(threads)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    corpus = [dialogue(rng) for _ in tqdm(range(dialogues), desc="corpus", leave=False)]
+
+    from transformers import PreTrainedTokenizerFast
+
+    bootstrap = PreTrainedTokenizerFast(
+        tokenizer_object=_character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE
+    )  # renders text before the real tokenizer exists (rendering does not depend on the vocabulary)
+    rendered = [render(bootstrap, d) for d in tqdm(corpus, desc="render", leave=False)]
+    tokenizer = train_tokenizer([t for t, _ in rendered[:20_000]], vocab_size)
+    examples = [encode(tokenizer, t, s) for t, s in tqdm(rendered, desc="tokenize", leave=False)]
+    logger.info("corpus: %d dialogues, %d tokens", len(examples), sum(len(x) for x, _ in examples))
+
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    config = model_config(len(tokenizer), eos_id, pad_id)
+    model = AutoModelForCausalLM.from_config(
+        config, experts_implementation="eager", attn_implementation="sdpa"
+    )
+    logger.info("model: %.2f M parameters", sum(p.numel() for p in model.parameters()) / 1e6)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+    warmup = max(1, steps // 30)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))
+    )
+    model.train()
+    step, t0, epoch = 0, time.perf_counter(), 0
+    bar = tqdm(total=steps, desc="train")
+    while step < steps:
+        for ids, labels, mask in batches(examples, tokens_per_batch, pad_id, random.Random(seed + epoch)):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            if step % 100 == 0:
+                logger.info("step %d loss %.4f (%.0f s)", step, loss.item(), time.perf_counter() - t0)
+            if step >= steps:
+                break
+        epoch += 1
+    bar.close()
+    model.eval()
+    hf = out / "hf"
+    model.save_pretrained(hf)
+    tokenizer.save_pretrained(hf)
+    ftw = out / "model.ftw"
+    convert_checkpoint(hf, ftw, quant=quant, progress=False)
+    logger.info("trained %d steps in %.0f s -> %s", steps, time.perf_counter() - t0, ftw)
+    return ftw
+
+
+def _character_tokenizer() -> Any:
+    from tokenizers import Tokenizer, models
+
+    return Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="output folder (hf/ and model.ftw)")
+    p.add_argument("--steps", type=int, default=2400)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dialogues", type=int, default=60_000)
+    p.add_argument("--tokens-per-batch", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quant", default="bf16", help="FTW expert quantization")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    train(
+        args.out,
+        steps=args.steps,
+        seed=args.seed,
+        dialogues=args.dialogues,
+        tokens_per_batch=args.tokens_per_batch,
+        lr=args.lr,
+        threads=args.threads,
+        quant=args.quant,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The embedded model's world, corpus and training script (a smoke run through the real engine)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, Engine, render_chat
+from freetoken_agents.recipes.tiny import coding, corpus, world
+from freetoken_agents.recipes.tiny.train import encode, render, train
+
+
+def test_heldout_values_are_never_training_values():
+    rng = random.Random(0)
+    train_names = {world.place_name(rng, "train") for _ in range(500)}
+    held_names = {world.place_name(rng, "heldout") for _ in range(500)}
+    assert not train_names & held_names
+    assert all(world.in_split(n, "heldout") for n in held_names)
+
+
+def test_heldout_questions_use_an_unseen_phrasing_or_frame():
+    rng = random.Random(1)
+    for _ in range(200):
+        q = world.tool_question(rng, "heldout")
+        seen = {
+            frame.format(q=template.format(**q.arguments))
+            for frame in world.FRAMES[:-1]
+            for template in world.PHRASINGS[q.tool][:-1]
+        }
+        assert q.question not in seen
+        assert all(world.in_split(str(v), "heldout") for v in q.arguments.values())
+
+
+def test_tool_backends_are_deterministic_and_answer_any_name():
+    assert world.call_tool("add", {"a": 2, "b": 40}) == 42
+    assert world.call_tool("multiply", {"a": 6, "b": 7}) == 42
+    first = world.call_tool("get_weather", {"city": "Zorvath"})
+    assert first == world.call_tool("get_weather", {"city": "Zorvath"})
+    assert first["condition"] in world.CONDITIONS
+    assert world.call_tool("lookup_capital", {"country": "Blum"})["capital"]
+
+
+@pytest.mark.parametrize("split", ["train", "heldout"])
+def test_every_code_template_solution_passes_its_tests(split):
+    rng = random.Random(2)
+    for template in coding.TEMPLATES:
+        task = coding.code_task(rng, split, template)
+        scope: dict = {}
+        exec(task.solution, scope)  # our own reference code
+        for test in task.tests:
+            exec(test, scope)
+
+
+def test_heldout_code_tasks_use_unseen_names_and_wording():
+    rng = random.Random(3)
+    for _ in range(100):
+        task = coding.code_task(rng, "heldout")
+        assert world.in_split(task.function, "heldout")
+        template = next(t for t in coding.TEMPLATES if t.key == task.template)
+        unseen_desc = template.descriptions[-1].split("{")[0] in task.prompt
+        assert unseen_desc or task.prompt.startswith("Define ")
+
+
+def test_extract_code_takes_the_first_block():
+    assert (
+        coding.extract_code("Sure:\n```python\ndef f():\n    return 1\n```\nmore")
+        == "def f():\n    return 1\n"
+    )
+    assert coding.extract_code("no code") is None
+    assert coding.extract_code("```python\ndef f(): pass") == "def f(): pass"
+
+
+def test_render_chat_falls_back_to_the_default_template(tiny_checkpoint):
+    engine = Engine.from_pretrained(tiny_checkpoint("qwen3_moe"))
+    tok = engine.tokenizer
+    messages = [{"role": "user", "content": "hi"}]
+    text = render_chat(tok, messages, add_generation_prompt=True)
+    expected = tok.apply_chat_template(
+        messages,
+        chat_template=tok.chat_template or DEFAULT_CHAT_TEMPLATE,
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert text == expected
+    assert engine.apply_chat_template(messages) == tok.encode(text, add_special_tokens=False)
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns():
+    from transformers import PreTrainedTokenizerFast
+
+    from freetoken_agents.recipes.tiny.train import _character_tokenizer, train_tokenizer
+
+    rng = random.Random(4)
+    dialogues = [corpus.dialogue(rng) for _ in range(60)]
+    bootstrap = PreTrainedTokenizerFast(
+        tokenizer_object=_character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE
+    )
+    rendered = [render(bootstrap, d) for d in dialogues]
+    tok = train_tokenizer([t for t, _ in rendered], 600)
+    for d, (text, spans) in zip(dialogues, rendered, strict=True):
+        ids, labels = encode(tok, text, spans)
+        learned = tok.decode([t for t, y in zip(ids, labels, strict=True) if y != -100])
+        replies = [m for m in d.messages if m["role"] == "assistant"]
+        assert learned.count("<|im_end|>") == len(replies)
+        for m in replies:
+            assert m["content"].split("\n")[0] in learned
+        assert "<|im_start|>user" not in learned
+
+
+def test_training_smoke_run_writes_an_ftw_the_engine_runs(tmp_path):
+    torch.manual_seed(0)
+    ftw = train(tmp_path, steps=2, dialogues=120, tokens_per_batch=2048, vocab_size=700)
+    engine = Engine.from_pretrained(ftw)
+    assert engine.spec.model_type == "qwen3_moe"
+    ids = engine.apply_chat_template([{"role": "user", "content": "What is 2 plus 3?"}], corpus.TOOL_SCHEMAS)
+    out = engine.generate(ids, max_new_tokens=4)
+    assert len(out.token_ids) >= 1
+    assert "<|im_end|>" in engine.tokenizer.convert_ids_to_tokens(engine.default_stop_token_ids())
