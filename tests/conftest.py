@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import build_tiny_model
 
 
@@ -19,3 +21,13 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """The tiny models' ops are too small to split: one thread avoids OpenMP contention.
+    Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

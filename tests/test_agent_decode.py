@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
 from typing import Literal
 
 import pytest
 import torch
-from tiny_models import build_tiny_model
+from tiny_models import build_tiny_model, fresh_logits
 
 from freetoken_agents import Agent, FreeTokenModel, GenerateRequest, RetryPolicy, tool
 from freetoken_agents._decode import FenceDetector, fence_held_back, opening_fences
@@ -20,24 +19,13 @@ from freetoken_agents.engine import Engine
 TOOL_CALL_ID = 3  # "<tool_call>" in the tiny tokenizer (special tokens come first)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """The tiny model's ops are too small to split: one thread avoids OpenMP contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     path = build_tiny_model("qwen3_moe", tmp_path_factory.mktemp("agent_dec"), max_position_embeddings=4096)
     return Engine.from_pretrained(path)
-
-
-def fresh_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    with engine.new_session() as s:
-        return s.prefill(ids, last_only=True)[-1]
 
 
 # ---- the fence detector, on any split of the text ---------------------------------------------------

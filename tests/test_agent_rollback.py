@@ -7,7 +7,7 @@ from typing import Literal
 
 import pytest
 import torch
-from tiny_models import build_tiny_model
+from tiny_models import build_tiny_model, fresh_logits
 
 from freetoken_agents import Agent, FreeTokenModel, RetryPolicy, tool
 from freetoken_agents.engine import Engine
@@ -19,11 +19,6 @@ FAST = RetryPolicy(initial_backoff=0.0, max_backoff=0.0)
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     path = build_tiny_model("qwen3_moe", tmp_path_factory.mktemp("agent_q3"), max_position_embeddings=4096)
     return Engine.from_pretrained(path)
-
-
-def fresh_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    with engine.new_session() as s:
-        return s.prefill(ids, last_only=True)[-1]
 
 
 def corrupt_anchor_kv(engine: Engine, native_anchor) -> None:

@@ -10,10 +10,8 @@ from __future__ import annotations
 import gc
 import os
 import tracemalloc
-from collections.abc import Iterator
 
 import pytest
-import torch
 from tiny_models import build_tiny_model
 
 from freetoken_agents import Agent, FreeTokenModel, RetryPolicy, tool
@@ -24,13 +22,7 @@ PER_RUN = 25  # tool calls per run (one context); then a final answer and a fres
 MAX_ANCHORS = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """The tiny model's ops are too small to split: one thread avoids OpenMP contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -457,3 +457,10 @@ __all__ = [
     "saved_config",
     "tiny_config",
 ]
+
+
+def fresh_logits(engine: Any, ids: list[int]) -> torch.Tensor:
+    """Next-token logits [V] of a fresh session prefilled with `ids` (the reference a restored
+    or rolled-back context must equal)."""
+    with engine.new_session() as s:
+        return s.prefill(ids, last_only=True)[-1]
