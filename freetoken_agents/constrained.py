@@ -47,7 +47,10 @@ class GrammarFactory:
         self._cache: dict[str, Any] = {}
 
     def json_schema(self, schema: dict[str, Any]) -> JsonConstraint:
-        key = json.dumps(schema, sort_keys=True)
+        # Property order is part of the grammar (xgrammar emits properties in schema order), so
+        # the schema is neither sorted for compiling nor for the cache key: a sorted schema put
+        # "arguments" before "name", an order the model never saw (it then wrote garbage).
+        key = json.dumps(schema)
         if key not in self._cache:
             self._cache[key] = self.compiler.compile_json_schema(key, any_whitespace=False, strict_mode=True)
         return JsonConstraint(self._cache[key], self.vocab_size)
