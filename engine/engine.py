@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -15,11 +16,12 @@ from transformers import AutoConfig, PretrainedConfig
 from .adapters import adapter_for
 from .anchors.digest import model_fingerprint
 from .anchors.store import AnchorStore
-from .chat import DEFAULT_CHAT_TEMPLATE
+from .chat import render_chat
 from .checkpoint import SafetensorsCheckpoint, read_config
 from .errors import CheckpointError, EngineError
 from .experts import ExpertKey, ExpertProvider, ExpertWeights, InMemoryExpertProvider
 from .generate import GenerationResult, SamplingParams, TokenEvent, stream_tokens
+from .int8 import check_quant_options, quantize_dense
 from .kv import DEFAULT_BLOCK_SIZE, BlockPool, bytes_per_block
 from .memory import MemoryBudget
 from .session import Session
@@ -47,8 +49,12 @@ class Engine:
         memory: MemoryBudget | None = None,
         source: Path | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        expert_quant: str = "auto",
+        dense_quant: Sequence[str] = (),
     ) -> None:
         self.spec, self.model, self.experts = spec, model, experts
+        # What `from_pretrained` was asked to hold in int8 (`int8.py`); recorded, not applied here.
+        self.expert_quant, self.dense_quant = check_quant_options(expert_quant, dense_quant)
         self.hf_config = hf_config
         self.dtype, self.device = dtype, torch.device(device)
         self.memory = memory or MemoryBudget()
@@ -78,14 +84,28 @@ class Engine:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         memory: MemoryBudget | None = None,
+        expert_quant: str = "auto",
+        dense_quant: Sequence[str] = (),
     ) -> Engine:
         """Load a Hugging Face checkpoint folder (config.json + *.safetensors [+ tokenizer]) or an
         FTW file (`ftw.load.load_ftw`: experts are read and decoded on first use).
 
+        Int8 weight-only compute (`int8.py`; fused int8 GEMV for decode, dequantize per block for
+        prefill; nothing is held twice):
+            expert_quant: ``"auto"`` (default) keeps expert projections stored in FTW's int8 codec
+                in int8 and loads everything else in `dtype` (an HF checkpoint loads exactly as
+                before); ``"int8"`` holds every expert projection in int8, quantizing float
+                weights at load (per output row, the same bits as ``freetoken convert --quant
+                int8``); ``"none"`` decodes every stored codec to `dtype`.
+            dense_quant: parts of the dense model to hold in int8, a subset of
+                ``("attention", "lm_head")``; default none.
+
         Raises CheckpointError (missing/garbled files or tensors), FTWFormatError (a corrupted,
         truncated or foreign FTW file), UnsupportedModelError (unknown model_type), EngineError
-        (unsupported device).
+        (unsupported device, unknown expert_quant or dense_quant value).
         """
+        expert_quant, dense_quant = check_quant_options(expert_quant, dense_quant)
+        quant = {"expert_quant": expert_quant, "dense_quant": dense_quant}
         folder = Path(path)
         if device != "cpu" and not device.startswith("cuda"):
             raise EngineError(f"device must be 'cpu' or 'cuda[:N]', got '{device}'")
@@ -94,7 +114,8 @@ class Engine:
         if folder.is_file() or (folder.suffix == ".ftw" and not folder.exists()):
             from .ftw.load import load_ftw
 
-            ftw = load_ftw(folder, dtype=dtype, device=device)
+            ftw = load_ftw(folder, dtype=dtype, device=device, expert_quant=expert_quant)
+            quantize_dense(ftw.model, dense_quant)
             return cls(
                 ftw.spec,
                 ftw.model,
@@ -105,6 +126,7 @@ class Engine:
                 device=device,
                 memory=memory,
                 source=folder,
+                **quant,
             )
         t0 = time.perf_counter()
         raw = read_config(folder)
@@ -123,7 +145,11 @@ class Engine:
             assert moe is not None
             for e, tensors in adapter.layer_experts(ckpt, layer, moe.num_experts):
                 _check_expert_shapes(tensors, moe.intermediate_size, spec.hidden_size, layer, e, folder)
-                experts[(layer, e)] = ExpertWeights.packed(tensors, dtype, device)
+                if expert_quant == "int8":
+                    experts[(layer, e)] = ExpertWeights.quantized(tensors, dtype, device)
+                else:
+                    experts[(layer, e)] = ExpertWeights.packed(tensors, dtype, device)
+        quantize_dense(model, dense_quant)
         tokenizer = _load_tokenizer(folder)
         logger.info(
             "loaded %s (%d experts) from %s in %.2fs",
@@ -142,6 +168,7 @@ class Engine:
             device=device,
             memory=memory,
             source=folder,
+            **quant,
         )
 
     def use_expert_provider(self, provider: ExpertProvider) -> None:
@@ -164,9 +191,15 @@ class Engine:
     @property
     def model_fingerprint(self) -> str:
         """sha256 hex of weights, tokenizer, KV layout and anchor format (computed once; see
-        `anchors.digest.model_fingerprint`). Anchors never cross engines with different ones."""
+        `anchors.digest.model_fingerprint`). Anchors never cross engines with different ones.
+        Non-default int8 options are mixed in: an int8 engine's KV data differs from fp32's."""
         if self._model_fingerprint is None:
-            self._model_fingerprint = model_fingerprint(self)
+            fingerprint = model_fingerprint(self)
+            if (self.expert_quant, self.dense_quant) != ("auto", ()):
+                dense = ",".join(self.dense_quant)
+                tag = f"{fingerprint}|expert_quant={self.expert_quant}|dense_quant={dense}"
+                fingerprint = hashlib.sha256(tag.encode()).hexdigest()
+            self._model_fingerprint = fingerprint
         return self._model_fingerprint
 
     def apply_chat_template(
@@ -177,16 +210,8 @@ class Engine:
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """Token ids of `messages` rendered with the checkpoint's chat template (or the default)."""
-        tok = self.tokenizer
-        template = tok.chat_template or DEFAULT_CHAT_TEMPLATE
-        rendered = tok.apply_chat_template(
-            list(messages),
-            tools=list(tools) if tools else None,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=template,
-            tokenize=False,
-        )
-        return tok.encode(rendered, add_special_tokens=False)
+        rendered = render_chat(self.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(rendered, add_special_tokens=False)
 
     def default_stop_token_ids(self) -> tuple[int, ...]:
         eos = getattr(self.hf_config, "eos_token_id", None)
@@ -239,6 +264,8 @@ class Engine:
             "vocab_size": self.spec.vocab_size,
             "moe_layers": self.spec.moe_layers(),
             "dtype": str(self.dtype),
+            "expert_quant": self.expert_quant,
+            "dense_quant": list(self.dense_quant),
         }
 
     def stats(self) -> dict[str, Any]:

@@ -5,6 +5,11 @@ canonical layout whatever the checkpoint's: `gate_up [2I, H]` (gate rows first, 
 `down [H, I]`, optional biases `gate_up_bias [2I]`, `down_bias [H]`. Moving an expert between
 memory tiers is therefore one copy, and FTW stores exactly these tensors.
 
+A projection may instead be held in int8 (`int8.py`, FTW's ``int8`` codec): then `gate_up` / `down`
+are int8 and `gate_up_scale [2I]` / `down_scale [H]` hold its fp32 per-row scales; such experts are
+packed with `ExpertWeights.packed_mixed` and `expert_forward` computes them with `int8_linear`
+(fused int8 GEMV for decode, dequantize per block for prefill) without ever holding a float copy.
+
 Letters: T tokens, H hidden, I expert intermediate size, A active experts per token.
 """
 
@@ -17,10 +22,13 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from .int8 import int8_linear, quantize
 from .spec import MoESpec
 
 ExpertKey = tuple[int, int]  # (layer, expert)
 PROJECTIONS = ("gate_up", "down", "gate_up_bias", "down_bias")
+SCALES = ("gate_up_scale", "down_scale")  # per-row fp32 scales of int8 projections
+_ALIGN = 64  # byte alignment of each tensor inside a mixed-dtype storage
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,8 @@ class ExpertWeights:
     gate_up_bias: torch.Tensor | None = None  # [2I]
     down_bias: torch.Tensor | None = None  # [H]
     storage: torch.Tensor | None = None  # flat buffer all of the above live in
+    gate_up_scale: torch.Tensor | None = None  # [2I] fp32, present iff gate_up is int8
+    down_scale: torch.Tensor | None = None  # [H] fp32, present iff down is int8
 
     @classmethod
     def packed(
@@ -51,6 +61,58 @@ class ExpertWeights:
             offset += src.numel()
         return cls(storage=storage, **views)
 
+    @classmethod
+    def packed_mixed(
+        cls, tensors: Mapping[str, torch.Tensor], device: torch.device | str = "cpu"
+    ) -> ExpertWeights:
+        """Copy `tensors` (names from PROJECTIONS and SCALES), each keeping its own dtype, into one
+        byte storage on `device` (each view 64-byte aligned): int8 projections with their scales."""
+        present = [name for name in (*PROJECTIONS, *SCALES) if tensors.get(name) is not None]
+        offsets, total = {}, 0
+        for name in present:
+            offsets[name] = total
+            t = tensors[name]
+            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        storage = torch.empty(total, dtype=torch.uint8, device=device)
+        views = _byte_views(storage, {n: tensors[n] for n in present}, offsets)
+        for name in present:
+            views[name].copy_(tensors[name])
+        return cls(storage=storage, **views)
+
+    @classmethod
+    def quantized(
+        cls, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> ExpertWeights:
+        """Float projections -> int8 + per-row scales (FTW int8 codec); biases cast to `dtype`."""
+        out: dict[str, torch.Tensor] = {}
+        for name in ("gate_up", "down"):
+            out[name], out[f"{name}_scale"] = quantize(tensors[name])
+        for name in ("gate_up_bias", "down_bias"):
+            if tensors.get(name) is not None:
+                out[name] = tensors[name].to(dtype)
+        return cls.packed_mixed(out, device)
+
+    def to_device(self, device: torch.device | str) -> ExpertWeights:
+        """A copy on `device` with one copy of the storage; the projections stay views into it."""
+        assert self.storage is not None, "to_device needs a packed expert"
+        storage = self.storage.to(device)
+        base = self.storage.data_ptr()
+        named = self.tensors()
+        offsets = {n: t.data_ptr() - base for n, t in named.items()}
+        if self.storage.dtype == torch.uint8:
+            return ExpertWeights(storage=storage, **_byte_views(storage, named, offsets))
+        size = self.storage.element_size()
+        views = {
+            n: storage[offsets[n] // size : offsets[n] // size + t.numel()].view(t.shape)
+            for n, t in named.items()
+        }
+        return ExpertWeights(storage=storage, **views)
+
+    @property
+    def is_quantized(self) -> bool:
+        """True when any projection is held in int8."""
+        return self.gate_up_scale is not None or self.down_scale is not None
+
     @property
     def nbytes(self) -> int:
         if self.storage is not None:
@@ -58,18 +120,36 @@ class ExpertWeights:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The projections by name (biases only when present)."""
+        """The projections by name (biases and int8 scales only when present)."""
         out = {"gate_up": self.gate_up, "down": self.down}
-        if self.gate_up_bias is not None:
-            out["gate_up_bias"] = self.gate_up_bias
-        if self.down_bias is not None:
-            out["down_bias"] = self.down_bias
+        for name in ("gate_up_bias", "down_bias", *SCALES):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
 
+def _byte_views(
+    storage: torch.Tensor, like: Mapping[str, torch.Tensor], offsets: Mapping[str, int]
+) -> dict[str, torch.Tensor]:
+    """Views of uint8 `storage` at byte `offsets` with the dtypes and shapes of `like`."""
+    views = {}
+    for name, t in like.items():
+        nbytes = t.numel() * t.element_size()
+        views[name] = storage[offsets[name] : offsets[name] + nbytes].view(t.dtype).view(t.shape)
+    return views
+
+
+def _project(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    if scale is None:
+        return F.linear(x, weight, bias)
+    return int8_linear(x, weight, scale, bias)
+
+
 def expert_forward(w: ExpertWeights, x: torch.Tensor, spec: MoESpec) -> torch.Tensor:
-    """One expert's MLP on `x [T, H]` -> [T, H]."""
-    gate_up = F.linear(x, w.gate_up, w.gate_up_bias)  # [T, 2I]
+    """One expert's MLP on `x [T, H]` -> [T, H] (int8 projections through `int8_linear`)."""
+    gate_up = _project(x, w.gate_up, w.gate_up_scale, w.gate_up_bias)  # [T, 2I]
     gate, up = gate_up.chunk(2, dim=-1)
     if spec.activation == "silu":
         h = F.silu(gate) * up
@@ -77,7 +157,7 @@ def expert_forward(w: ExpertWeights, x: torch.Tensor, spec: MoESpec) -> torch.Te
         gate = gate.clamp(max=spec.swiglu_limit)
         up = up.clamp(-spec.swiglu_limit, spec.swiglu_limit)
         h = (up + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha))
-    return F.linear(h, w.down, w.down_bias)
+    return _project(h, w.down, w.down_scale, w.down_bias)
 
 
 @runtime_checkable

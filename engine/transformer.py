@@ -75,6 +75,7 @@ class MoETransformer(nn.Module):
         return [layer.self_attn.kv_streams() for layer in self.layers]
 
     def head_weight(self) -> torch.Tensor:
+        """The float output-head weight [V, H] (the embedding when tied; not after int8 quantization)."""
         return self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
 
     def forward(self, tokens: torch.Tensor, ctx: StepContext, *, last_only: bool = False) -> torch.Tensor:
@@ -84,4 +85,8 @@ class MoETransformer(nn.Module):
             x = layer(x, ctx)
         if last_only:
             x = x[-1:]
-        return F.linear(self.norm(x), self.head_weight())
+        h = self.norm(x)
+        # `lm_head` is an nn.Linear (untied), an int8.Int8Linear (`quantize_dense`, tied or not), or
+        # absent (tied float head); nn.Linear and F.linear with the same weight are the same op.
+        head = getattr(self, "lm_head", None)
+        return head(h) if head is not None else F.linear(h, self.embed_tokens.weight)

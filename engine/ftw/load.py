@@ -27,6 +27,7 @@ from ..adapters import adapter_for
 from ..adapters.base import dequantized
 from ..engine import load_dense_weights
 from ..errors import CheckpointError, FTWFormatError
+from ..int8 import check_quant_options
 from ..spec import ModelSpec
 from ..transformer import MoETransformer
 from .provider import FTWExpertProvider
@@ -64,8 +65,13 @@ def config_from_dict(cfg: dict[str, Any]) -> PretrainedConfig:
     return CONFIG_MAPPING[cfg["model_type"]].from_dict(dict(cfg))
 
 
-def load_ftw(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedFTW:
+def load_ftw(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", expert_quant: str = "auto"
+) -> LoadedFTW:
     """Open `path` and build spec, model (dense weights assigned), lazy experts and tokenizer.
+
+    ``expert_quant`` (`int8.EXPERT_QUANTS`): which expert projections the provider keeps in int8
+    (default ``"auto"``: those stored in the int8 codec); EngineError for an unknown value.
 
     Raises CheckpointError when `path` does not exist or is a folder; FTWFormatError (naming file,
     block and offset) for a truncated, corrupted or foreign file, a missing or misshapen expert or
@@ -73,6 +79,7 @@ def load_ftw(path: str | Path, *, dtype: torch.dtype = torch.float32, device: st
     unknown model_type. On error the file is closed and nothing is returned half-loaded.
     """
     path = Path(path)
+    check_quant_options(expert_quant, ())
     if not path.exists():
         raise CheckpointError(f"FTW file {path} does not exist")
     if not path.is_file():
@@ -103,7 +110,7 @@ def load_ftw(path: str | Path, *, dtype: torch.dtype = torch.float32, device: st
             model, lambda name: dequantized(name, get, names.__contains__, ftw.path), ftw.path, dtype, device
         )
         check_expert_directory(ftw, spec)
-        experts = FTWExpertProvider(ftw, dtype, device)
+        experts = FTWExpertProvider(ftw, dtype, device, expert_quant)
         tokenizer = load_embedded_tokenizer(ftw)
     except BaseException:
         ftw.close()

@@ -8,6 +8,12 @@ eviction, prefetch) replaces that dict later without changing this interface.
 Blocks hold the canonical projections (`experts.py`): ``gate_up [2I, H]`` (or ``gate`` and ``up``
 ``[I, H]`` stored separately, as pre-quantized DeepSeek-V3 fp8 imports keep them), ``down [H, I]``,
 optional ``gate_up_bias [2I]`` and ``down_bias [H]``.
+
+Int8 (``expert_quant``, see `int8.EXPERT_QUANTS`): with ``"auto"`` (the default) a projection
+stored in FTW's ``int8`` codec is kept as stored, int8 weight + fp32 row scales, never decoded to a
+float copy, and computed by `int8.int8_linear`; every other codec is decoded to the engine dtype as
+before. ``"int8"`` also quantizes the other codecs' projections to int8 at first use; ``"none"``
+decodes everything, int8 included, to the engine dtype.
 """
 
 from __future__ import annotations
@@ -19,12 +25,15 @@ import torch
 
 from ..errors import FTWFormatError
 from ..experts import ExpertKey, ExpertWeights, run_experts
+from ..int8 import check_quant_options, quantize
 from ..spec import MoESpec
+from .codecs import EncodedTensor, decode
 from .reader import FTWFile
 
 logger = logging.getLogger(__name__)
 
-_KNOWN = {"gate_up", "gate", "up", "down", "gate_up_bias", "down_bias"}
+_WEIGHTS = ("gate_up", "gate", "up", "down")
+_KNOWN = {*_WEIGHTS, "gate_up_bias", "down_bias"} | {f"{n}_scale" for n in _WEIGHTS}
 
 
 def canonical_expert(
@@ -32,7 +41,9 @@ def canonical_expert(
 ) -> dict[str, torch.Tensor]:
     """Decoded block projections -> the canonical ``ExpertWeights`` names (joins split gate/up).
 
-    Raises FTWFormatError (naming ``path`` and ``key``) for unknown or missing projections.
+    Int8 projections come with their row scales under ``<name>_scale``; split ``gate_scale`` and
+    ``up_scale`` are joined like the weights. Raises FTWFormatError (naming ``path`` and ``key``)
+    for unknown or missing projections, or a split gate/up of which only one half is int8.
     """
     where = f"{path}: expert block (layer={key[0]}, expert={key[1]})" if key else path or "expert block"
     unknown = set(tensors) - _KNOWN
@@ -42,7 +53,11 @@ def canonical_expert(
     if "gate" in out or "up" in out:
         if "gate_up" in out or "gate" not in out or "up" not in out:
             raise FTWFormatError(f"{where}: needs either 'gate_up' or both 'gate' and 'up'")
+        if ("gate_scale" in out) != ("up_scale" in out):
+            raise FTWFormatError(f"{where}: 'gate' and 'up' must both be int8 (with scales) or neither")
         out["gate_up"] = torch.cat([out.pop("gate"), out.pop("up")], dim=0)
+        if "gate_scale" in out:
+            out["gate_up_scale"] = torch.cat([out.pop("gate_scale"), out.pop("up_scale")], dim=0)
     for name in ("gate_up", "down"):
         if name not in out:
             raise FTWFormatError(f"{where}: missing projection {name!r}")
@@ -57,6 +72,7 @@ class FTWExpertProvider:
             close it).
         dtype: floating dtype of the decoded weights (the engine's compute dtype).
         device: where decoded experts live ("cpu" or "cuda[:N]").
+        expert_quant: ``"auto"`` | ``"int8"`` | ``"none"`` (module doc); EngineError otherwise.
 
     Counters (cumulative, thread-safe):
         experts_loaded: number of distinct experts read and decoded so far.
@@ -64,10 +80,17 @@ class FTWExpertProvider:
             `FTWFile.bytes_read` counts every read of the file.
     """
 
-    def __init__(self, ftw: FTWFile, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        ftw: FTWFile,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        expert_quant: str = "auto",
+    ) -> None:
         self.ftw = ftw
         self.dtype = dtype
         self.device = torch.device(device)
+        self.expert_quant, _ = check_quant_options(expert_quant, ())
         self.experts_loaded = 0
         self.bytes_read = 0
         self._experts: dict[ExpertKey, ExpertWeights] = {}
@@ -100,12 +123,15 @@ class FTWExpertProvider:
         if w is not None:
             return w
         info = self.ftw.expert_info(layer, expert)
-        decoded = self.ftw.decode_expert(layer, expert, self.dtype)
-        tensors = canonical_expert(decoded, path=self.ftw.path, key=key)
-        # packed() copies into one owned storage: the decoded views may alias the read buffer.
-        w = ExpertWeights.packed(tensors, self.dtype)
-        if self.device.type != "cpu":
-            w = _to_device(w, self.device)
+        if self._int8_names({n: t.codec for n, t in info.tensors.items()}):
+            w = self._load_int8(layer, expert)
+        else:
+            decoded = self.ftw.decode_expert(layer, expert, self.dtype)
+            tensors = canonical_expert(decoded, path=self.ftw.path, key=key)
+            # packed() copies into one owned storage: the decoded views may alias the read buffer.
+            w = ExpertWeights.packed(tensors, self.dtype)
+            if self.device.type != "cpu":
+                w = _to_device(w, self.device)
         with self._lock:
             if key in self._experts:  # another thread won the race; keep its copy
                 return self._experts[key]
@@ -114,6 +140,33 @@ class FTWExpertProvider:
             self.bytes_read += info.block_length
         logger.debug("loaded expert %s from %s (%d bytes)", key, self.ftw.path, info.block_length)
         return w
+
+    def _int8_names(self, codecs: dict[str, str]) -> set[str]:
+        """The weight projections of a block (by name -> codec) that this provider keeps in int8."""
+        if self.expert_quant == "none":
+            return set()
+        keep = {
+            n for n, c in codecs.items() if n in _WEIGHTS and (c == "int8" or self.expert_quant == "int8")
+        }
+        if ("gate" in keep) != ("up" in keep):  # a split gate/up is joined: both int8 or neither
+            keep -= {"gate", "up"}
+        return keep
+
+    def _load_int8(self, layer: int, expert: int) -> ExpertWeights:
+        """Read one block; keep its int8 projections (weight + scale), decode the rest."""
+        encs: dict[str, EncodedTensor] = self.ftw.encoded_expert(layer, expert)
+        keep = self._int8_names({n: e.codec for n, e in encs.items()})
+        tensors: dict[str, torch.Tensor] = {}
+        for name, enc in encs.items():
+            if name not in keep:
+                tensors[name] = decode(enc, self.dtype)
+            elif enc.codec == "int8":  # as stored: no requantization
+                tensors[name], tensors[f"{name}_scale"] = enc.parts["weight"], enc.parts["scale"]
+            else:
+                tensors[name], tensors[f"{name}_scale"] = quantize(decode(enc, torch.float32))
+        tensors = canonical_expert(tensors, path=self.ftw.path, key=(layer, expert))
+        # packed_mixed() copies into one owned storage: the parts are views of the read buffer.
+        return ExpertWeights.packed_mixed(tensors, self.device)
 
     def run(
         self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec
@@ -124,11 +177,4 @@ class FTWExpertProvider:
 
 def _to_device(w: ExpertWeights, device: torch.device) -> ExpertWeights:
     """Move a packed expert with one copy of its storage; the projections stay views into it."""
-    assert w.storage is not None
-    storage = w.storage.to(device)
-    views: dict[str, torch.Tensor] = {}
-    offset = 0
-    for name, t in w.tensors().items():
-        views[name] = storage[offset : offset + t.numel()].view(t.shape)
-        offset += t.numel()
-    return ExpertWeights(storage=storage, **views)
+    return w.to_device(device)
