@@ -1,38 +1,73 @@
-"""Decode tokens/s with experts that do not fit in fast memory, contenders side by side in one run.
+"""Decode tokens/s when the experts do not fit in RAM: FreeToken's tiered memory vs HF offloading.
 
-    python bench/offload.py --quick          # ~200 MB of experts, ~2 min on 2 cores
-    python bench/offload.py                  # ~1.6 GB of experts (Mixtral-shaped, 8 layers)
+    python bench/offload.py [--sweep]        # Mixtral-shaped, 1.96 GB fp32 (1.61 GB experts), 4-7 min
+    python bench/offload.py --quick          # 0.2 GB, ~1 min (development)
 
-A Mixtral-shaped model with random weights is built from a config, saved, and converted to FTW
-with `convert_checkpoint(quant="fp32")`. Contenders, all greedy on the same prompt, all checked
-token-for-token against (d):
+Model: Mixtral-shaped (hidden 1024, expert intermediate 2048, 8 layers, 8 experts, top-2, vocab
+32000, fp32), random weights from a fixed seed, saved, converted to FTW (`quant="fp32"`: the
+same bytes every contender reads). Token embeddings are drawn with std 1 instead of 0.02:
+with 0.02 the context-averaged attention output swamps the residual stream, every decode step
+routes to the same ~2 experts per layer (measured: 95% of a layer's experts reused by the next
+token, greedy output stuck on one token) and any cache wins. With std 1 routing looks like a
+trained model's (printed under "routing"): consecutive decode tokens share an expert in 46% of
+layer steps over the 23 timed tokens (52% over 64), as independent top-2 picks would (46%; the
+Mixtral paper reports 46-63% for its trained model); per-layer max/min expert load 3-10x over 23
+tokens (1.5-3x over 64); pre-gating precision 0.89 / 0.84 / 0.80 for 1 / 2 / 3 layers ahead. That
+is the hard case for caching: most of what a token needs is not what the previous one used.
 
-  (a) freetoken_qstar     TieredExpertProvider: q* placement, pre-gating prefetch, shared fast LRU
-                          with a pinned hot set; fast tier = --budget of expert bytes (+ KV room),
-                          host tier = --host-budget of expert bytes.
-  (b) accelerate_offload  THE BASELINE: transformers + accelerate disk offload, `device_map="auto"`
-                          with `max_memory` (dense weights + the same --budget of expert bytes) and
-                          `offload_folder`: what a Hugging Face user would do.
-  (c) freetoken_lru       same budgets, prefetch off, always stream into a per-layer LRU, no hot
-                          set (the mixtral-offloading design).
-  (d) freetoken_ram       every expert decoded in RAM: the ceiling.
+Budgets, the same bytes for every contender (fractions of the expert bytes E):
+  fast tier  --budget (0.25)          tier 1 (+ room for 8 KV blocks)
+  host tier  --host-budget (0.25)     tier 2
+so half the experts fit in RAM and the other half live only on disk. accelerate gets
+max_memory = dense weights + (budget + host_budget) x E: the same RAM for experts.
 
-Method: each repetition runs every contender once, in a rotated order; before each contender's
-timed phase the page cache is dropped (root: `sync; echo 1 > /proc/sys/vm/drop_caches`) and the
-FreeToken tiers start empty, so tier 3 (the FTW file, or accelerate's offload folder) starts on
-disk. The report says per contender whether every drop succeeded. Dense weights of every
-contender are copied into owned RAM first, so a drop only evicts what is meant to live on disk.
-Figures are medians over repetitions. Re-reads inside one timed phase may be served from the page
-cache, alike for every contender.
+Contenders, greedy from the same 16-token prompt, each checked token for token against (d):
+  (a) freetoken_qstar     TieredExpertProvider(placement="qstar"): q* placements, exclusive RAM
+                          tiers, one fast LRU across layers with a pinned hot set, pre-gating
+                          prefetch on a loader thread, tier 3 read with O_DIRECT.
+  (b) accelerate_offload  transformers + accelerate disk offload: device_map="auto", max_memory,
+                          offload_folder (what a Hugging Face user would do). transformers 5 keeps
+                          a layer's experts fused ([E, 2I, H]), so an offloaded layer loads all E
+                          experts per forward where FreeToken reads only the routed ones.
+  (c) freetoken_lru       TieredExpertProvider(placement="stream", prefetch=False): the
+                          mixtral-offloading design: a per-layer LRU of decoded expert copies in
+                          tier 1 (the block stays in tier 2), always stream, no prefetch, no hot
+                          set; same budgets, same tier 2 LRU and tier-3 reader.
+  (d) freetoken_ram       every expert in RAM: the ceiling.
 
-Threads: on a shared 2-core machine two OpenMP threads per process collapse (each parallel region
-waits for a descheduled worker: ~24 ms stalls, measured 5 tok/s vs 40 tok/s with one thread), so
-`--threads` defaults to the faster of 1..cpu_count measured on (d) and is used for every contender.
+Tier 3 is the disk for everyone: before each contender's timed phase the page cache is dropped
+(`sync; echo 1 > /proc/sys/vm/drop_caches`, root) and all tiers start empty; during the phase,
+after every forward (prefill and each decode step), each contender's tier-3 files are dropped from
+the page cache with posix_fadvise(DONTNEED) (accelerate: the checkpoint and the offload folder;
+FreeToken: the FTW file, which it reads with O_DIRECT anyway). Otherwise the OS keeps every block
+read once and serves the next "disk" read from RAM that no budget counts. The seconds spent in
+those calls are taken out of the timings (reported as evict_s). Dense weights of every contender
+are copied into owned RAM first, so a drop only evicts what is meant to live on disk. accelerate's
+in-RAM layers are loaded before timing; FreeToken's tiers fill during the (separately timed)
+prefill.
 
-Bounds: `touched` = bytes of the experts a decode token routes to (top_k x MoE layers x expert
-bytes); `storage_bw` = cold sequential read of the FTW expert blocks after a drop; `ram_bw` = a
-measured RAM copy rate. The disk bound (every touched expert read from disk) is touched/storage_bw;
-(a)'s own bound is its measured file bytes per token / storage_bw + touched / ram_bw.
+Each repetition runs every contender once in a rotated order; figures are medians. Threads: on a
+shared 2-core machine a second OpenMP thread can stall on a descheduled worker, so --threads
+defaults to the faster of 1..cpu_count measured on (d), and is used for every contender.
+`--sweep` also runs (a) once at growing fast budgets to show it approaching (d).
+
+Disk bytes per decode token come from /proc/self/io (read_bytes: what the kernel read from storage
+for the process, O_DIRECT reads and mmap page faults alike), the same meter for every contender.
+
+Reading a/b: both (a) and (b) wait on the disk, so as the link slows a/b tends to the ratio of
+their disk bytes per token (printed: ~1087 MB for accelerate, which puts 5 of 8 decoder layers and
+lm_head on disk at this budget and loads all 8 experts of each, against ~240 MB for (a), ~4.5x);
+on a fast link accelerate's per-byte overheads (copies, hooks, serial compute) push a/b higher.
+
+Bounds: touched = bytes of the experts one decode token routes to (top_k x layers x expert
+bytes); ram_bw = a RAM copy. This shared machine's disk drifts from 0.3 to 3 GB/s within minutes,
+so the link bandwidth is measured during each phase: for FreeToken, its own reads' bytes over the
+wall time during which at least one read was in flight (`BlockReader.busy_seconds`: transfers
+only, checksums and waits excluded); `LinkProbe` (O_DIRECT block-sized reads of a scratch file no
+contender reads, just before and after each phase) is printed beside it. A phase's disk floor =
+its disk bytes per token / link bandwidth; (a)'s bound per token = max(disk floor, touched /
+ram_bw) (its transfers could all overlap), and "x its bound" is the median over repetitions of
+time per token / bound.
 """
 
 from __future__ import annotations
@@ -41,19 +76,21 @@ import argparse
 import gc
 import json
 import logging
+import mmap
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 logger = logging.getLogger("bench.offload")
+Runner = Callable[[list[int], int], dict[str, Any]]
 
 
 def drop_page_cache() -> bool:
@@ -67,21 +104,55 @@ def drop_page_cache() -> bool:
         return False
 
 
+class Evictor:
+    """Drops `files` from the page cache (posix_fadvise DONTNEED); `seconds` spent in it."""
+
+    def __init__(self, files: Sequence[Path]) -> None:
+        self.files, self.seconds = list(files), 0.0
+
+    def __call__(self) -> None:
+        t0 = time.perf_counter()
+        for f in self.files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        self.seconds += time.perf_counter() - t0
+
+
 def build_model(folder: Path, quick: bool) -> dict[str, int]:
-    """Save a random Mixtral-shaped checkpoint into `folder`; returns its shape."""
+    """Save a random Mixtral-shaped checkpoint into `folder` (unit-std embeddings); its shape."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    h, inter, layers = (512, 1024, 4) if quick else (1024, 2048, 8)
+    h, inter, layers, vocab = (512, 1024, 4, 2048) if quick else (1024, 2048, 8, 32000)
     cfg = MixtralConfig(
-        vocab_size=2048, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=1024, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     model = MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, 1.0)  # see the module docstring
     model.save_pretrained(folder)
     params = sum(p.numel() for p in model.parameters())
-    return {"hidden": h, "intermediate": inter, "layers": layers, "experts": 8, "top_k": 2, "params": params}
+    return {
+        "hidden": h,
+        "intermediate": inter,
+        "layers": layers,
+        "experts": 8,
+        "top_k": 2,
+        "vocab": vocab,
+        "params": params,
+    }
 
 
 def own_weights(module: torch.nn.Module) -> None:
@@ -92,22 +163,32 @@ def own_weights(module: torch.nn.Module) -> None:
                 t.data = t.data.clone()
 
 
-def storage_bandwidth(ftw_path: Path) -> float:
-    """Bytes/s of a cold read of every expert block (page cache dropped first; 0 if it cannot)."""
-    from freetoken_agents.engine.ftw import FTWFile
+class LinkProbe:
+    """The disk link's bandwidth right now: O_DIRECT reads of a scratch file of random bytes, one
+    block-sized request at a time, as FreeToken's reader issues them. No contender reads this
+    file, so measuring warms nothing any of them will read; run before every timed phase, since
+    this shared machine's disk drifts (0.3 to 2.8 GB/s measured within minutes)."""
 
-    if not drop_page_cache():
-        return 0.0
-    with FTWFile(ftw_path) as f:
-        infos = [f.expert_info(*k) for k in f.expert_keys()]
-        fd = os.open(ftw_path, os.O_RDONLY)
+    def __init__(self, folder: Path, block: int, nbytes: int = 384 << 20) -> None:
+        self.path, self.block = folder / "link_probe.bin", -(-block // 4096) * 4096
+        with open(self.path, "wb") as f:
+            for _ in range(max(1, nbytes // self.block)):
+                f.write(os.urandom(self.block))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def measure(self) -> float:
+        buf = mmap.mmap(-1, self.block)
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
         try:
+            size, n = os.path.getsize(self.path), 0
             t0 = time.perf_counter()
-            n = sum(len(os.pread(fd, i.stored_length, i.data_offset)) for i in infos)
-            dt = time.perf_counter() - t0
+            for off in range(0, size, self.block):
+                n += os.preadv(fd, [buf], off)
+            return n / (time.perf_counter() - t0)
         finally:
             os.close(fd)
-    return n / dt
+            buf.close()
 
 
 def ram_bandwidth() -> float:
@@ -123,36 +204,69 @@ def ram_bandwidth() -> float:
 
 
 # ---- timing ---------------------------------------------------------------------------------------
-def time_engine(engine: Any, prompt: list[int], n: int) -> dict[str, Any]:
-    """Prefill (timed apart) then n-1 greedy decode steps."""
+def disk_read_bytes() -> int:
+    """Bytes this process (all threads) made the kernel read from storage: /proc/self/io
+    read_bytes (counts O_DIRECT reads and mmap page faults alike; not page-cache hits)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+Probe = Callable[[], float]
+
+
+def time_loop(
+    step: Callable[[list[int]], int],
+    prompt: list[int],
+    n: int,
+    evict: Evictor,
+    probes: dict[str, Probe] | None = None,
+) -> dict[str, Any]:
+    """Prefill (timed apart), then n-1 greedy decode steps; `evict` after every forward, its time
+    taken out. Each probe (a running total; "disk_bytes" = `disk_read_bytes` always) is sampled
+    after prefill and at the end: `{name}_per_token` is its growth per decode token."""
+    probes = {"disk_bytes": disk_read_bytes, **(probes or {})}
+    t0 = time.perf_counter()
+    tok = step(prompt)
+    evict()
+    t1, e1 = time.perf_counter(), evict.seconds
+    first = {k: f() for k, f in probes.items()}
+    out = [tok]
+    for _ in range(n - 1):
+        tok = step([tok])
+        evict()
+        out.append(tok)
+    t2, e2 = time.perf_counter(), evict.seconds
+    decode_s = (t2 - t1) - (e2 - e1)
+    r: dict[str, Any] = {"prefill_s": t1 - t0 - e1, "tok_s": (n - 1) / decode_s, "tokens": out, "evict_s": e2}
+    r.update({f"{k}_per_token": (f() - first[k]) / (n - 1) for k, f in probes.items()})
+    return r
+
+
+def time_engine(
+    engine: Any, prompt: list[int], n: int, evict: Evictor, probes: dict[str, Probe] | None = None
+) -> dict[str, Any]:
     with engine.new_session() as s:
-        t0 = time.perf_counter()
-        tok = int(s.prefill(prompt, last_only=True)[0].argmax())
-        t1 = time.perf_counter()
-        out = [tok]
-        for _ in range(n - 1):
-            tok = int(s.decode(tok).argmax())
-            out.append(tok)
-        t2 = time.perf_counter()
-    return {"prefill_s": t1 - t0, "tok_s": (n - 1) / (t2 - t1), "tokens": out}
+
+        def step(ids: list[int]) -> int:
+            return int(s.prefill(ids, last_only=True)[0].argmax())
+
+        return time_loop(step, prompt, n, evict, probes)
 
 
-def time_hf(model: Any, prompt: list[int], n: int) -> dict[str, Any]:
+def time_hf(model: Any, prompt: list[int], n: int, evict: Evictor) -> dict[str, Any]:
     from transformers import DynamicCache
 
-    with torch.no_grad():
-        cache = DynamicCache()
-        t0 = time.perf_counter()
-        out = model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
-        tok = int(out.logits[0, -1].argmax())
-        t1 = time.perf_counter()
-        toks = [tok]
-        for _ in range(n - 1):
-            out = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
-            tok = int(out.logits[0, -1].argmax())
-            toks.append(tok)
-        t2 = time.perf_counter()
-    return {"prefill_s": t1 - t0, "tok_s": (n - 1) / (t2 - t1), "tokens": toks}
+    cache = DynamicCache()
+
+    def step(ids: list[int]) -> int:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        return int(out.logits[0, -1].argmax())
+
+    return time_loop(step, prompt, n, evict)
 
 
 def pick_threads(engine: Any, prompt: list[int]) -> tuple[int, dict[int, float]]:
@@ -160,11 +274,46 @@ def pick_threads(engine: Any, prompt: list[int]) -> tuple[int, dict[int, float]]
     rates: dict[int, float] = {}
     for nt in range(1, (os.cpu_count() or 1) + 1):
         torch.set_num_threads(nt)
-        time_engine(engine, prompt[:4], 3)
-        rates[nt] = statistics.median(time_engine(engine, prompt, 8)["tok_s"] for _ in range(3))
+        time_engine(engine, prompt[:4], 3, Evictor([]))
+        rates[nt] = statistics.median(time_engine(engine, prompt, 8, Evictor([]))["tok_s"] for _ in range(3))
     best = max(rates, key=rates.__getitem__)
     torch.set_num_threads(best)
     return best, rates
+
+
+def routing_stats(engine: Any, prompt: list[int], n: int) -> dict[str, Any]:
+    """Routing of `engine`'s greedy run: how often consecutive decode tokens share an expert in a
+    layer, per-layer max/min expert load, distinct experts per decode token."""
+    from freetoken_agents.engine.experts import run_experts
+
+    inner, trace = engine.experts, []
+
+    class Recorder:
+        def get(self, layer: int, expert: int) -> Any:
+            return inner.get(layer, expert)
+
+        def run(self, layer: int, hidden: Any, ids: Any, w: Any, spec: Any) -> Any:
+            trace.append((layer, hidden.shape[0], sorted(set(ids.reshape(-1).tolist()))))
+            return run_experts(self.get, layer, hidden, ids, w, spec)
+
+    engine.use_expert_provider(Recorder())
+    try:
+        time_engine(engine, prompt, n, Evictor([]))
+    finally:
+        engine.use_expert_provider(inner)
+    decode = [(layer, used) for layer, t, used in trace if t == 1]
+    layers = sorted({layer for layer, _ in decode})
+    per_layer = {lay: [set(u) for la, u in decode if la == lay] for lay in layers}
+    share = [bool(a & b) for seq in per_layer.values() for a, b in zip(seq, seq[1:], strict=False)]
+    loads = []
+    for seq in per_layer.values():
+        counts = [sum(e in u for u in seq) for e in range(8)]
+        loads.append(round(max(counts) / max(1, min(counts)), 1))
+    return {
+        "consecutive_tokens_share_an_expert": round(sum(share) / max(1, len(share)), 3),
+        "max_over_min_expert_load_per_layer": loads,
+        "decode_tokens": n - 1,
+    }
 
 
 # ---- contenders -----------------------------------------------------------------------------------
@@ -173,6 +322,7 @@ class Bench:
 
     def __init__(self, tmp: Path, args: argparse.Namespace) -> None:
         from freetoken_agents.engine import Engine
+        from freetoken_agents.engine.ftw import FTWFile
         from freetoken_agents.engine.ftw.convert import convert_checkpoint
 
         self.args, self.tmp = args, tmp
@@ -183,11 +333,13 @@ class Bench:
         self.ram = Engine.from_pretrained(self.folder)
         own_weights(self.ram.model)
         self.expert_bytes = self.ram.experts.nbytes
+        with FTWFile(self.ftw) as f:
+            self.stored_block_bytes = max(f.expert_info(*k).block_length for k in f.expert_keys())
         self.build_s = time.perf_counter() - t0
         self.hf: Any = None
-        self.last_stats: dict[str, Any] = {}
+        self.hf_layers_on_disk = 0
 
-    def tiered(self, placement: str, prefetch: bool) -> Callable[[list[int], int], dict[str, Any]]:
+    def tiered(self, placement: str, prefetch: bool, fast: float | None = None) -> Runner:
         from freetoken_agents.engine import Engine
         from freetoken_agents.engine.memory import MemoryBudget, TieredExpertProvider
 
@@ -195,47 +347,61 @@ class Bench:
         own_weights(eng.model)
         kv_room = 8 * eng.kv_pool.bytes_per_block
         budget = MemoryBudget(
-            fast_bytes=int(self.args.budget * self.expert_bytes) + kv_room,
+            fast_bytes=int((self.args.budget if fast is None else fast) * self.expert_bytes) + kv_room,
             host_bytes=int(self.args.host_budget * self.expert_bytes),
         )
         tp = TieredExpertProvider.for_engine(eng, self.ftw, budget, placement=placement, prefetch=prefetch)
 
         def run(prompt: list[int], n: int) -> dict[str, Any]:
-            read0 = tp.ftw.bytes_read
-            r = time_engine(eng, prompt, n)
+            # The link as FreeToken's own reads found it: bytes over the time a read was in flight.
+            link = {"link_bytes": lambda: tp.reader.bytes_read, "link_busy_s": lambda: tp.reader.busy_seconds}
+            r = time_engine(eng, prompt, n, Evictor([self.ftw]), link)
             st = tp.stats()
             tp.close()
-            fast, host = st["tiers"]["fast"], st["tiers"]["host"]
+            fast_t, host_t = st["tiers"]["fast"], st["tiers"]["host"]
             pf = st["prefetch"] or {}
-            r.update({
-                "fast_hit_rate": fast["hits"] / max(1, fast["hits"] + fast["misses"]),
-                "host_hit_rate": host["hits"] / max(1, host["hits"] + host["misses"]),
-                "decisions": st["policy"]["decisions"],
-                "prefetch_precision": pf.get("precision"), "prefetch_recall": pf.get("recall"),
-                "file_bytes_per_call": (tp.ftw.bytes_read - read0),
-                "storage_bw_estimate": st["bandwidth"]["storage->host"]["estimate_bps"],
-            })
+            r.update(
+                {
+                    "fast_hit_rate": fast_t["hits"] / max(1, fast_t["hits"] + fast_t["misses"]),
+                    "host_hit_rate": host_t["hits"] / max(1, host_t["hits"] + host_t["misses"]),
+                    "decisions": st["policy"]["decisions"],
+                    "direct_io": st["tiers"]["storage"]["direct_io"],
+                    "prefetch_precision": pf.get("precision"),
+                    "prefetch_recall": pf.get("recall"),
+                    "prefetch_baseline_precision": pf.get("baseline_precision"),
+                    "phase_s": {k: round(v, 3) for k, v in st["phase_s"].items()},
+                    "storage_bw_estimate": st["bandwidth"]["storage->host"]["estimate_bps"],
+                    "file_reads": st["tiers"]["storage"]["reads"],
+                }
+            )
             return r
 
         return run
 
-    def accelerate(self) -> Callable[[list[int], int], dict[str, Any]]:
+    def accelerate(self) -> Runner:
         from transformers import AutoModelForCausalLM
 
         if self.hf is None:  # loaded once: its cold state is the page cache alone
             dense = self.shape["params"] * 4 - self.expert_bytes
-            max_mem = int(dense + self.args.budget * self.expert_bytes)
+            ram = self.args.budget + self.args.host_budget
             self.hf = AutoModelForCausalLM.from_pretrained(
-                self.folder, device_map="auto", max_memory={"cpu": max_mem},
-                offload_folder=str(self.tmp / "offload"), dtype=torch.float32,
+                self.folder,
+                device_map="auto",
+                max_memory={"cpu": int(dense + ram * self.expert_bytes)},
+                offload_folder=str(self.tmp / "offload"),
+                dtype=torch.float32,
             ).eval()
             own_weights(self.hf)
-        return lambda prompt, n: time_hf(self.hf, prompt, n)
+            self.hf_layers_on_disk = sum(
+                1 for k, v in self.hf.hf_device_map.items() if v == "disk" and ".layers." in f".{k}."
+            )
+        files = [*self.folder.glob("*.safetensors"), *(self.tmp / "offload").glob("*")]
+        return lambda prompt, n: time_hf(self.hf, prompt, n, Evictor(files))  # type: ignore[no-any-return]
 
-    def in_ram(self) -> Callable[[list[int], int], dict[str, Any]]:
-        return lambda prompt, n: time_engine(self.ram, prompt, n)
+    def in_ram(self) -> Runner:
+        return lambda prompt, n: time_engine(self.ram, prompt, n, Evictor([]))
 
-    def make(self, name: str) -> Callable[[list[int], int], dict[str, Any]]:
+    def make(self, name: str) -> Runner:
         return {
             "freetoken_qstar": lambda: self.tiered("qstar", True),
             "accelerate_offload": self.accelerate,
@@ -247,86 +413,154 @@ class Bench:
 CONTENDERS = ("freetoken_qstar", "accelerate_offload", "freetoken_lru", "freetoken_ram")
 
 
+def cold_run(run: Runner, prompt: list[int], n: int, ref: list[int]) -> dict[str, Any]:
+    gc.collect()
+    dropped = drop_page_cache()
+    r = run(prompt, n)
+    r["page_cache_dropped"] = dropped
+    r["same_tokens_as_ram"] = r.pop("tokens") == ref
+    return r
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small model (~200 MB of experts), ~2 min")
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small model (0.2 GB), ~1 min")
     ap.add_argument("--budget", type=float, default=0.25, help="fast-tier fraction of expert bytes")
     ap.add_argument("--host-budget", type=float, default=0.25, help="host-tier fraction of expert bytes")
-    ap.add_argument("--tokens", type=int, default=None, help="decode tokens per timed phase")
+    ap.add_argument("--tokens", type=int, default=None, help="greedy tokens per timed phase")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (medians are reported)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: measured best)")
+    ap.add_argument("--sweep", action="store_true", help="also run (a) at fast budgets 0.5, 0.75, 1.0")
     ap.add_argument("--json", type=Path, default=None, help="also write the summary here")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    n = args.tokens or (12 if args.quick else 24)
+    n = args.tokens or 24
     load0 = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="ft-offload-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ft-offload-", dir=os.environ.get("FT_BENCH_DIR")) as tmp:
         b = Bench(Path(tmp), args)
-        prompt = torch.randint(0, 2048, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+        gen = torch.Generator().manual_seed(1)
+        prompt = torch.randint(0, b.shape["vocab"], (16,), generator=gen).tolist()
         if args.threads:
             torch.set_num_threads(args.threads)
             threads, thread_rates = args.threads, {}
         else:
             threads, thread_rates = pick_threads(b.ram, prompt)
-        ref = time_engine(b.ram, prompt, n)["tokens"]
-        storage_bw, ram_bw = storage_bandwidth(b.ftw), ram_bandwidth()
+        ref = time_engine(b.ram, prompt, n, Evictor([]))["tokens"]
+        routing = routing_stats(b.ram, prompt, n)
+        ram_bw = ram_bandwidth()
+        probe = LinkProbe(Path(tmp), max(b.stored_block_bytes, 1 << 20))
         runs: dict[str, list[dict[str, Any]]] = {c: [] for c in CONTENDERS}
         for rep in range(args.reps):
-            order = CONTENDERS[rep % len(CONTENDERS):] + CONTENDERS[: rep % len(CONTENDERS)]
+            order = CONTENDERS[rep % len(CONTENDERS) :] + CONTENDERS[: rep % len(CONTENDERS)]
             for name in order:
                 run = b.make(name)
-                gc.collect()
-                dropped = drop_page_cache()
-                r = run(prompt, n)
-                r["page_cache_dropped"] = dropped
-                r["same_tokens_as_ram"] = r.pop("tokens") == ref
-                runs[name].append(r)
-                logger.info("rep %d %s %.2f tok/s", rep, name, r["tok_s"])
-        summary = report(b, runs, n, threads, thread_rates, storage_bw, ram_bw, load0)
+                before = probe.measure()
+                r = cold_run(run, prompt, n, ref)
+                runs[name].append({**r, "link_bw": (before + probe.measure()) / 2})
+                logger.info("rep %d %s %.2f tok/s", rep, name, runs[name][-1]["tok_s"])
+        sweep = {}
+        if args.sweep:
+            for fast in (args.budget, 0.5, 0.75, 1.0):
+                sweep[fast] = round(cold_run(b.tiered("qstar", True, fast), prompt, n, ref)["tok_s"], 3)
+        summary = report(b, runs, n, threads, thread_rates, ram_bw, load0)
+        summary["routing"], summary["qstar_tok_s_by_fast_budget"] = routing, sweep
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2, default=str))
     print(json.dumps(summary, indent=2, default=str))
-    res = summary["results"]
-    tps = " | ".join(f"{c} {res[c]['tok_s']:.2f}" for c in CONTENDERS)
-    print(f"decode tok/s (median of {args.reps}): {tps}")
-    bound = summary["bound"]
+    res, bound = summary["results"], summary["bound"]
+    print(
+        f"decode tok/s (median of {args.reps}): "
+        + " | ".join(f"{c} {res[c]['tok_s']:.2f}" for c in CONTENDERS)
+    )
     print(
         f"ratios: a/b {summary['ratio_a_over_b']:.2f}x  a/c {summary['ratio_a_over_c']:.2f}x  "
-        f"a/d {summary['ratio_a_over_d']:.2f}; (a) s/token {1 / res['freetoken_qstar']['tok_s']:.4f} "
-        f"vs its bound {bound['a_bound_s_per_token']:.4f} ({bound['a_over_bound']:.2f}x)"
+        f"a/d {summary['ratio_a_over_d']:.2f}; (a) s/token {1 / res['freetoken_qstar']['tok_s']:.4f} = "
+        f"{bound['a_over_bound']:.2f}x its bound (max of disk bytes / link bandwidth and touched "
+        f"bytes / RAM bandwidth; median over reps)"
     )
+    print(
+        "disk MB read per decode token (/proc/self/io): "
+        + " | ".join(f"{c} {res[c]['disk_bytes_per_token'] / 1e6:.0f}" for c in CONTENDERS)
+    )
+    print(
+        "(a) link as its own reads found it (bytes / time with a read in flight), GB/s: "
+        + ", ".join(f"{x / 1e9:.2f}" for x in res["freetoken_qstar"]["link_bw_own_reads_Bps_all"])
+        + "; probe before/after each phase, GB/s: "
+        + ", ".join(f"{x / 1e9:.2f}" for x in res["freetoken_qstar"]["link_bw_probe_Bps_all"])
+    )
+    if sweep:
+        print(
+            "(a) tok/s by fast budget (host fixed): "
+            + ", ".join(f"{k:g}: {v:.2f}" for k, v in sweep.items())
+            + f"; (d) {res['freetoken_ram']['tok_s']:.2f}"
+        )
     return 0
 
 
-def report(b: Bench, runs: dict[str, list[dict[str, Any]]], n: int, threads: int,
-           thread_rates: dict[int, float], storage_bw: float, ram_bw: float,
-           load0: tuple[float, float, float]) -> dict[str, Any]:
+def report(
+    b: Bench,
+    runs: dict[str, list[dict[str, Any]]],
+    n: int,
+    threads: int,
+    thread_rates: dict[int, float],
+    ram_bw: float,
+    load0: tuple[float, float, float],
+) -> dict[str, Any]:
     """Medians, ratios and bounds as one JSON-able dict."""
+    sh = b.shape
+    touched = sh["top_k"] * b.expert_bytes // sh["experts"]
     res: dict[str, dict[str, Any]] = {}
     for name, rs in runs.items():
+        # Per repetition: the disk floor = disk bytes per token / link bandwidth. The link as the
+        # probe found it just before and after the phase, and (FreeToken) as its own reads found it
+        # during the phase: bytes over the time a read was in flight.
+        probe_floors = [r["disk_bytes_per_token"] / r["link_bw"] for r in rs]
+        own = [
+            r["link_bytes_per_token"] / r["link_busy_s_per_token"]
+            for r in rs
+            if r.get("link_busy_s_per_token")
+        ]
+        floors = probe_floors
+        if own:
+            floors = [r["disk_bytes_per_token"] / bw for r, bw in zip(rs, own, strict=True)]
+        over = [(1 / r["tok_s"]) / max(f, touched / ram_bw) for r, f in zip(rs, floors, strict=True)]
         res[name] = {
             "tok_s": statistics.median(r["tok_s"] for r in rs),
             "tok_s_all": [round(r["tok_s"], 3) for r in rs],
-            "prefill_s": statistics.median(r["prefill_s"] for r in rs),
+            "prefill_s": round(statistics.median(r["prefill_s"] for r in rs), 3),
+            "evict_s_median": round(statistics.median(r["evict_s"] for r in rs), 4),
             "page_cache_dropped_every_rep": all(r["page_cache_dropped"] for r in rs),
             "same_tokens_as_ram": all(r["same_tokens_as_ram"] for r in rs),
+            "link_bw_probe_Bps_all": [round(r["link_bw"]) for r in rs],
+            "link_bw_own_reads_Bps_all": [round(x) for x in own],
+            "disk_floor_s_per_token_probe": round(statistics.median(probe_floors), 4),
+            "disk_floor_s_per_token": round(statistics.median(floors), 4),
+            "s_per_token_over_bound": round(statistics.median(over), 3),
         }
-        for k in ("fast_hit_rate", "host_hit_rate", "prefetch_precision", "prefetch_recall"):
+        for k in (
+            "fast_hit_rate",
+            "host_hit_rate",
+            "prefetch_precision",
+            "prefetch_recall",
+            "prefetch_baseline_precision",
+            "disk_bytes_per_token",
+        ):
             if rs[0].get(k) is not None:
                 res[name][k] = round(statistics.median(r[k] for r in rs), 3)
-        if "decisions" in rs[0]:
-            res[name]["decisions_last_rep"] = rs[-1]["decisions"]
-            res[name]["file_bytes_per_token"] = statistics.median(r["file_bytes_per_call"] for r in rs) / n
-    sh = b.shape
-    touched = sh["top_k"] * sh["layers"] * b.expert_bytes // (sh["layers"] * sh["experts"])
+        for k in ("decisions", "phase_s", "direct_io"):
+            if k in rs[-1]:
+                res[name][f"{k}_last_rep"] = rs[-1][k]
+    res["accelerate_offload"]["decoder_layers_on_disk"] = b.hf_layers_on_disk
     a = res["freetoken_qstar"]
-    disk_bound = touched / storage_bw if storage_bw else None
-    a_bound = (a["file_bytes_per_token"] / storage_bw if storage_bw else 0.0) + touched / ram_bw
     return {
         "model": {**sh, "expert_bytes": b.expert_bytes, "build_s": round(b.build_s, 1)},
-        "budget_fraction": b.args.budget, "host_budget_fraction": b.args.host_budget,
-        "decode_tokens": n, "reps": b.args.reps, "threads": threads,
-        "decode_tok_s_by_threads_on_d": thread_rates, "loadavg_at_start": load0,
+        "budget_fraction": b.args.budget,
+        "host_budget_fraction": b.args.host_budget,
+        "decode_tokens": n - 1,
+        "reps": b.args.reps,
+        "threads": threads,
+        "decode_tok_s_by_threads_on_d": thread_rates,
+        "loadavg_at_start": load0,
         "loadavg_at_end": os.getloadavg(),
         "results": res,
         "ratio_a_over_b": a["tok_s"] / res["accelerate_offload"]["tok_s"],
@@ -334,11 +568,14 @@ def report(b: Bench, runs: dict[str, list[dict[str, Any]]], n: int, threads: int
         "ratio_a_over_d": a["tok_s"] / res["freetoken_ram"]["tok_s"],
         "bound": {
             "touched_bytes_per_token": touched,
-            "storage_bw_Bps": storage_bw, "ram_bw_Bps": ram_bw,
-            "disk_bound_s_per_token": disk_bound,
-            "ram_bound_s_per_token": touched / ram_bw,
-            "a_bound_s_per_token": a_bound,
-            "a_over_bound": (1 / a["tok_s"]) / a_bound,
+            "ram_bw_Bps": ram_bw,
+            "ram_s_per_token": touched / ram_bw,
+            "a_disk_bytes_per_token": a["disk_bytes_per_token"],
+            "a_link_bw_own_reads_Bps_median": statistics.median(a["link_bw_own_reads_Bps_all"]),
+            "a_link_bw_probe_Bps_median": statistics.median(a["link_bw_probe_Bps_all"]),
+            "a_disk_floor_s_per_token": a["disk_floor_s_per_token"],
+            "a_bound_s_per_token": max(a["disk_floor_s_per_token"], touched / ram_bw),
+            "a_over_bound": a["s_per_token_over_bound"],
         },
     }
 

@@ -1,21 +1,35 @@
-"""Tiered expert memory: LRU/pinning, the shared host LRU, exact logits under tight budgets,
-budget errors, KV pressure shrinking and regrowing the expert tier, prefetch counters."""
+"""Tiered expert memory: LRU/pinning, the shared host LRU, exclusive RAM tiers, exact logits under
+tight budgets, budget errors, one session's KV growth shrinking and regrowing the expert tier, a
+corrupted block found mid-generation."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from freetoken_agents.engine import Engine
 from freetoken_agents.engine.errors import FTWFormatError, MemoryBudgetError
+from freetoken_agents.engine.experts import ExpertKey, run_experts
 from freetoken_agents.engine.ftw import FTWWriter, encode
 from freetoken_agents.engine.memory import FastTier, HostTier, MemoryBudget, TieredExpertProvider
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models on a shared 2-core machine: a second OpenMP thread only adds stalls (8x here)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 def write_ftw(engine: Engine, path: Path, codec: str = "fp32") -> Path:
-    """Write `engine`'s in-RAM experts as FTW expert blocks (until `freetoken convert` lands)."""
+    """Write `engine`'s in-RAM experts as FTW expert blocks."""
     experts = engine.experts
     with FTWWriter(path, model_config={"model_type": engine.spec.model_type}) as w:
         for layer, e in experts.keys():  # type: ignore[attr-defined]
@@ -44,6 +58,16 @@ def built(tiny_checkpoint, tmp_path_factory):
 
 def _prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _top_k(eng: Engine) -> dict[int, int]:
+    return {i: eng.spec.layers[i].moe.top_k for i in eng.spec.moe_layers()}  # type: ignore[union-attr]
+
+
+def _check_exclusive(tp: TieredExpertProvider) -> None:
+    """Every expert whose tier-1 weights are views of its stored bytes is not also in tier 2."""
+    for key in tp.moves.backing:
+        assert key in tp.fast and key not in tp.host
 
 
 # ---- tiers -------------------------------------------------------------------------------------
@@ -79,8 +103,10 @@ def test_pin_cap_limits_hot_set():
     assert t.set_hot([(0, 3), (0, 2), (0, 1)]) == [(0, 2), (0, 3)]
 
 
-def test_host_tier_is_one_lru_across_layers():
+def test_host_tier_is_one_lru_across_layers_and_reports_evictions():
     t = HostTier[bytes](400)
+    dropped: list[tuple[ExpertKey, bytes]] = []
+    t.on_evict = lambda k, v: dropped.append((k, v))  # type: ignore[assignment,misc]
     t.put((0, 0), b"a", 100)
     t.put((1, 0), b"b", 100)
     t.put((2, 0), b"c", 100)
@@ -89,6 +115,8 @@ def test_host_tier_is_one_lru_across_layers():
     # A hot layer may push out another layer's experts: eviction order is global recency.
     assert t.put((5, 5), b"e", 200) == [(1, 0), (2, 0)]
     assert t.keys() == [(0, 1), (0, 0), (5, 5)]
+    assert dropped == [((1, 0), b"b"), ((2, 0), b"c")]
+    assert t.pop((0, 1)) == b"d" and len(dropped) == 2  # pop hands the value over: no eviction
 
 
 # ---- provider correctness ----------------------------------------------------------------------
@@ -99,11 +127,8 @@ def test_logits_equal_in_ram_engine_under_tight_budget(arch, fraction, built):
     ref = Engine.from_pretrained(folder)
     eng = Engine.from_pretrained(folder)
     kv = 4 * eng.kv_pool.bytes_per_block  # 36 tokens need 3 blocks of 16
-    probe = TieredExpertProvider(ftw, MemoryBudget(), top_k=1)
-    ws = TieredExpertProvider(ftw, MemoryBudget(), top_k={
-        i: eng.spec.layers[i].moe.top_k for i in eng.spec.moe_layers()  # type: ignore[union-attr]
-    }).min_working_set
-    fast = kv + max(ws, int(fraction * expert_bytes(ref)))
+    probe = TieredExpertProvider(ftw, MemoryBudget(), top_k=_top_k(eng))
+    fast = kv + max(probe.min_working_set, int(fraction * expert_bytes(ref)))
     host = max(probe.stored_bytes.values()) * 2
     tp = TieredExpertProvider.for_engine(
         eng, ftw, MemoryBudget(fast_bytes=fast, host_bytes=host), prefetch_thread=False
@@ -117,12 +142,69 @@ def test_logits_equal_in_ram_engine_under_tight_budget(arch, fraction, built):
             x, y = a.decode(tok), b.decode(tok)
             assert torch.equal(x, y)
             tok = int(x.argmax())
+            _check_exclusive(tp)
     s = tp.stats()
     assert s["tiers"]["fast"]["used_bytes"] <= s["tiers"]["fast"]["capacity_bytes"]
     assert s["tiers"]["host"]["used_bytes"] <= host
-    if fraction < 0.5:
-        assert s["tiers"]["fast"]["evictions"] + s["policy"]["decisions"].get("host", 0) > 0
+    assert s["tiers"]["fast"]["evictions"] > 0  # the budget really was too small for all experts
+    assert s["tiers"]["storage"]["reads"] > len(probe.stored_bytes)  # some experts were read again
     tp.close()
+
+
+def test_exclusive_ram_tiers_hold_fast_plus_host_distinct_experts(built):
+    """The bug: tier 1 held copies of experts that also stayed in tier 2, so with fast = host = 2
+    experts only 2 distinct experts were in RAM and re-using 4 of them re-read 2 from disk."""
+    _, ftw = built("mixtral")
+    probe = TieredExpertProvider(ftw, MemoryBudget(), top_k=2)
+    one = probe.fast_bytes[(0, 0)]
+    assert probe.stored_bytes[(0, 0)] <= one  # fp32 block: the stored bytes are the weights
+    budget = MemoryBudget(fast_bytes=2 * one, host_bytes=2 * one)
+    tp = TieredExpertProvider(ftw, budget, top_k=2, prefetch=False)
+    keys = [(0, 0), (0, 1), (0, 2), (0, 3)]
+    first = {k: tp.get(*k).gate_up.clone() for k in keys}
+    read = tp.stats()["file_bytes_read"]
+    assert read >= 4 * probe.stored_bytes[(0, 0)]
+    for k in keys:  # every one is still in RAM: no disk read
+        assert torch.equal(tp.get(*k).gate_up, first[k])
+    assert tp.stats()["file_bytes_read"] == read
+    assert sorted(tp.fast.keys()) == keys[2:] and sorted(tp.host.keys()) == keys[:2]  # demoted
+    _check_exclusive(tp)
+    assert tp.fast.used_bytes + tp.host.used_bytes <= 4 * one
+    assert tp.reader.buffers.reused == 0  # nothing left RAM, so no buffer was recycled
+    tp.get(0, 4)  # now one expert must leave RAM; its buffer is recycled for the next read
+    tp.get(0, 5)
+    assert tp.reader.reads == 6 and tp.reader.buffers.reused >= 1
+    tp.close()
+
+
+def test_host_compute_time_excludes_the_disk_read(built):
+    """The bug: HOST placements timed the tier-3 read together with the matmul, so the measured
+    host compute cost (which q* compares with tier-1 compute) grew with disk latency and q* priced
+    the read twice (it already adds the storage link's fetch time)."""
+    folder, ftw = built("mixtral")
+    eng = Engine.from_pretrained(folder)
+    ws = TieredExpertProvider(ftw, MemoryBudget(), top_k=2).min_working_set
+    budget = MemoryBudget(fast_bytes=ws + 4 * eng.kv_pool.bytes_per_block, host_bytes=1)  # keeps nothing
+    tp = TieredExpertProvider.for_engine(eng, ftw, budget, prefetch=False)
+    tp.policy.compute.set("cpu", "decoded", 1, 1.0)  # tier-1 compute looks slow: q* computes on the host
+    read = tp.reader.read
+
+    def slow_read(layer: int, expert: int, **kw):
+        time.sleep(0.05)  # a slow disk
+        return read(layer, expert, **kw)
+
+    tp.reader.read = slow_read  # type: ignore[method-assign]
+    eng.generate(_prompt(eng.spec.vocab_size, 4, 9), max_new_tokens=3, stop_token_ids=())
+    assert tp.stats()["policy"]["decisions_by_phase"].get("decode/host", 0) > 0
+    assert tp.stats()["tiers"]["storage"]["reads"] > 8  # every host use went to the disk
+    assert tp.policy.compute.estimate("cpu-host", "fp32", 1) < 0.02  # the matmul, not the read
+    tp.close()
+
+
+@pytest.mark.parametrize("kw", [{"fast_bytes": 0}, {"host_bytes": -1}, {"kv_bytes": 0}])
+def test_budget_values_must_be_positive(kw):
+    with pytest.raises(ValidationError):
+        MemoryBudget(**kw)
 
 
 def test_budget_below_one_layers_active_experts_raises_at_construction(built):
@@ -133,65 +215,119 @@ def test_budget_below_one_layers_active_experts_raises_at_construction(built):
     TieredExpertProvider(ftw, MemoryBudget(fast_bytes=probe.min_working_set), top_k=2)
 
 
-def test_kv_growth_shrinks_expert_tier_and_freeing_regrows_it(built):
+def test_one_session_grows_10x_under_a_fixed_fast_budget(built):
     folder, ftw = built("mixtral")
     ref, eng = Engine.from_pretrained(folder), Engine.from_pretrained(folder)
     bpb = eng.kv_pool.bytes_per_block
-    ws = TieredExpertProvider(ftw, MemoryBudget(), top_k=2).min_working_set
-    fast = ws + 12 * bpb  # 12 KV blocks of room; the long prompt needs 11
-    tp = TieredExpertProvider.for_engine(eng, ftw, MemoryBudget(fast_bytes=fast), prefetch_thread=False)
+    probe = TieredExpertProvider(ftw, MemoryBudget(), top_k=2)
+    fast = probe.min_working_set + 11 * bpb  # 160 tokens need 10 blocks of 16
+    budget = MemoryBudget(fast_bytes=fast, host_bytes=4 * probe.stored_bytes[(0, 0)])
+    tp = TieredExpertProvider.for_engine(eng, ftw, budget, prefetch_thread=False)
     cap0 = tp.fast.capacity_bytes
-    short, long = _prompt(eng.spec.vocab_size, 16, 1), _prompt(eng.spec.vocab_size, 160, 2)
-    with eng.new_session() as s:
-        s.prefill(short)
-    for prompt in (short, long):  # 10x the context under the same budget
-        assert ref.generate(prompt, max_new_tokens=4, stop_token_ids=()).token_ids == eng.generate(
-            prompt, max_new_tokens=4, stop_token_ids=()
-        ).token_ids
-    st = tp.stats()["tiers"]["fast"]
-    assert st["shrinks"] > 0 and st["regrows"] > 0
-    assert tp.kv_bytes == 0 and tp.fast.capacity_bytes == cap0
+    caps = []
+    with ref.new_session() as a, eng.new_session() as b:
+        prompt = _prompt(eng.spec.vocab_size, 16, 1)
+        la, lb = a.prefill(prompt, last_only=True)[0], b.prefill(prompt, last_only=True)[0]
+        assert torch.equal(la, lb)
+        tok = int(la.argmax())
+        while b.cached_tokens < 160:  # 10x the first context, greedy, one session
+            x, y = a.decode(tok), b.decode(tok)
+            assert torch.equal(x, y)
+            tok = int(x.argmax())
+            caps.append(tp.fast.capacity_bytes)
+            _check_exclusive(tp)
+        grown = tp.stats()
+    assert min(caps) <= cap0 - 9 * bpb  # the expert tier gave its room to the KV cache
+    assert grown["tiers"]["fast"]["shrinks"] >= 9 and grown["budget"]["kv_bytes"] >= 10 * bpb
+    st = tp.stats()  # the session closed: its KV blocks are free again
+    assert st["tiers"]["fast"]["regrows"] > 0 and st["budget"]["kv_bytes"] == 0
+    assert tp.fast.capacity_bytes == cap0
     with eng.new_session() as s, pytest.raises(MemoryBudgetError, match=r"KV cache \(\d+ bytes\)"):
-        s.prefill(_prompt(eng.spec.vocab_size, 16 * 15, 3))
-    assert eng.generate(short, max_new_tokens=2, stop_token_ids=()).token_ids  # still usable
-
-
-def test_prefetch_counters_move(built):
-    folder, ftw = built("mixtral")
-    eng = Engine.from_pretrained(folder)
-    tp = TieredExpertProvider.for_engine(eng, ftw, MemoryBudget(), prefetch_thread=False)
-    eng.generate(_prompt(eng.spec.vocab_size, 8, 4), max_new_tokens=8, stop_token_ids=())
-    p = tp.stats()["prefetch"]
-    assert p["predicted"] > 0 and p["used"] > 0 and p["issued"] > 0
-    assert 0 < p["precision"] <= 1 and 0 < p["recall"] <= 1
-    assert p["taken"] > 0
+        s.prefill(_prompt(eng.spec.vocab_size, 16 * 13, 3))  # more KV than the whole budget
+    assert eng.generate(prompt, max_new_tokens=2, stop_token_ids=()).token_ids  # still usable
+    tp.close()
 
 
 def test_threaded_prefetch_gives_identical_logits(built):
     folder, ftw = built("mixtral")
     ref, eng = Engine.from_pretrained(folder), Engine.from_pretrained(folder)
     ws = TieredExpertProvider(ftw, MemoryBudget(), top_k=2).min_working_set
-    budget = MemoryBudget(fast_bytes=3 * ws + 8 * eng.kv_pool.bytes_per_block)
+    budget = MemoryBudget(fast_bytes=3 * ws + 8 * eng.kv_pool.bytes_per_block, host_bytes=2 * ws)
     tp = TieredExpertProvider.for_engine(eng, ftw, budget)
     ids = _prompt(eng.spec.vocab_size, 12, 5)
-    assert ref.generate(ids, max_new_tokens=16, stop_token_ids=()).token_ids == eng.generate(
-        ids, max_new_tokens=16, stop_token_ids=()
-    ).token_ids
+    assert (
+        ref.generate(ids, max_new_tokens=16, stop_token_ids=()).token_ids
+        == eng.generate(ids, max_new_tokens=16, stop_token_ids=()).token_ids
+    )
+    assert tp.stats()["prefetch"]["taken"] > 0
     tp.close()
 
 
-def test_corrupted_block_raises_ftw_format_error_and_session_stays_usable(built, tmp_path):
+# ---- a corrupted block found mid-generation -----------------------------------------------------
+class Recorder:
+    """Wraps an engine's provider and records the (layer, expert) keys each step routes to."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.inner, self.steps = engine.experts, []
+        engine.use_expert_provider(self)  # type: ignore[arg-type]
+
+    def get(self, layer: int, expert: int):
+        return self.inner.get(layer, expert)
+
+    def run(self, layer, hidden, ids, weights, spec):
+        if layer == 0:
+            self.steps.append(set())
+        self.steps[-1] |= {(layer, int(e)) for e in ids.reshape(-1).tolist()}
+        return run_experts(self.get, layer, hidden, ids, weights, spec)
+
+
+def _first_new_expert(folder: Path) -> tuple[list[int], int, ExpertKey]:
+    """A prompt, a decode step and an expert that step is the first to use."""
+    ref = Engine.from_pretrained(folder)
+    rec = Recorder(ref)
+    for seed in range(20):
+        prompt = _prompt(ref.spec.vocab_size, 2, seed)
+        rec.steps.clear()
+        ref.generate(prompt, max_new_tokens=8, stop_token_ids=())
+        for s in range(1, len(rec.steps)):
+            new = rec.steps[s] - set().union(*rec.steps[:s])
+            if new:
+                return prompt, s, min(new)
+    raise AssertionError("no decode step used a new expert")
+
+
+def test_corrupted_block_mid_generation_is_named_and_the_session_stays_usable(built, tmp_path):
     folder, ftw = built("mixtral")
-    bad = tmp_path / "bad.ftw"
-    bad.write_bytes(ftw.read_bytes())
-    eng = Engine.from_pretrained(folder)
-    tp = TieredExpertProvider.for_engine(eng, bad, MemoryBudget(), prefetch=False)
-    info = tp.ftw.expert_info(*tp.ftw.expert_keys()[-1])
-    with open(bad, "r+b") as f:
+    prompt, bad_step, bad = _first_new_expert(folder)
+    damaged = tmp_path / "bad.ftw"
+    damaged.write_bytes(ftw.read_bytes())
+    ref, eng = Engine.from_pretrained(folder), Engine.from_pretrained(folder)
+    rec = Recorder(ref)
+    tp = TieredExpertProvider.for_engine(eng, damaged, MemoryBudget(), prefetch_thread=False)
+    info = tp.ftw.expert_info(*bad)
+    with open(damaged, "r+b") as f:
         f.seek(info.data_offset + 7)
         f.write(b"\xff\x00\xff")
-    tp.host.capacity_bytes = 0  # keep nothing in tier 2 so every use reads the file
-    tp.fast.resize(tp.min_working_set)
-    with eng.new_session() as s, pytest.raises(FTWFormatError, match="checksum"):
-        for t in _prompt(eng.spec.vocab_size, 64, 6):
-            s.decode(t)
+    pattern = rf"bad\.ftw: expert block \(layer={bad[0]}, expert={bad[1]}\) at byte offset \d+: checksum"
+    with ref.new_session() as a, eng.new_session() as b:
+        la, lb = a.prefill(prompt, last_only=True)[0], b.prefill(prompt, last_only=True)[0]
+        assert torch.equal(la, lb)
+        tok = int(la.argmax())
+        for _ in range(1, bad_step):
+            x, y = a.decode(tok), b.decode(tok)
+            assert torch.equal(x, y)
+            tok = int(x.argmax())
+        position = b.cached_tokens
+        for _ in range(2):  # the step that needs the block fails, cleanly, every time
+            with pytest.raises(FTWFormatError, match=pattern):
+                b.decode(tok)
+            assert b.cached_tokens == position  # no half-written KV left behind
+        # Other experts still work: a token whose step does not route to the damaged block.
+        for cand in range(ref.spec.vocab_size):
+            with a.fork() as probe:
+                rec.steps.clear()
+                probe.decode(cand)
+            if bad not in rec.steps[0]:
+                break
+        assert torch.equal(a.decode(cand), b.decode(cand))
+    tp.close()

@@ -1,24 +1,29 @@
-"""Expert memory: budgets, the three expert tiers, bandwidth oracles, the q* policy, prefetch and
-`TieredExpertProvider` (the ExpertProvider that puts them together; `provider.stats()`)."""
+"""Expert memory: budgets, the three expert tiers (tier 3 read past the page cache by `BlockReader`),
+bandwidth oracles, the q* policy, prefetch and `TieredExpertProvider` (the ExpertProvider that puts
+them together; `provider.stats()`)."""
 
 from .budget import MemoryBudget
 from .oracle import BandwidthOracle, ManualClock, ThrottledLink
 from .policy import AlwaysStreamPolicy, ComputeCostModel, ExpertCase, Placement, QStarPolicy
 from .prefetch import PrefetchCounters, Prefetcher
 from .provider import TieredExpertProvider
+from .stats import PhaseTimer
+from .storage import BlockReader
 from .tiers import FastTier, HostTier, LayerLRUTier, LRUTier, TierCounters
 
 __all__ = [
     "AlwaysStreamPolicy",
-    "LayerLRUTier",
     "BandwidthOracle",
+    "BlockReader",
     "ComputeCostModel",
     "ExpertCase",
     "FastTier",
     "HostTier",
+    "LayerLRUTier",
     "LRUTier",
     "ManualClock",
     "MemoryBudget",
+    "PhaseTimer",
     "Placement",
     "PrefetchCounters",
     "Prefetcher",

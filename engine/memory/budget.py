@@ -86,7 +86,5 @@ class MemoryBudget(BaseModel):
             host_bytes=max(1, int(host * ram)) if host is not None else None,
             kv_bytes=kv_bytes,
         )
-        logger.info(
-            "memory budget from fractions fast=%s host=%s on %s: %s", fast, host, dev, budget
-        )
+        logger.info("memory budget from fractions fast=%s host=%s on %s: %s", fast, host, dev, budget)
         return budget

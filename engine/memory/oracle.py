@@ -149,9 +149,7 @@ class BandwidthOracle:
         }
 
 
-def cuda_timed_copy(
-    oracle: BandwidthOracle, dst: torch.Tensor, src: torch.Tensor, stream: Any
-) -> Any:
+def cuda_timed_copy(oracle: BandwidthOracle, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> Any:
     """`dst.copy_(src, non_blocking=True)` on `stream`, timed with CUDA events; returns the end
     event (wait on it with `torch.cuda.current_stream().wait_event(ev)` before using `dst`).
     `src` must be pinned host memory for the copy to be asynchronous."""

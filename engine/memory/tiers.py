@@ -9,7 +9,7 @@ for matmul and tier 2 the stored FTW block bytes. The tiers only count bytes and
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass
 from typing import Generic, TypeVar
 
@@ -39,7 +39,10 @@ class LRUTier(Generic[V]):
     """Keys -> values with a byte size, least recently used first, under `capacity_bytes`.
 
     Pinned keys are never chosen by `put`'s evictions; `resize` evicts unpinned keys coldest first
-    and only then pinned ones (coldest first). `capacity_bytes=None` means unbounded.
+    and only then pinned ones (coldest first). `capacity_bytes=None` means unbounded. `on_evict`
+    (if set) is called with each evicted key and value (not for `pop`). `protected` (if set) names
+    keys needed soon (the next layers' predicted experts): `put` evicts them only when the other
+    unpinned keys do not free enough room.
     """
 
     def __init__(self, name: str, capacity_bytes: int | None) -> None:
@@ -49,6 +52,8 @@ class LRUTier(Generic[V]):
         self.counters = TierCounters()
         self._items: OrderedDict[Hashable, tuple[V, int]] = OrderedDict()
         self.pinned: set[Hashable] = set()
+        self.on_evict: Callable[[Hashable, V], None] | None = None
+        self.protected: Callable[[Hashable], bool] | None = None  # needed soon: evicted last
 
     def __contains__(self, key: object) -> bool:
         return key in self._items
@@ -89,18 +94,23 @@ class LRUTier(Generic[V]):
         return self.capacity_bytes is None or self.used_bytes + nbytes <= self.capacity_bytes
 
     def victims_for(self, nbytes: int, key: ExpertKey | None = None) -> list[ExpertKey]:
-        """The unpinned keys `put(key, …, nbytes)` would evict, coldest first (no change made)."""
+        """The unpinned keys `put(key, …, nbytes)` would evict (no change made): coldest first,
+        keys `protected` says are needed soon only when the others do not free enough."""
         if self.capacity_bytes is None:
             return []
         need = self.used_bytes + nbytes - self.capacity_bytes
         out: list[ExpertKey] = []
-        for key, (_, size) in self._items.items():
-            if need <= 0:
+        protected = self.protected
+        for second_pass in (False, True):
+            for k, (_, size) in self._items.items():
+                if need <= 0:
+                    return out
+                if k in self.pinned or k in out or (not second_pass and protected and protected(k)):
+                    continue
+                out.append(k)  # type: ignore[arg-type]
+                need -= size
+            if protected is None:
                 break
-            if key in self.pinned:
-                continue
-            out.append(key)  # type: ignore[arg-type]
-            need -= size
         return out
 
     def put(self, key: ExpertKey, value: V, nbytes: int) -> list[ExpertKey]:
@@ -132,11 +142,13 @@ class LRUTier(Generic[V]):
         return item[0]
 
     def _drop(self, key: Hashable) -> None:
-        _, size = self._items.pop(key)
+        value, size = self._items.pop(key)
         self.used_bytes -= size
         self.pinned.discard(key)
         self.counters.evictions += 1
         self.counters.bytes_out += size
+        if self.on_evict is not None:
+            self.on_evict(key, value)
 
     def evict_coldest(self, *, include_pinned: bool = False) -> ExpertKey | None:
         """Evict the least recently used unpinned key (or pinned, if none and allowed)."""

@@ -1,12 +1,15 @@
-"""Helpers for moving packed experts between tiers: sizes, codec names, pinned host buffers and
-rebuilding an expert's projection views over another flat storage (device or pinned host)."""
+"""Helpers for moving experts between tiers: sizes, codec names, decoding stored bytes, pinned host
+buffers and rebuilding an expert's projection views over another flat storage (device or pinned host)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from ..experts import PROJECTIONS, ExpertKey, ExpertWeights
 from ..ftw import FTWFile
+from ..ftw.provider import canonical_expert
 
 
 def decoded_bytes(ftw: FTWFile, key: ExpertKey, elem: int) -> int:
@@ -21,6 +24,13 @@ def decoded_bytes(ftw: FTWFile, key: ExpertKey, elem: int) -> int:
 
 def codec_name(ftw: FTWFile, key: ExpertKey) -> str:
     return "+".join(sorted({t.codec for t in ftw.expert_info(*key).tensors.values()}))
+
+
+def decode_block(ftw: FTWFile, key: ExpertKey, stored: Any, dtype: torch.dtype) -> ExpertWeights:
+    """Verified stored bytes of `key` -> its canonical weights in `dtype` (views into `stored`
+    when the codec is `dtype` itself: no copy; treat them as read-only)."""
+    decoded = ftw.decode_stored(key[0], key[1], stored, dtype, verify=False)
+    return ExpertWeights(**canonical_expert(decoded, path=ftw.path, key=key))
 
 
 def pinned_storage(w: ExpertWeights, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,165 @@
+"""`TierMover`: moves expert blocks between the tiers and counts the bytes on each link.
+
+- tier 3 -> tier 2 (`read_block`, `host_value`): `BlockReader` reads a verified block past the
+  page cache; on CUDA it is decoded into pinned host memory (`cuda_path`).
+- tier 2 -> tier 1 (`promote`): CPU: decode the stored bytes. With exclusive tiers and a block
+  that decodes zero-copy (stored codec = compute dtype) the bytes *move*: the tier-1 weights are
+  views of the tier-2 buffer, which leaves tier 2 (no copy, no second copy in RAM). Otherwise
+  tier 1 gets a decoded copy and the compact bytes stay in tier 2 (the baseline design always
+  copies: `ExpertWeights.packed`). CUDA: a non_blocking copy on a side stream.
+- tier 1 -> tier 2 (`demote`): an evicted zero-copy block returns to tier 2 (it is already in
+  RAM); one tier 2 cannot take leaves RAM and its buffer is recycled.
+Thread-safe: the loader thread reads and inserts into tier 2 under `lock` while the compute thread
+promotes.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from ..experts import ExpertKey, ExpertWeights
+from ..ftw import FTWFile
+from .oracle import BandwidthOracle
+from .stats import PhaseTimer
+from .storage import BlockReader
+from .tiers import FastTier, HostTier
+from .weights import decode_block, pinned_storage, rebase
+
+
+class TierMover:
+    """Block movement between `fast` (tier 1), `host` (tier 2) and the file read by `reader`.
+
+    `exclusive`: tier 1 and tier 2 never both hold a zero-copy block (CPU-only, q* placement).
+    `backing`: tier-1 key -> the stored bytes its weights are views of.
+    """
+
+    def __init__(
+        self,
+        ftw: FTWFile,
+        dtype: torch.dtype,
+        device: torch.device,
+        fast: FastTier[ExpertWeights],
+        host: HostTier[Any],
+        reader: BlockReader,
+        links: tuple[BandwidthOracle, BandwidthOracle],
+        phases: PhaseTimer,
+        *,
+        cuda: bool,
+        exclusive: bool,
+        stored_bytes: dict[ExpertKey, int],
+        fast_bytes: dict[ExpertKey, int],
+    ) -> None:
+        self.ftw, self.dtype, self.fast, self.host, self.reader = ftw, dtype, fast, host, reader
+        self.storage_link, self.fast_link = links
+        self.phases, self.cuda, self.exclusive = phases, cuda, exclusive
+        self.stored_bytes, self.fast_bytes = stored_bytes, fast_bytes
+        self.lock = threading.RLock()
+        self.backing: dict[ExpertKey, Any] = {}
+        self.bytes_moved = {"storage->host": 0, "host->fast": 0}
+        reader.on_transfer = self.storage_link.record  # the transfer alone, not queueing or checksums
+        self.copies: Any = None
+        if cuda:
+            from .cuda_path import CopyEngine
+
+            self.copies = CopyEngine(device, self.fast_link)
+        else:  # tier-2 values are the reader's buffers: reuse them once dropped
+            host.on_evict = lambda _key, value: reader.buffers.retire(value)
+
+    def read_block(self, key: ExpertKey, *, urgent: bool = True) -> Any:
+        """Tier 3 -> a tier-2 value (CPU: verified stored bytes; CUDA: pinned decoded expert).
+        FTWFormatError for a corrupted or truncated block. Inserts nothing. `urgent`: a demand
+        read, served before queued prefetch reads."""
+        n = self.stored_bytes[key]
+        value = self.reader.read(*key, urgent=urgent)  # timed by the reader: see __init__
+        if self.cuda:  # tier 2 on CUDA: decoded, packed into pinned (page-locked) host memory
+            w = self.decode(key, value)
+            pinned = rebase(w, pinned_storage(w, self.dtype))
+            del w
+            self.reader.buffers.retire(value)  # the read buffer is free once copied
+            value = pinned
+        with self.lock:
+            self.bytes_moved["storage->host"] += n
+        return value
+
+    def host_nbytes(self, key: ExpertKey) -> int:
+        return self.fast_bytes[key] if self.cuda else self.stored_bytes[key]
+
+    def host_value(self, key: ExpertKey, *, keep: bool = True) -> Any:
+        """Tier-2 value of `key` (a counted hit or miss), read from tier 3 on a miss and, with
+        `keep`, inserted into tier 2 (evicting its coldest)."""
+        with self.lock:
+            value = self.host.get(key)
+        if value is not None:
+            return value
+        with self.phases.time("wait_storage"):
+            value = self.read_block(key)
+        if keep:
+            with self.lock:
+                self.host.put(key, value, self.host_nbytes(key))
+        return value
+
+    def decode(self, key: ExpertKey, stored: Any) -> ExpertWeights:
+        return decode_block(self.ftw, key, stored, self.dtype)
+
+    def demote(self, evicted: list[ExpertKey]) -> None:
+        """Tier-1 evictions of zero-copy blocks go back to tier 2 (their bytes are in RAM)."""
+        for key in evicted:
+            stored = self.backing.pop(key, None)
+            if stored is None:
+                continue
+            self.host.put(key, stored, self.stored_bytes[key])
+            if key not in self.host:  # tier 2 cannot take it: it leaves RAM
+                self.reader.buffers.retire(stored)
+
+    def promote(self, key: ExpertKey, staged: Any) -> ExpertWeights:
+        """Bring `key` into tier 1 from a finished prefetch (`staged`), tier 2 or tier 3."""
+        if self.cuda:
+            if staged is not None:
+                w = self.copies.ready(*staged)
+            else:
+                w = self.copies.ready(*self.copies.start(self.host_value(key)))
+            with self.lock:
+                self.bytes_moved["host->fast"] = self.copies.bytes_copied
+                self.demote(self.fast.put(key, w, self.fast_bytes[key]))
+            return w
+        stored = staged if staged is not None else self.host_value(key, keep=not self.exclusive)
+        n = self.stored_bytes[key]
+        with self.phases.time("decode"), self.fast_link.time_transfer(n):
+            w = self.decode(key, stored)
+            if not self.exclusive:  # the mixtral-offloading design: tier 1 holds its own copy
+                w = ExpertWeights.packed(w.tensors(), self.dtype)
+        shares = self.exclusive and shares_memory(w, stored)
+        with self.lock:
+            self.bytes_moved["host->fast"] += n
+            if shares:
+                self.host.pop(key)  # the bytes move up, they are not copied
+                self.backing[key] = stored
+            elif key not in self.host:  # a decoded copy: the compact bytes stay in tier 2
+                self.host.put(key, stored, n)
+            self.demote(self.fast.put(key, w, self.fast_bytes[key]))
+        return w
+
+    def prefetch_load(self, key: ExpertKey, *, stage: bool) -> Any:
+        """Loader-thread job: read `key` into tier 2 (CPU: returns the stored bytes); on CUDA with
+        `stage` also start the copy into the spare buffer (the consumer waits on its event)."""
+        with self.lock:
+            value = self.host.peek(key)
+        if value is None:
+            value = self.read_block(key, urgent=False)
+            with self.lock:
+                self.host.put(key, value, self.host_nbytes(key))
+        if self.cuda:
+            return self.copies.start(value) if stage else None
+        return value
+
+
+def shares_memory(w: ExpertWeights, stored: Any) -> bool:
+    """Whether every projection of `w` is a view into the buffer `stored` (zero-copy decode)."""
+    if not len(stored):
+        return False
+    base = torch.frombuffer(stored, dtype=torch.uint8)
+    lo, hi = base.data_ptr(), base.data_ptr() + base.numel()
+    return all(lo <= t.data_ptr() < hi for t in w.tensors().values())

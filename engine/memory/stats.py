@@ -1,0 +1,90 @@
+"""Observability of the tiered expert memory: time per phase and the `stats()` record.
+
+Phases (seconds, summed since construction, compute thread only):
+- attention: the attention modules' forward (forward hooks installed by `attach`);
+- experts: expert matmuls (tier 1 or host);
+- wait_storage: demand reads from tier 3 the compute thread waited for;
+- wait_prefetch: waiting for a prefetch load (queued or running) of an expert this layer uses;
+- decode: tier 2 -> tier 1 (CPU: decode, or the zero-copy move; CUDA: not timed on the host);
+- predict: pre-gating (the next layer's router on this layer's hidden state).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .provider import TieredExpertProvider
+
+
+class PhaseTimer:
+    """Seconds and counts per named phase."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.counts: Counter[str] = Counter()
+
+    @contextmanager
+    def time(self, name: str) -> Iterator[Callable[[], float]]:
+        """Time the body as phase `name`; yields a function returning its seconds once it ended."""
+        box = [0.0]
+        t0 = time.perf_counter()
+        try:
+            yield lambda: box[0]
+        finally:
+            box[0] = time.perf_counter() - t0
+            self.seconds[name] = self.seconds.get(name, 0.0) + box[0]
+            self.counts[name] += 1
+
+    def hook(self, module: torch.nn.Module, name: str) -> list[Any]:
+        """Time every forward of `module` as phase `name`; returns the hook handles."""
+        started: list[float] = []
+
+        def pre(_mod: torch.nn.Module, _args: Any) -> None:
+            started.append(time.perf_counter())
+
+        def post(_mod: torch.nn.Module, _args: Any, _out: Any) -> None:
+            if started:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started.pop()
+                self.counts[name] += 1
+
+        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+
+def provider_stats(p: TieredExpertProvider) -> dict[str, Any]:
+    """`TieredExpertProvider.stats()`: JSON-able counters of every tier, link, decision and phase."""
+    reader = p.reader
+    return {
+        "tiers": {
+            "fast": p.fast.stats(),
+            "host": p.host.stats(),
+            "storage": {
+                "reads": reader.reads,
+                "bytes_read": reader.bytes_read,
+                "direct_io": reader.direct,
+                "busy_s": reader.busy_seconds,
+            },
+        },
+        "exclusive_ram_tiers": p.exclusive,
+        "bytes_moved": dict(p.moves.bytes_moved),
+        "file_bytes_read": reader.bytes_read,
+        "bandwidth": {o.name: o.stats() for o in (p.storage_link, p.fast_link, p.act_link) if o},
+        "policy": p.policy.stats(),
+        "prefetch": p.prefetcher.counters.as_dict() if p.prefetcher else None,
+        "phase_s": dict(p.phases.seconds),
+        "phase_calls": dict(p.phases.counts),
+        "budget": {
+            "fast_bytes": p.budget.fast_bytes,
+            "host_bytes": p.budget.host_bytes,
+            "kv_bytes": p.kv_bytes,
+            "spare_bytes": p.spare_bytes,
+            "min_working_set": p.min_working_set,
+        },
+        "steps": p.steps,
+    }
