@@ -1,20 +1,22 @@
-"""`freetoken generate MODEL --prompt TEXT`: stream a completion to stdout."""
+"""`freetoken generate [MODEL] --prompt TEXT`: stream a completion to stdout."""
 
 from __future__ import annotations
 
 import argparse
-import sys
+from collections.abc import Iterator
 
 import torch
 
-from ..engine import Engine
+from ..engine import Engine, SamplingParams, TokenEvent
+from ..engine.generate import stream_tokens
+from .common import PREFILL_CHUNK, CLIError, prefill_session, show_progress, use_threads, write
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt, streaming tokens to stdout")
-    p.add_argument("model", help="Hugging Face checkpoint folder or .ftw file")
+    p.add_argument("model", nargs="?", help="Hugging Face checkpoint folder or .ftw file (default: embedded)")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -23,25 +25,43 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    p.add_argument("--no-progress", action="store_true", help="no prefill progress bar")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    engine = Engine.from_pretrained(args.model, dtype=_DTYPES[args.dtype])
+    from ..embedded import default_model
+
+    use_threads(args, args.model)
+    engine = Engine.from_pretrained(args.model or default_model(), dtype=_DTYPES[args.dtype])
     tok = engine.tokenizer
     if args.chat:
         ids = engine.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
         ids = tok.encode(args.prompt, add_special_tokens=False) or [tok.bos_token_id or 0]
-    for event in engine.stream(
-        ids,
+    if len(ids) + 1 > engine.max_context:
+        raise CLIError(f"the prompt has {len(ids)} tokens; the model's context is {engine.max_context}")
+    params = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-    ):
-        sys.stdout.write(event.text)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    )
+    if len(ids) <= PREFILL_CHUNK:
+        events = engine.stream(ids, **params)
+    else:  # a long prompt: prefill all but its last token in chunks, with a bar
+        sampling = SamplingParams(**params, stop_token_ids=engine.default_stop_token_ids())
+        events = _stream_long(engine, ids, sampling, show_progress(args.no_progress))
+    for event in events:
+        write(event.text)
+    write("\n")
     return 0
+
+
+def _stream_long(
+    engine: Engine, ids: list[int], sampling: SamplingParams, progress: bool
+) -> Iterator[TokenEvent]:
+    with engine.new_session() as session:
+        prefill_session(session, ids[:-1], progress=progress)
+        yield from stream_tokens(session, ids[-1:], sampling, engine.tokenizer)

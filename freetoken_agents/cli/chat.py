@@ -1,0 +1,165 @@
+"""`freetoken chat [--model PATH]`: an interactive, streaming chat that reads stdin (so it can be
+piped), with manual anchors and rollback:
+
+    /anchor [label]         place an anchor after the last turn
+    /rollback [label|id]    go back to that anchor (default: the latest): its context and history
+    /anchors                list the anchors
+    /help, /quit
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from ..anchors import AnchorHandle
+from ..engine import EngineError
+from ..model import FreeTokenModel, GenerateRequest
+from ..recipes._common import add_model_argument, model_path
+from .common import CLIError, show_progress, sync_with_progress, use_threads, write
+
+HELP = """commands:
+  /anchor [label]       place an anchor after the last turn
+  /rollback [label|id]  back to an anchor (default: the latest): the model's context and the history
+  /anchors              list the anchors
+  /help                 this help
+  /quit                 leave (so does end of input)
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="chat with a model on stdin/stdout, streaming, with /anchor and /rollback",
+        description="Interactive, streaming chat. It reads stdin, so it can be piped.\n\n" + HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_argument(p)
+    p.add_argument("--system", default="You are a helpful assistant.", help="system prompt ('' for none)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-progress", action="store_true", help="no prefill progress bar")
+    p.set_defaults(run=run)
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """A chat anchor: the model's anchor and how many messages the history had then."""
+
+    handle: AnchorHandle
+    messages: int
+
+
+class ChatSession:
+    """The chat's state: the model's context, the message history and the anchors."""
+
+    def __init__(self, model: FreeTokenModel, args: argparse.Namespace) -> None:
+        self.model, self.args = model, args
+        self.messages: list[dict[str, Any]] = []
+        self.marks: list[_Mark] = []
+        model.reset()
+        if args.system:
+            self.messages.append({"role": "system", "content": args.system})
+            self._sync(generation_prompt=False)
+            self.marks.append(_Mark(model.anchor("system_prompt"), len(self.messages)))
+
+    def _sync(self, *, generation_prompt: bool) -> None:
+        ids = self.model.render(self.messages, None, generation_prompt=generation_prompt)
+        sync_with_progress(self.model, ids, progress=show_progress(self.args.no_progress))
+
+    def reply(self, text: str) -> None:
+        """Stream the model's reply to `text`, then keep the turn in the history."""
+        self.messages.append({"role": "user", "content": text})
+        self._sync(generation_prompt=True)
+        request = GenerateRequest(
+            max_new_tokens=self.args.max_new_tokens, temperature=self.args.temperature, seed=self.args.seed
+        )
+        write("assistant> ")
+        answer = ""
+        for event in self.model.generate(request):
+            if event.kind == "text":
+                answer += event.text
+                write(event.text)
+        write("\n")
+        self.messages.append({"role": "assistant", "content": answer})
+        self._sync(generation_prompt=False)  # the turn as the template renders it: anchors stay valid
+
+    def anchor(self, label: str | None) -> None:
+        if not self.messages:
+            raise CLIError("nothing to anchor yet: say something first")
+        handle = self.model.anchor("manual", label=label)
+        self.marks.append(_Mark(handle, len(self.messages)))
+        shown = f" '{label}'" if label else ""
+        n = len(self.messages)
+        write(f"[anchor {handle.id[:8]}{shown} at token {handle.position}, after {n} messages]\n")
+
+    def rollback(self, key: str | None) -> None:
+        self.marks = [m for m in self.marks if m.handle in self.model.anchors]  # cut-off ones are gone
+        mark = self._find(key)
+        start = self.model.position
+        outcome = self.model.rollback(mark.handle)
+        del self.messages[mark.messages :]
+        kept = outcome.to_position
+        rebuilt = " (rebuilt by prefill)" if outcome.rebuilt else ""
+        write(
+            f"[rollback to {mark.handle.id[:8]}: position {start} -> {kept} ({kept} tokens kept, "
+            f"{start - kept} discarded){rebuilt}; history back to {len(self.messages)} messages]\n"
+        )
+
+    def _find(self, key: str | None) -> _Mark:
+        if not self.marks:
+            raise CLIError("no anchor to roll back to: place one with /anchor")
+        if key is None:
+            return self.marks[-1]
+        for mark in reversed(self.marks):
+            if mark.handle.label == key or mark.handle.id.startswith(key):
+                return mark
+        raise CLIError(f"no anchor {key!r}; /anchors lists them")
+
+    def list_anchors(self) -> None:
+        self.marks = [m for m in self.marks if m.handle in self.model.anchors]
+        for m in self.marks:
+            label = f" '{m.handle.label}'" if m.handle.label else ""
+            write(f"  {m.handle.id[:8]} {m.handle.kind}{label} at token {m.handle.position}\n")
+        if not self.marks:
+            write("  (no anchors)\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    use_threads(args, args.model)
+    path = model_path(args.model)
+    session = ChatSession(FreeTokenModel.from_pretrained(path), args)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        write(f"chatting with {path.name}; /help for commands\n")
+    while True:
+        if interactive:
+            write("you> ")
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if not line.startswith("/"):
+            session.reply(line)
+            continue
+        command, _, rest = line.partition(" ")
+        try:
+            if command == "/quit":
+                return 0
+            if command == "/help":
+                write(HELP)
+            elif command == "/anchor":
+                session.anchor(rest.strip() or None)
+            elif command == "/rollback":
+                session.rollback(rest.strip() or None)
+            elif command == "/anchors":
+                session.list_anchors()
+            else:
+                raise CLIError(f"unknown command {command}; /help lists them")
+        except (CLIError, EngineError) as e:  # a bad command or anchor: say so, keep chatting
+            write(f"[{e}]\n")
