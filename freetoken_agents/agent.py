@@ -70,6 +70,8 @@ class _Run:
     messages: list[dict[str, Any]]
     emit: Callable[[AgentEvent], None]  # hands an event to the astream consumer, at once
     step: int = 0
+    # The first tool-call anchor of the latest attempt that reached a call: a retry rolls back to
+    # it, so the failure notes written before that attempt stay in the cache (as in the step text).
     call_anchor: AnchorHandle | None = None
     last_error: ModelCausedError | None = None
     notes: list[str] = field(default_factory=list)
@@ -255,7 +257,7 @@ class Agent:
     async def _attempt(self, run: _Run, record: Step, force: str | None, choice: ToolChoice) -> list | None:
         m = self.model
         events = m.generate(self._request(force, choice))
-        text = ""
+        text, first_call = "", True
         try:
             while (event := await self._step(next, events, None)) is not None:
                 if event.kind == "text":
@@ -263,8 +265,8 @@ class Agent:
                     run.emit(AgentEvent("text", run.step, event.text))
                 elif event.kind == "anchor" and event.anchor is not None:
                     run.emit(self._anchor(run, event.anchor))
-                    if event.anchor.kind == "tool_call" and run.call_anchor is None:
-                        run.call_anchor = event.anchor
+                    if event.anchor.kind == "tool_call" and first_call:
+                        run.call_anchor, first_call = event.anchor, False
         finally:
             close = getattr(events, "close", None)
             if close is not None:

@@ -179,3 +179,16 @@ def test_pydantic_validation_error_inside_a_tool_goes_back_to_the_model(model: F
 
     result = make_agent(model, tool(connect)).run("connect")
     assert attempts["n"] == 2 and "number" in result.trace.retries[0].error
+
+
+def test_a_second_retry_keeps_the_first_failure_note_in_the_cache(model: FreeTokenModel) -> None:
+    """Each retry rolls back to the call of the attempt that just failed, not to the first one:
+    the notes of earlier failures stay in the KV cache, as they stay in the step's text."""
+    fn = flaky([ValueError("first failure"), ValueError("second failure")])
+    agent = make_agent(model, tool(fn), RetryPolicy(model_attempts=3, initial_backoff=0.0, max_backoff=0.0))
+    result = agent.run("ping")
+    assert fn.calls == 3
+    first, second = result.trace.rollbacks
+    assert second.to_position > first.to_position  # the first note was kept, not rolled back over
+    kept = model.tokenizer.decode(model.token_ids[first.to_position : second.to_position])
+    assert "first failure" in kept
