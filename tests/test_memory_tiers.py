@@ -331,3 +331,32 @@ def test_corrupted_block_mid_generation_is_named_and_the_session_stays_usable(bu
                 break
         assert torch.equal(a.decode(cand), b.decode(cand))
     tp.close()
+
+
+def test_anchor_records_the_tiers_and_a_rollback_rewarms_tier_1(built):
+    """The bug: the tiered provider had no snapshot_state/restore_state, so an anchor recorded an
+    empty expert state and a rollback left tier 1 as the failed continuation had left it."""
+    folder, ftw = built("mixtral")
+    ref, eng = Engine.from_pretrained(folder), Engine.from_pretrained(folder)
+    probe = TieredExpertProvider(ftw, MemoryBudget(), top_k=_top_k(eng))
+    fast = 8 * eng.kv_pool.bytes_per_block + probe.min_working_set * 2
+    budget = MemoryBudget(fast_bytes=fast, host_bytes=sum(probe.stored_bytes.values()))  # all fit in RAM
+    tp = TieredExpertProvider.for_engine(eng, ftw, budget, prefetch=False)
+    ids = _prompt(eng.spec.vocab_size, 12, seed=3)
+    with eng.new_session() as s, ref.new_session() as r:
+        s.prefill(ids)
+        anchor = s.anchor("tool_call")
+        at_anchor = tp.snapshot_state()["fast"]
+        assert dict(anchor.expert_state)["fast"] == tuple(sorted(at_anchor)) and at_anchor
+        tok = 0
+        for step in range(40):  # a continuation that routes elsewhere until tier 1 has changed
+            s.decode((tok + 7 * step) % eng.spec.vocab_size)
+            if not set(at_anchor) <= set(tp.fast.keys()):
+                break
+        assert not set(at_anchor) <= set(tp.fast.keys()), "the continuation never evicted an anchor expert"
+        s.rollback(anchor)
+        assert set(at_anchor) <= set(tp.fast.keys())  # back in tier 1, read from RAM, not disk
+        assert tp.fast.keys()[-len(at_anchor) :] == at_anchor  # and most recently used, in order
+        r.prefill(ids)
+        assert torch.equal(s.decode(5), r.decode(5))  # warmth changes nothing in the result
+    tp.close()

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -386,6 +386,27 @@ class TieredExpertProvider:
             with self._lock:
                 self._soon[nxt] = set(pred)
             self.prefetcher.issue(nxt, pred, skip=self._in_ram)
+
+    # ---- anchors: expert-cache state ------------------------------------------------------
+    def snapshot_state(self) -> dict[str, list[ExpertKey]]:
+        """Tier name -> experts held there, coldest first (an anchor records it with its KV)."""
+        with self._lock:
+            return {"fast": self.fast.keys(), "host": self.host.keys()}
+
+    def restore_state(self, state: Mapping[str, Sequence[ExpertKey]]) -> None:
+        """Re-warm tier 1 after a rollback: the anchor's tier-1 experts become the most recently
+        used again (the tokens after the anchor route like the ones before it). Those that left
+        tier 1 but are still in tier 2 are promoted; those that left RAM are not read back: a
+        rollback never waits on the disk, and a demand read brings them in if they are needed."""
+        for key in state.get("fast", ()):  # coldest first, so the hottest ends up most recent
+            key = (int(key[0]), int(key[1]))
+            with self._lock:
+                if key in self.fast:
+                    self.fast.get(key, count=False)
+                    continue
+                if key not in self.host:
+                    continue
+            self.moves.promote(key, None)
 
     # ---- observability --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
