@@ -1,8 +1,9 @@
 """Adapter between the agent and engine anchors.
 
 Uses the engine's native anchors (`session.anchor(kind, label)` / `session.rollback(anchor,
-validate=...)`) when the Session has them. Until then (or for sessions without them) it keeps its
-own records and rolls back with `session.truncate(position)`, validating by comparing token ids.
+validate=...)`) when the session has them; for a session without them (a test double, another
+backend) it keeps its own records and rolls back with `session.truncate(position)`, validating by
+comparing token ids.
 Either way it keeps each anchor's prefix token ids, so a failed validation is repaired by
 re-prefilling that prefix into a fresh session ("rebuild").
 """
@@ -16,19 +17,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from freetoken_agents.engine import AnchorNotFoundError, AnchorValidationError
+
 from .trace import AnchorKind
 
 logger = logging.getLogger(__name__)
-
-try:  # the engine's anchor errors, once they land
-    from freetoken_agents.engine import AnchorNotFoundError, AnchorValidationError  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - depends on the engine version
-
-    class AnchorValidationError(Exception):  # type: ignore[no-redef]
-        """Local stand-in: the context before an anchor no longer matches what was anchored."""
-
-    class AnchorNotFoundError(Exception):  # type: ignore[no-redef]
-        """Local stand-in: the anchor is unknown (released, or past a truncation)."""
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from freetoken_agents.constrained import GrammarFactory  # noqa: E402
 from tiny_models import make_tiny_tokenizer  # noqa: E402
+
+from freetoken_agents.constrained import GrammarFactory  # noqa: E402
 
 
 def _forced_prefix(schema: dict) -> str:
