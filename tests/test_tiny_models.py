@@ -53,8 +53,14 @@ def built(tmp_path_factory):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_saved_files(arch, built):
     path, _ = built(arch)
-    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "chat_template.jinja"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ):
         assert (path / name).is_file(), name
     cfg = saved_config(path)
     assert cfg["model_type"] == arch
@@ -210,7 +216,10 @@ def test_tiny_config_overrides():
     assert cfg.sliding_window == 16 and cfg.num_hidden_layers == 2
     assert tiny_config("mixtral").sliding_window is None
     assert tiny_config("gpt_oss", num_hidden_layers=4).layer_types == [
-        "sliding_attention", "full_attention", "sliding_attention", "full_attention"
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "full_attention",
     ]
     with pytest.raises(ValueError):
         tiny_config("llama")
@@ -227,15 +236,26 @@ def test_tokenizer(tmp_path):
     assert tok.decode(ids) == text
     assert tok("<tool_call>")["input_ids"] == [SPECIAL_TOKENS.index("<tool_call>")]
 
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
-                                               "parameters": {"type": "object",
-                                                              "properties": {"city": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "",
-         "tool_calls": [{"type": "function", "function": {"name": "get_weather",
-                                                          "arguments": {"city": "Paris"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+            ],
+        },
         {"role": "tool", "content": '{"temp": 21}'},
         {"role": "assistant", "content": "21 degrees."},
         {"role": "user", "content": "Thanks"},
@@ -250,8 +270,9 @@ def test_tokenizer(tmp_path):
     # string arguments (OpenAI style) are inserted verbatim, not re-encoded
     messages[2]["tool_calls"][0]["function"]["arguments"] = '{"city": "Paris"}'
     assert tok.apply_chat_template(messages, tools=tools, tokenize=False).count('"arguments": {"city"') == 1
-    plain = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                    add_generation_prompt=True)
+    plain = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert plain == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     enc = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     enc = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc
