@@ -129,11 +129,7 @@ class FreeTokenModel:
         """Make the context exactly `ids`: keep the common prefix, drop the rest, prefill the tail."""
         ids = list(ids)
         current = self.session.token_ids
-        keep = 0
-        for a, b in zip(current, ids, strict=False):
-            if a != b:
-                break
-            keep += 1
+        keep = common_prefix_length(current, ids)
         if keep < len(current):
             self.session.truncate(keep)
             self.anchors.forget_after(keep)
@@ -205,3 +201,13 @@ class FreeTokenModel:
     def _decode(self, token_id: int) -> None:
         self._logits = self.session.decode(token_id)
         self._usage.decoded += 1
+
+
+def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items `a` and `b` share: what a sync to `b` keeps of a context `a`."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -25,7 +25,7 @@ from typing import Any
 
 from .anchors import AnchorBook, AnchorHandle, RollbackOutcome
 from .errors import UnexpectedModelBehavior
-from .model import GenerateRequest, GenEvent, Usage
+from .model import GenerateRequest, GenEvent, Usage, common_prefix_length
 from .parsers import ToolCallParser, parser_for
 from .trace import AnchorKind
 
@@ -129,11 +129,7 @@ class ScriptedModel:
     def sync(self, ids: Sequence[int]) -> None:
         """Make the context exactly `ids`, keeping the common prefix (counted as reused)."""
         ids, current = list(ids), self._session.chars
-        keep = 0
-        for a, b in zip(current, ids, strict=False):
-            if a != b:
-                break
-            keep += 1
+        keep = common_prefix_length(current, ids)
         if keep < len(current):
             self._session.truncate(keep)
             self.anchors.forget_after(keep)

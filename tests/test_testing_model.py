@@ -157,3 +157,11 @@ def test_closing_a_stream_early_cancels_the_run() -> None:
     assert model.remaining == 2  # the run stopped: no further turn was generated
     model.turns.pop(1)
     assert agent.run("Again").output == "Second run."
+
+
+def test_common_prefix_length() -> None:
+    from freetoken_agents.model import common_prefix_length
+
+    assert common_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix_length([], [1]) == 0
+    assert common_prefix_length([1, 2], [1, 2]) == 2
