@@ -9,7 +9,7 @@ import torch
 
 from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, Engine, render_chat
 from freetoken_agents.recipes.tiny import coding, corpus, world
-from freetoken_agents.recipes.tiny.train import encode, render, train
+from freetoken_agents.recipes.tiny.train import batches, encode, render, shared_block_forward, train
 
 
 def test_heldout_values_are_never_training_values():
@@ -87,7 +87,7 @@ def test_render_chat_falls_back_to_the_default_template(tiny_checkpoint):
     assert engine.apply_chat_template(messages) == tok.encode(text, add_special_tokens=False)
 
 
-def test_loss_mask_covers_exactly_the_assistant_turns():
+def test_loss_mask_covers_the_conversation_but_not_the_system_block():
     from transformers import PreTrainedTokenizerFast
 
     from freetoken_agents.recipes.tiny.train import _character_tokenizer, train_tokenizer
@@ -102,11 +102,69 @@ def test_loss_mask_covers_exactly_the_assistant_turns():
     for d, (text, spans) in zip(dialogues, rendered, strict=True):
         ids, labels = encode(tok, text, spans)
         learned = tok.decode([t for t, y in zip(ids, labels, strict=True) if y != -100])
-        replies = [m for m in d.messages if m["role"] == "assistant"]
-        assert learned.count("<|im_end|>") == len(replies)
-        for m in replies:
+        turns = [m for m in d.messages if m["role"] != "system"]
+        assert learned.count("<|im_end|>") == len(turns)
+        for m in turns:
             assert m["content"].split("\n")[0] in learned
-        assert "<|im_start|>user" not in learned
+        assert "<tools>" not in learned and "<|im_start|>system" not in learned
+        assert learned.startswith("<|im_start|>user")
+
+
+def test_tokenizer_splits_a_name_into_the_same_tokens_in_prose_json_and_code():
+    from transformers import PreTrainedTokenizerFast
+
+    from freetoken_agents.recipes.tiny.train import _character_tokenizer, train_tokenizer
+
+    rng = random.Random(5)
+    bootstrap = PreTrainedTokenizerFast(
+        tokenizer_object=_character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE
+    )
+    tok = train_tokenizer([render(bootstrap, corpus.dialogue(rng))[0] for _ in range(300)], 600)
+
+    def name_tokens(text: str, name: str) -> list[str]:
+        pieces = tok.tokenize(text)
+        joined = ""
+        for i, p in enumerate(pieces):  # the pieces that spell `name`, from its first letter
+            if name.startswith(p) and "".join(pieces[i:]).startswith(name):
+                out = []
+                for q in pieces[i:]:
+                    out.append(q)
+                    joined += q
+                    if joined == name:
+                        return out
+        raise AssertionError(f"{name!r} is not a run of whole tokens in {pieces}")
+
+    name = "Kavonbou"
+    prose = name_tokens(f"What is the capital of {name}?", name)
+    assert prose == name_tokens(f'{{"country": "{name}"}}', name)
+    assert prose == list(name)  # one character a token, like digits
+    fn = "apply_sable"
+    assert name_tokens(f"def {fn}(x):", fn) == list(fn)
+    assert name_tokens(f"Implement `{fn}(x)`.", fn) == name_tokens(f"def {fn}(x):", fn)
+    assert name_tokens(f"Create a function {fn}(x) which", fn) == name_tokens(f"def {fn}(x):", fn)
+
+
+def test_a_shared_system_block_gives_the_logits_of_the_full_sequences(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("qwen3_moe"), experts_implementation="eager")
+    g = torch.Generator().manual_seed(0)
+    block = tuple(torch.randint(5, 100, (17,), generator=g).tolist())
+    rows = [torch.randint(5, 100, (n,), generator=g).tolist() for n in (9, 4, 7)]
+    examples = [(block, r, r) for r in rows] + [((1, 2), [3, 4], [3, 4])]  # another block: another batch
+    seen = 0
+    for b, ids, labels, mask in batches(examples, 10_000, 0, random.Random(0)):
+        if tuple(b.tolist()) != block:
+            continue
+        logits = shared_block_forward(model, b, ids, mask).logits  # [B, T, V]
+        for row in range(ids.shape[0]):
+            n = int(mask[row].sum()) - len(block)
+            assert torch.equal(labels[row, n:], torch.full_like(labels[row, n:], -100))  # padding unlearned
+            full = torch.tensor([list(block) + ids[row, :n].tolist()])
+            expected = model(input_ids=full).logits[0, len(block) :]
+            torch.testing.assert_close(logits[row, :n], expected, atol=1e-4, rtol=1e-4)
+            seen += 1
+    assert seen == 3
 
 
 def test_training_smoke_run_writes_an_ftw_the_engine_runs(tmp_path):
