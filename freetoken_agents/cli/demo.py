@@ -23,7 +23,7 @@ from ..recipes.tiny import world
 from ..recipes.tiny.coding import code_task
 from .common import use_threads, write
 
-DEMO_SEED = 0
+DEMO_SEED = 13
 """The one constant that picks the demo's held-out question and coding tasks."""
 DEMO_CODING_TASKS = 2
 """How many held-out coding tasks the demo runs (drawn in order from `Random(DEMO_SEED)`)."""
@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="an agent with tools and the coding assistant with rollback, on the embedded model",
         description="Run an agent on a held-out question and the coding assistant on held-out "
         "tasks (tests in a sandbox, rollback to the code-block anchor on failure), printing what "
-        "the model really does. About a minute on 2 CPU cores.",
+        "the model really does. A few seconds on 2 CPU cores.",
     )
     add_model_argument(p)
     p.add_argument("--seed", type=int, default=DEMO_SEED, help=f"picks question and tasks ({DEMO_SEED})")
