@@ -111,7 +111,7 @@ def test_chat_reads_stdin_with_anchor_and_rollback(monkeypatch, capsys) -> None:
 
 
 def test_chat_prefills_a_long_system_prompt_in_chunks(monkeypatch, capsys) -> None:
-    system = " ".join(f"rule{i}" for i in range(170))  # over one 512-token chunk
+    system = " ".join(f"rule{i}" for i in range(120))  # over one 512-token chunk, within the context
     monkeypatch.setattr(sys, "stdin", io.StringIO("/anchors\n"))
     assert main(["chat", "--system", system, "--no-progress"]) == 0
     engine = Engine.from_pretrained(default_model())
