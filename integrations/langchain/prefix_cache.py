@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
 
+from freetoken_agents.model import common_prefix_length
+
 if TYPE_CHECKING:
     from .backend import LangChainBackend
 
@@ -27,15 +29,6 @@ def prefix_key(ids: Sequence[int], length: int) -> bytes:
     """Content address of `ids[:length]`: 16-byte blake2b of the int32 ids, then the length."""
     digest = blake2b(array("i", ids[:length]).tobytes(), digest_size=16).digest()
     return digest + length.to_bytes(8, "little")
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass(frozen=True)
@@ -94,7 +87,7 @@ def prepare_context(backend: LangChainBackend, cache: PrefixCache, ids: list[int
         backend.sync(ids)
         backend.next_logits()
         return 0
-    live = common_prefix(backend.token_ids, ids)
+    live = common_prefix_length(backend.token_ids, ids)
     entry = cache.lookup(ids)
     source = "live session"
     if entry is not None and entry.position > live:
