@@ -80,6 +80,25 @@ def test_loads_nobody_will_take_are_cancelled_and_later_layers_keep_theirs():
     pf.close()
 
 
+def test_a_nearer_prediction_cancels_the_queued_loads_it_dropped():
+    """The bug: layer 3 predicted from layer 0 queued (3, 4); predicted again from layer 2 (more
+    precise) without 4, the stale load stayed queued and was read anyway: disk bytes for nothing."""
+    loads = GatedLoads(blocked=(1, 0))
+    pf = Prefetcher(loads, use_thread=True)
+    pf.issue(1, [0], skip=lambda k: False)  # runs and blocks the loader
+    assert loads.started.wait(10)
+    pf.issue(3, [3, 4], skip=lambda k: False)  # three layers ahead: queued
+    pf.issue(3, [3, 5], skip=lambda k: False)  # one layer ahead: 4 dropped, 5 added
+    loads.release()
+    pf.begin_layer(1, [0])
+    assert pf.take((1, 0)) == "block(1, 0)"
+    pf.begin_layer(3, [3, 5])
+    assert pf.take((3, 3)) == "block(3, 3)" and pf.take((3, 5)) == "block(3, 5)"
+    assert (3, 4) not in loads.calls
+    assert pf.counters.cancelled == 1 and pf.counters.wasted == 0
+    pf.close()
+
+
 def test_a_failed_prefetch_is_left_to_the_demand_load():
     def load(key: ExpertKey) -> Any:
         raise OSError("disk on fire")

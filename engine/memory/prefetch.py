@@ -119,7 +119,17 @@ class Prefetcher:
 
     def issue(self, layer: int, experts: list[int], skip: Callable[[ExpertKey], bool]) -> None:
         """Queue loads of `(layer, e)` (skipping keys already loading or that `skip` says are in
-        memory), while fewer than `max_inflight` loads are unfinished."""
+        memory), while fewer than `max_inflight` loads are unfinished.
+
+        A layer is predicted again from each nearer layer, and a nearer prediction is the more
+        precise one (0.80 -> 0.89 three vs one layer ahead on the bench model), so the latest
+        prediction replaces the earlier ones: this layer's queued loads it dropped are cancelled
+        before they take the link from useful reads (ones already running finish)."""
+        wanted = set(experts)
+        for key in [k for k in self._pending if k[0] == layer and k[1] not in wanted]:
+            if self._pending[key].cancel():
+                del self._pending[key]
+                self.counters.cancelled += 1
         for e in experts:
             key = (layer, e)
             if key in self._pending or key in self._current or skip(key):
