@@ -33,6 +33,25 @@ def test_heldout_questions_use_an_unseen_phrasing_or_frame():
         assert all(world.in_split(str(v), "heldout") for v in q.arguments.values())
 
 
+def test_training_questions_open_with_many_words_and_keep_the_argument():
+    rng = random.Random(4)
+    questions = [world.tool_question(rng, "train", "get_weather") for _ in range(400)]
+    openers = {q.question.split()[0].strip(".,!:") for q in questions}
+    assert len(openers) > 25  # not just the phrasings' own few opening words
+    for q in questions:
+        assert q.arguments["city"] in q.question
+        assert not q.question.startswith("Quick question.")  # the held-out frame
+
+
+def test_training_code_requests_use_more_framings_than_the_heldout_ones():
+    rng = random.Random(5)
+    tasks = [coding.code_task(rng, "train") for _ in range(300)]
+    assert any(t.prompt.startswith("Program `") for t in tasks)
+    for t in tasks:
+        assert not t.prompt.startswith("Define ")
+        assert t.function in t.prompt and t.solution.startswith(f"def {t.function}(")
+
+
 def test_tool_backends_are_deterministic_and_answer_any_name():
     assert world.call_tool("add", {"a": 2, "b": 40}) == 42
     assert world.call_tool("multiply", {"a": 6, "b": 7}) == 42

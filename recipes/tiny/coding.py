@@ -35,6 +35,17 @@ FRAMINGS = [
     "Create a function {name}({args}) which {desc}.",
     "Define `{sig}` so that it {desc}.",  # held out
 ]
+# Training-only framings: more sentence shapes and opening words, so the model learns to copy the
+# name in the signature's slot rather than lean on the framing it saw (a held-out "Define
+# `make_vale(items)` ..." was answered "def get_vale": the first letter is the hard one to copy).
+EXTRA_FRAMINGS = [
+    "Please write `{sig}`, a function that {desc}.",
+    "I need {name}({args}): it {desc}.",
+    "Your task: implement {name}({args}), which {desc}.",
+    "Program `{sig}`; it {desc}.",
+    "Add a function `{sig}` that {desc}.",
+    "Quickly code {name}({args}), which {desc}.",
+]
 
 
 @dataclass(frozen=True)
@@ -168,7 +179,7 @@ def code_task(rng: random.Random, split: Split, template: CodeTemplate | None = 
             fields["word"] = ref_kwargs["word"] = rng.choice(_WORDS).capitalize()
         name = _function_name(rng, split)
         descriptions = template.descriptions[:-1] if split == "train" else template.descriptions
-        framings = FRAMINGS[:-1] if split == "train" else FRAMINGS
+        framings = FRAMINGS[:-1] + EXTRA_FRAMINGS if split == "train" else FRAMINGS
         desc, framing = rng.choice(descriptions), rng.choice(framings)
         if split == "heldout" and desc != template.descriptions[-1] and framing != FRAMINGS[-1]:
             continue

@@ -84,10 +84,14 @@ def tool_dialogue(rng: random.Random, split: Split = "train") -> Dialogue:
 
 
 def _code_error(rng: random.Random, function: str) -> str:
+    """A failure note's error, as the sandbox reports it. The NameError for the function itself is
+    what a wrongly copied name gets; the corrected code after it has the right name, so the model
+    learns to take the name from the note."""
     arg = rng.randint(0, 9)
     options = [
         f"AssertionError: {function}({arg}) returned {rng.randint(-9, 99)}, expected {rng.randint(-9, 99)}",
         f"NameError: name '{rng.choice('abyz')}' is not defined",
+        f"NameError: name '{function}' is not defined",
         "SyntaxError: invalid syntax (line 2)",
         f"TypeError: {function}() takes 1 positional argument but 2 were given",
         "TimeoutError: the program ran longer than 2.0 s",

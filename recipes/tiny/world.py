@@ -97,6 +97,9 @@ PHRASINGS: dict[str, list[str]] = {
         "Compute the sum of {a} and {b}.",
         "What do you get when you add {a} to {b}?",
         "Calculate {a} + {b}.",
+        "Find the sum of {a} and {b}.",
+        "Can you add {a} and {b}?",
+        "Sum up {a} and {b}.",
         "How much is {a} plus {b}?",
     ],
     "multiply": [
@@ -105,6 +108,9 @@ PHRASINGS: dict[str, list[str]] = {
         "Compute the product of {a} and {b}.",
         "What do you get when you multiply {a} by {b}?",
         "Calculate {a} * {b}.",
+        "Find the product of {a} and {b}.",
+        "Can you multiply {a} by {b}?",
+        "Work out {a} times {b}.",
         "How much is {a} times {b}?",
     ],
     "get_weather": [
@@ -112,6 +118,10 @@ PHRASINGS: dict[str, list[str]] = {
         "How is the weather in {city} today?",
         "Tell me the current weather for {city}.",
         "Is it raining in {city}?",
+        "Show me the weather in {city}.",
+        "Check the weather in {city}, please.",
+        "Can you look up the weather in {city}?",
+        "Report the weather for {city}.",
         "What's the forecast for {city} right now?",
         "Give me the weather report for {city}.",
     ],
@@ -121,10 +131,26 @@ PHRASINGS: dict[str, list[str]] = {
         "Tell me the capital city of {country}.",
         "Name the capital of {country}.",
         "What's {country}'s capital?",
+        "Find the capital of {country}.",
+        "Look up the capital of {country}.",
+        "Can you tell me the capital of {country}?",
+        "Get me the capital of {country}.",
         "Do you know the capital of {country}?",
     ],
 }
 FRAMES = ["{q}", "Please help: {q}", "{q} Thanks!", "Hi! {q}", "Quick question. {q}"]
+# Training-only frames that start the question with other capitalised words. The model copies a
+# name from the question into the call; with the same few opening words in every training
+# question it learnt "copy the unfamiliar capitalised word", and a held-out question opening
+# with an unseen word ("Give me the weather report for Brinvo") got that word, or its first
+# letter, in the call. (Frames naming a second place after "in"/"from" were tried: the model then
+# could not tell the two apart and guessed every first letter; 54% exact.)
+STARTERS = [
+    "Okay", "Well", "Now", "Sure", "Also", "Next", "Then", "Right", "Listen", "Hello", "Question",
+    "Again", "Sorry", "Honestly", "Friend", "Today", "Yes", "Great", "Morning", "Urgent", "Curious",
+    "Help", "Note", "Request", "Ahoy", "Greetings", "Alright", "Anyway", "Perfect", "Cool",
+]  # fmt: skip
+STARTER_FRAMES = ["{starter}. {q}", "{starter}, {q_lower}", "{starter}! {q}", "{starter}: {q}"]
 CHITCHAT = [
     ("Hello!", "Hello! How can I help you today?"),
     ("Hi there.", "Hi! What can I do for you?"),
@@ -161,7 +187,11 @@ def _phrasings(intent: str, split: Split) -> list[str]:
 
 
 def _frames(split: Split) -> list[str]:
-    return FRAMES[:-1] if split == "train" else FRAMES
+    return FRAMES[:-1] + STARTER_FRAMES if split == "train" else FRAMES
+
+
+def _framed(frame: str, question: str, starter: str) -> str:
+    return frame.format(q=question, q_lower=question[0].lower() + question[1:], starter=starter)
 
 
 def tool_question(rng: random.Random, split: Split, intent: str | None = None) -> ToolQuestion:
@@ -178,7 +208,8 @@ def tool_question(rng: random.Random, split: Split, intent: str | None = None) -
             args = {"country": place_name(rng, split)}
         template = rng.choice(_phrasings(intent, split))
         frame = rng.choice(_frames(split))
-        question = frame.format(q=template.format(**args))
+        starter = rng.choice(STARTERS) if "{starter}" in frame else ""
+        question = _framed(frame, template.format(**args), starter)
         unseen = template == PHRASINGS[intent][-1] or frame == FRAMES[-1]
         if split == "train" or unseen:
             return ToolQuestion(question, intent, args)
