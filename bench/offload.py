@@ -372,6 +372,7 @@ class Bench:
                     "phase_s": {k: round(v, 3) for k, v in st["phase_s"].items()},
                     "storage_bw_estimate": st["bandwidth"]["storage->host"]["estimate_bps"],
                     "file_reads": st["tiers"]["storage"]["reads"],
+                    "prefetch": {k: pf[k] for k in ("issued", "taken", "cancelled", "wasted") if k in pf},
                 }
             )
             return r
@@ -547,7 +548,7 @@ def report(
         ):
             if rs[0].get(k) is not None:
                 res[name][k] = round(statistics.median(r[k] for r in rs), 3)
-        for k in ("decisions", "phase_s", "direct_io"):
+        for k in ("decisions", "phase_s", "direct_io", "prefetch", "file_reads"):
             if k in rs[-1]:
                 res[name][f"{k}_last_rep"] = rs[-1][k]
     res["accelerate_offload"]["decoder_layers_on_disk"] = b.hf_layers_on_disk

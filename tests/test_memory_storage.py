@@ -195,3 +195,15 @@ def test_link_queue_serves_one_read_at_a_time_and_demand_first():
     prefetch.join(5)
     demand.join(5)
     assert order == ["demand", "prefetch"]
+
+
+def test_a_prefetch_read_no_longer_wanted_when_the_link_frees_is_skipped(ftw_path):
+    """With two loader threads a prefetch often waits for the link; if its prediction was dropped
+    meanwhile, reading it would spend the link (the bottleneck) on nothing."""
+    with FTWFile(ftw_path) as f:
+        reader = BlockReader(f)
+        asked = []
+        assert reader.read(0, 1, urgent=False, still_wanted=lambda: asked.append(1) or False) is None
+        assert asked == [1] and reader.reads == 0 and reader.bytes_read == 0
+        assert len(reader.read(0, 1)) == f.expert_info(0, 1).stored_length  # the link was released
+        reader.close()

@@ -16,6 +16,7 @@ from freetoken_agents.engine import Engine
 from freetoken_agents.engine.experts import ExpertKey
 from freetoken_agents.engine.ftw.convert import convert_checkpoint
 from freetoken_agents.engine.memory import MemoryBudget, Prefetcher, TieredExpertProvider
+from freetoken_agents.engine.memory.prefetch import SKIPPED
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -97,6 +98,32 @@ def test_a_nearer_prediction_cancels_the_queued_loads_it_dropped():
     assert (3, 4) not in loads.calls
     assert pf.counters.cancelled == 1 and pf.counters.wasted == 0
     pf.close()
+
+
+def test_a_dropped_load_already_running_skips_its_read_if_not_begun():
+    """With two loaders a dropped load is often running (not cancellable) but still waiting for
+    the link; it must not read the block once its prediction is gone."""
+    link_free, waiting, reads = threading.Event(), threading.Event(), []
+    pf: Prefetcher
+
+    def load(key: ExpertKey) -> Any:
+        waiting.set()
+        assert link_free.wait(10)
+        if not pf.wanted(key):
+            return SKIPPED
+        reads.append(key)
+        return f"block{key}"
+
+    pf = Prefetcher(load, use_thread=True, loaders=2)
+    pf.issue(2, [5], skip=lambda k: False)
+    assert waiting.wait(10)  # (2, 5) is running: waiting for the "link"
+    pf.issue(2, [6], skip=lambda k: False)  # the nearer prediction drops 5
+    link_free.set()
+    pf.begin_layer(2, [6])
+    assert pf.take((2, 6)) == "block(2, 6)"
+    pf.close()
+    assert reads == [(2, 6)]
+    assert pf.counters.cancelled == 1 and pf.counters.wasted == 0
 
 
 def test_a_failed_prefetch_is_left_to_the_demand_load():

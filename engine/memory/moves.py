@@ -16,6 +16,7 @@ promotes.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from ..experts import ExpertKey, ExpertWeights
 from ..ftw import FTWFile
 from .oracle import BandwidthOracle
+from .prefetch import SKIPPED
 from .stats import PhaseTimer
 from .storage import BlockReader
 from .tiers import FastTier, HostTier
@@ -68,12 +70,16 @@ class TierMover:
         else:  # tier-2 values are the reader's buffers: reuse them once dropped
             host.on_evict = lambda _key, value: reader.buffers.retire(value)
 
-    def read_block(self, key: ExpertKey, *, urgent: bool = True) -> Any:
+    def read_block(
+        self, key: ExpertKey, *, urgent: bool = True, still_wanted: Callable[[], bool] | None = None
+    ) -> Any:
         """Tier 3 -> a tier-2 value (CPU: verified stored bytes; CUDA: pinned decoded expert).
         FTWFormatError for a corrupted or truncated block. Inserts nothing. `urgent`: a demand
-        read, served before queued prefetch reads."""
+        read, served before queued prefetch reads. None if `still_wanted` said no (prefetch)."""
         n = self.stored_bytes[key]
-        value = self.reader.read(*key, urgent=urgent)  # timed by the reader: see __init__
+        value = self.reader.read(*key, urgent=urgent, still_wanted=still_wanted)  # timed: __init__
+        if value is None:
+            return None
         if self.cuda:  # tier 2 on CUDA: decoded, packed into pinned (page-locked) host memory
             w = self.decode(key, value)
             pinned = rebase(w, pinned_storage(w, self.dtype))
@@ -142,13 +148,18 @@ class TierMover:
             self.demote(self.fast.put(key, w, self.fast_bytes[key]))
         return w
 
-    def prefetch_load(self, key: ExpertKey, *, stage: bool) -> Any:
+    def prefetch_load(
+        self, key: ExpertKey, *, stage: bool, still_wanted: Callable[[], bool] | None = None
+    ) -> Any:
         """Loader-thread job: read `key` into tier 2 (CPU: returns the stored bytes); on CUDA with
-        `stage` also start the copy into the spare buffer (the consumer waits on its event)."""
+        `stage` also start the copy into the spare buffer (the consumer waits on its event).
+        `SKIPPED` when `still_wanted` said no before the read began."""
         with self.lock:
             value = self.host.peek(key)
         if value is None:
-            value = self.read_block(key, urgent=False)
+            value = self.read_block(key, urgent=False, still_wanted=still_wanted)
+            if value is None:
+                return SKIPPED
             with self.lock:
                 self.host.put(key, value, self.host_nbytes(key))
         if self.cuda:

@@ -24,6 +24,7 @@ must beat); loads issued / taken / cancelled / wasted.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -70,6 +71,13 @@ def pregate(router: torch.nn.Module, hidden: torch.Tensor, limit: int) -> list[i
     return [int(e) for e in order[: min(limit, int((votes > 0).sum()))]]
 
 
+class Skipped:
+    """What a load returns when it skipped its read because `Prefetcher.wanted` said no."""
+
+
+SKIPPED = Skipped()
+
+
 class Prefetcher:
     """Predicts and loads the coming layers' experts.
 
@@ -77,17 +85,29 @@ class Prefetcher:
         load: `load(key) -> value` run on the loader thread (must be thread-safe; the provider's).
         use_thread: False runs loads inline in `issue` (deterministic tests).
         max_inflight: cap on loads issued and not yet finished.
+        loaders: loader threads. With a `load` whose reads take the link one at a time
+            (`BlockReader`'s `LinkQueue`), a second thread starts the next read while the first
+            verifies the block it read (xxhash64 of a 25 MB block: ~4.5 ms here, the GIL
+            released): one thread left the link idle that long after every read, ~25% of decode
+            time in bench/offload.py.
     """
 
     def __init__(
-        self, load: Callable[[ExpertKey], Any], *, use_thread: bool = True, max_inflight: int = 8
+        self,
+        load: Callable[[ExpertKey], Any],
+        *,
+        use_thread: bool = True,
+        max_inflight: int = 8,
+        loaders: int = 1,
     ) -> None:
         self.load, self.max_inflight = load, max_inflight
         self.counters = PrefetchCounters()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ft-prefetch") if use_thread else None
+        self._pool = ThreadPoolExecutor(loaders, thread_name_prefix="ft-prefetch") if use_thread else None
         self._pending: dict[ExpertKey, Future[Any]] = {}  # loads for layers that have not started
         self._current: dict[ExpertKey, Future[Any]] = {}  # loads the running layer will take
         self._predictions: dict[int, tuple[set[int], set[int]]] = {}  # layer -> (pregated, baseline)
+        self._abandoned: set[ExpertKey] = set()  # dropped while running: skip the read if not begun
+        self._count_lock = threading.Lock()  # loader threads count the loads they end
 
     def predict(
         self,
@@ -127,9 +147,7 @@ class Prefetcher:
         before they take the link from useful reads (ones already running finish)."""
         wanted = set(experts)
         for key in [k for k in self._pending if k[0] == layer and k[1] not in wanted]:
-            if self._pending[key].cancel():
-                del self._pending[key]
-                self.counters.cancelled += 1
+            self._drop(key, self._pending.pop(key))
         for e in experts:
             key = (layer, e)
             if key in self._pending or key in self._current or skip(key):
@@ -137,6 +155,7 @@ class Prefetcher:
             if self.inflight() >= self.max_inflight:
                 break
             self.counters.issued += 1
+            self._abandoned.discard(key)
             if self._pool is None:
                 fut: Future[Any] = Future()
                 try:
@@ -159,19 +178,42 @@ class Prefetcher:
             c.predicted_and_used += len(pregated & set(used))
             c.baseline_predicted += len(baseline)
             c.baseline_predicted_and_used += len(baseline & set(used))
-        stale = list(self._current.values())  # the previous layer's loads nobody took
+        stale = list(self._current.items())  # the previous layer's loads nobody took
         self._current = {}
         wanted = set(used)
         for key in list(self._pending):
             if key[0] == layer and key[1] in wanted:
                 self._current[key] = self._pending.pop(key)
             elif key[0] <= layer:  # never loads across a token boundary: later layers stay
-                stale.append(self._pending.pop(key))
-        for fut in stale:
-            if fut.cancel():
-                c.cancelled += 1
-            elif not fut.cancelled():
-                c.wasted += 1
+                stale.append((key, self._pending.pop(key)))
+        for key, fut in stale:
+            self._drop(key, fut)
+
+    def wanted(self, key: ExpertKey) -> bool:
+        """Whether `key`'s running load should still read its block: False once it was dropped
+        (a loader waiting for the link then skips the read and returns `SKIPPED`)."""
+        return key not in self._abandoned
+
+    def _drop(self, key: ExpertKey, fut: Future[Any]) -> None:
+        """Nobody will take this load: cancel it if queued. If a loader already runs it (with two
+        loaders, often still waiting for the link) mark it abandoned, so that a read not yet begun
+        is skipped, and count it when it ends: cancelled if skipped, wasted if it read."""
+        if fut.cancel():
+            with self._count_lock:
+                self.counters.cancelled += 1
+            return
+        if fut.cancelled():
+            return
+        self._abandoned.add(key)
+        fut.add_done_callback(self._count_dropped)
+
+    def _count_dropped(self, fut: Future[Any]) -> None:
+        skipped = fut.exception() is None and isinstance(fut.result(), Skipped)
+        with self._count_lock:
+            if skipped:
+                self.counters.cancelled += 1
+            else:
+                self.counters.wasted += 1
 
     def take(self, key: ExpertKey) -> Any | None:
         """The prefetched value of `key` (waiting for its load, queued or running), or None if it
@@ -183,6 +225,8 @@ class Prefetcher:
             value = fut.result()
         except Exception:  # a failed prefetch is retried (and reported) by the demand load
             logger.debug("prefetch of %s failed; demand load will retry", key, exc_info=True)
+            return None
+        if isinstance(value, Skipped):  # dropped, then wanted again before its loader read
             return None
         self.counters.taken += 1
         return value

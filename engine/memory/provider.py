@@ -159,7 +159,13 @@ class TieredExpertProvider:
             fast_device=self.device.type,
             host_device="cpu-host",
         )
-        self.prefetcher = Prefetcher(self._prefetch_load, use_thread=prefetch_thread) if prefetch else None
+        # CPU: two loader threads overlap one block's checksum with the next block's read (the
+        # reader keeps reads one at a time). CUDA: one, its staging copies share the spare buffer.
+        self.prefetcher = (
+            Prefetcher(self._prefetch_load, use_thread=prefetch_thread, loaders=1 if self.cuda else 2)
+            if prefetch
+            else None
+        )
         self.prefetch_depth = 1 if self.cuda else max(1, prefetch_depth)
         # Experts needed soon (this layer's, the predictions for the next ones): evicted last, so
         # a prefetch never pushes out what the next layers are about to use.
@@ -360,7 +366,10 @@ class TieredExpertProvider:
                     self.fast.set_hot([k for _, k in ranked])
 
     def _prefetch_load(self, key: ExpertKey) -> Any:
-        return self.moves.prefetch_load(key, stage=bool(self.spare_bytes))
+        wanted = self.prefetcher.wanted if self.prefetcher is not None else None
+        return self.moves.prefetch_load(
+            key, stage=bool(self.spare_bytes), still_wanted=(lambda: wanted(key)) if wanted else None
+        )
 
     def _needed_soon(self, key: Any) -> bool:
         return key[1] in self._soon.get(key[0], ())

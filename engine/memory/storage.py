@@ -81,7 +81,13 @@ class BlockBuffers:
                     self.reused += 1
                     return buf  # type: ignore[return-value]
         self.allocated += 1
-        return mmap.mmap(-1, size)  # anonymous, page-aligned: what O_DIRECT needs
+        # Anonymous and page-aligned (what O_DIRECT needs), its pages faulted in now: otherwise
+        # the read faults them in while it holds the link, and the link idles meanwhile.
+        populate = getattr(mmap, "MAP_POPULATE", 0)
+        if populate:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate
+            return mmap.mmap(-1, size, flags=flags)
+        return mmap.mmap(-1, size)
 
 
 class LinkQueue:
@@ -192,10 +198,18 @@ class BlockReader:
             os.posix_fadvise(self._fd, offset, len(buf), os.POSIX_FADV_DONTNEED)
         return got
 
-    def read(self, layer: int, expert: int, *, urgent: bool = True) -> memoryview:
+    def read(
+        self,
+        layer: int,
+        expert: int,
+        *,
+        urgent: bool = True,
+        still_wanted: Callable[[], bool] | None = None,
+    ) -> memoryview | None:
         """The block's verified stored bytes (a memoryview over a page-aligned buffer it owns).
         `urgent`: a demand read (the compute thread waits for it); prefetches pass False and
-        yield the link to it."""
+        yield the link to it. `still_wanted` (prefetches): asked once the link is ours; when it
+        says no the read is skipped and None returned (the prediction changed while it waited)."""
         info = self.ftw.expert_info(layer, expert)
         key = (layer, expert)
         if self._fd < 0:
@@ -205,6 +219,11 @@ class BlockReader:
         buf = self.buffers.acquire(size)
         if self.link is not None:
             self.link.acquire(urgent)
+        if still_wanted is not None and not still_wanted():
+            if self.link is not None:
+                self.link.release()
+            self.buffers.retire(memoryview(buf))
+            return None
         try:
             t0 = time.perf_counter()
             got = self._read_into(buf, info.offset, key)
