@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,8 @@ from pydantic import ValidationError
 from freetoken_agents.engine import Engine
 from freetoken_agents.engine.errors import FTWFormatError, MemoryBudgetError
 from freetoken_agents.engine.experts import ExpertKey, run_experts
-from freetoken_agents.engine.ftw import FTWWriter, encode
-from freetoken_agents.engine.memory import FastTier, HostTier, MemoryBudget, TieredExpertProvider
+from freetoken_agents.engine.ftw import FTWFile, FTWWriter, encode
+from freetoken_agents.engine.memory import BlockReader, FastTier, HostTier, MemoryBudget, TieredExpertProvider
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -359,4 +360,25 @@ def test_anchor_records_the_tiers_and_a_rollback_rewarms_tier_1(built):
         assert tp.fast.keys()[-len(at_anchor) :] == at_anchor  # and most recently used, in order
         r.prefill(ids)
         assert torch.equal(s.decode(5), r.decode(5))  # warmth changes nothing in the result
+    tp.close()
+
+
+def test_a_prefetch_finds_a_block_another_load_brought_in_while_it_waited(built):
+    """The bug: a prefetch looked in tier 2 before it waited for the link; with two loader threads
+    another load of the same block (a prediction dropped, then made again) could read it while
+    this one waited, and the block was read twice."""
+    _, ftw = built("mixtral")
+    tp = TieredExpertProvider(ftw, MemoryBudget(), top_k=2, prefetch=False)
+    with FTWFile(ftw) as f:
+        elsewhere = BlockReader(f).read(0, 1)  # what the other load read
+    tp.reader.link.acquire(urgent=False)  # another read holds the link
+    with ThreadPoolExecutor(1) as loader:
+        job = loader.submit(tp.moves.prefetch_load, (0, 1), stage=False)
+        time.sleep(0.1)  # the prefetch now waits for the link
+        with tp.moves.lock:  # meanwhile the other load put the block in tier 2
+            tp.host.put((0, 1), elsewhere, tp.stored_bytes[(0, 1)])
+        tp.reader.link.release()
+        value = job.result(10)
+    assert tp.reader.reads == 0
+    assert value is elsewhere
     tp.close()

@@ -9,7 +9,7 @@
   copies: `ExpertWeights.packed`). CUDA: a non_blocking copy on a side stream.
 - tier 1 -> tier 2 (`demote`): an evicted zero-copy block returns to tier 2 (it is already in
   RAM); one tier 2 cannot take leaves RAM and its buffer is recycled.
-Thread-safe: the loader thread reads and inserts into tier 2 under `lock` while the compute thread
+Thread-safe: the loader threads read and insert into tier 2 under `lock` while the compute thread
 promotes.
 """
 
@@ -153,15 +153,29 @@ class TierMover:
     ) -> Any:
         """Loader-thread job: read `key` into tier 2 (CPU: returns the stored bytes); on CUDA with
         `stage` also start the copy into the spare buffer (the consumer waits on its event).
-        `SKIPPED` when `still_wanted` said no before the read began."""
+        `SKIPPED` when `still_wanted` said no before the read began.
+
+        Tier 2 is looked at again once the link is ours: with two loader threads another load of
+        the same block may have read it while this one waited."""
+
+        def worth_reading() -> bool:
+            with self.lock:
+                if key in self.host:
+                    return False
+            return still_wanted is None or still_wanted()
+
         with self.lock:
             value = self.host.peek(key)
         if value is None:
-            value = self.read_block(key, urgent=False, still_wanted=still_wanted)
+            value = self.read_block(key, urgent=False, still_wanted=worth_reading)
             if value is None:
-                return SKIPPED
-            with self.lock:
-                self.host.put(key, value, self.host_nbytes(key))
+                with self.lock:
+                    value = self.host.peek(key)
+                if value is None:
+                    return SKIPPED
+            else:
+                with self.lock:
+                    self.host.put(key, value, self.host_nbytes(key))
         if self.cuda:
             return self.copies.start(value) if stage else None
         return value

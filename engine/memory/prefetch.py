@@ -3,8 +3,8 @@
 While layer L computes, `predict` applies the router of layer L+d (d = 1..depth) to layer L's
 MoE input (pre-gating: the residual stream changes little from one layer to the next, so the later
 router on the current hidden state picks mostly the same experts) and tops the set up with the
-layer's most frequent experts (decayed routing-frequency priors). `issue` hands the loads to one
-loader thread (CPU: an O_DIRECT read of the block into tier 2; CUDA: decode into pinned memory + a
+layer's most frequent experts (decayed routing-frequency priors). `issue` hands the loads to the
+loader threads (CPU: two, an O_DIRECT read of the block into tier 2; CUDA: decode into pinned memory + a
 non_blocking copy on a side stream into the spare buffer, completion marked by an event), nearer
 layers first. Looking more than one layer ahead keeps the disk busy through attention and the
 layers whose experts are all in RAM (measured on the bench model: 1/2/3 layers ahead, top-2
@@ -12,7 +12,8 @@ precision 0.89/0.84/0.80).
 
 When layer L starts, `begin_layer` scores the one-layer-ahead prediction against the experts its
 router chose and cancels the queued loads nobody will take (layer L's unchosen experts, earlier
-layers'); loads for later layers stay. The queue is in layer order, so `take(key)` may wait for a
+layers'); one already running but still waiting for the link skips its read (`wanted`). Loads for
+later layers stay. The queue is in layer order, so `take(key)` may wait for a
 queued load of layer L: everything queued before it is also needed by layer L, so waiting never
 puts a demand behind a useless read, and a block is never read twice.
 
@@ -82,7 +83,7 @@ class Prefetcher:
     """Predicts and loads the coming layers' experts.
 
     Args:
-        load: `load(key) -> value` run on the loader thread (must be thread-safe; the provider's).
+        load: `load(key) -> value` run on a loader thread (must be thread-safe; the provider's).
         use_thread: False runs loads inline in `issue` (deterministic tests).
         max_inflight: cap on loads issued and not yet finished.
         loaders: loader threads. With a `load` whose reads take the link one at a time
@@ -232,7 +233,7 @@ class Prefetcher:
         return value
 
     def close(self) -> None:
-        """Cancel queued loads and stop the loader thread."""
+        """Cancel queued loads and stop the loader threads."""
         for fut in [*self._pending.values(), *self._current.values()]:
             fut.cancel()
         self._pending, self._current = {}, {}

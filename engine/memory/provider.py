@@ -20,7 +20,7 @@ Placements (per expert per step, `QStarPolicy`):
 decoded copies in tier 1 (`LayerLRUTier` + `AlwaysStreamPolicy`), tier 2 independent of it.
 
 Prefetch (`Prefetcher`): pre-gating predicts the next `prefetch_depth` layers' experts while a
-layer computes; a loader thread reads them into tier 2 (CPU) or stages them in the spare half of a
+layer computes; loader threads read them into tier 2 (CPU) or stages them in the spare half of a
 double buffer on the device (CUDA), so disk reads overlap compute. The experts predicted for the
 coming layers are "needed soon": the tiers evict them last, so a prefetch never pushes out what
 the next layers are about to use.
@@ -425,7 +425,7 @@ class TieredExpertProvider:
         return provider_stats(self)
 
     def close(self) -> None:
-        """Stop the loader thread, remove the attention hooks, close the tier-3 reader."""
+        """Stop the loader threads, remove the attention hooks, close the tier-3 reader."""
         if self.prefetcher is not None:
             self.prefetcher.close()
         for h in self._hooks:
