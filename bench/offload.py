@@ -156,11 +156,22 @@ def build_model(folder: Path, quick: bool) -> dict[str, int]:
 
 
 def own_weights(module: torch.nn.Module) -> None:
-    """Copy every materialised parameter/buffer into owned memory (no mmapped file pages)."""
+    """Copy every materialised parameter/buffer into owned memory (no mmapped file pages), and the
+    host copies accelerate keeps for layers it offloads to "cpu" when the model runs on a GPU
+    (their parameters are meta; the weights live in the hooks' weights_map)."""
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
             if t.device.type != "meta":
                 t.data = t.data.clone()
+        seen: set[int] = set()
+        for m in module.modules():
+            loader = getattr(getattr(getattr(m, "_hf_hook", None), "weights_map", None), "dataset", None)
+            host = getattr(loader, "state_dict", None)
+            if isinstance(host, dict) and id(host) not in seen:
+                seen.add(id(host))
+                for k, v in host.items():
+                    if isinstance(v, torch.Tensor):
+                        host[k] = v.clone()
 
 
 class LinkProbe:
@@ -201,6 +212,23 @@ def ram_bandwidth() -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
     return src.numel() * 4 / statistics.median(times)
+
+
+def pinned_h2d_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a 64 MiB copy from page-locked host memory to `device` (CUDA events, median of
+    10 after 3 warm-ups): the tier 2 -> tier 1 link at its best."""
+    src = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True).fill_(1)
+    dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return src.numel() / statistics.median(times)
 
 
 # ---- timing ---------------------------------------------------------------------------------------
@@ -263,7 +291,7 @@ def time_hf(model: Any, prompt: list[int], n: int, evict: Evictor) -> dict[str, 
 
     def step(ids: list[int]) -> int:
         with torch.no_grad():
-            out = model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+            out = model(torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True)
         return int(out.logits[0, -1].argmax())
 
     return time_loop(step, prompt, n, evict)
@@ -330,20 +358,22 @@ class Bench:
         t0 = time.perf_counter()
         self.shape = build_model(self.folder, args.quick)
         convert_checkpoint(self.folder, self.ftw, quant="fp32", progress=False)
-        self.ram = Engine.from_pretrained(self.folder)
+        self.device = torch.device(args.device)
+        self.cuda = self.device.type == "cuda"
+        self.ram = Engine.from_pretrained(self.folder, device=args.device)
         own_weights(self.ram.model)
         self.expert_bytes = self.ram.experts.nbytes
         with FTWFile(self.ftw) as f:
             self.stored_block_bytes = max(f.expert_info(*k).block_length for k in f.expert_keys())
         self.build_s = time.perf_counter() - t0
         self.hf: Any = None
-        self.hf_layers_on_disk = 0
+        self.hf_layers_on_disk = self.hf_layers_on_cpu = 0
 
     def tiered(self, placement: str, prefetch: bool, fast: float | None = None) -> Runner:
         from freetoken_agents.engine import Engine
         from freetoken_agents.engine.memory import MemoryBudget, TieredExpertProvider
 
-        eng = Engine.from_pretrained(self.ftw)
+        eng = Engine.from_pretrained(self.ftw, device=self.args.device)
         own_weights(eng.model)
         kv_room = 8 * eng.kv_pool.bytes_per_block
         budget = MemoryBudget(
@@ -355,6 +385,8 @@ class Bench:
         def run(prompt: list[int], n: int) -> dict[str, Any]:
             # The link as FreeToken's own reads found it: bytes over the time a read was in flight.
             link = {"link_bytes": lambda: tp.reader.bytes_read, "link_busy_s": lambda: tp.reader.busy_seconds}
+            if tp.cuda:  # tier 2 -> tier 1 copies (demand and staged prefetch alike)
+                link["h2d_bytes"] = lambda: tp.moves.copies.bytes_copied
             r = time_engine(eng, prompt, n, Evictor([self.ftw]), link)
             st = tp.stats()
             tp.close()
@@ -371,6 +403,7 @@ class Bench:
                     "prefetch_baseline_precision": pf.get("baseline_precision"),
                     "phase_s": {k: round(v, 3) for k, v in st["phase_s"].items()},
                     "storage_bw_estimate": st["bandwidth"]["storage->host"]["estimate_bps"],
+                    "h2d_bw_estimate": st["bandwidth"]["host->fast"]["estimate_bps"] if tp.cuda else None,
                     "file_reads": st["tiers"]["storage"]["reads"],
                     "prefetch": {k: pf[k] for k in ("issued", "taken", "cancelled", "wasted") if k in pf},
                 }
@@ -384,17 +417,25 @@ class Bench:
 
         if self.hf is None:  # loaded once: its cold state is the page cache alone
             dense = self.shape["params"] * 4 - self.expert_bytes
-            ram = self.args.budget + self.args.host_budget
+            budget, host = self.args.budget * self.expert_bytes, self.args.host_budget * self.expert_bytes
+            # The same memory as FreeToken's tiers: dense weights + budget on the GPU and host
+            # budget in RAM on CUDA; dense + both budgets in RAM on a CPU-only machine.
+            max_memory: dict[Any, int] = {"cpu": int(dense + budget + host)}
+            if self.cuda:
+                max_memory = {0: int(dense + budget), "cpu": int(host)}
             self.hf = AutoModelForCausalLM.from_pretrained(
                 self.folder,
                 device_map="auto",
-                max_memory={"cpu": int(dense + ram * self.expert_bytes)},
+                max_memory=max_memory,
                 offload_folder=str(self.tmp / "offload"),
                 dtype=torch.float32,
             ).eval()
             own_weights(self.hf)
             self.hf_layers_on_disk = sum(
                 1 for k, v in self.hf.hf_device_map.items() if v == "disk" and ".layers." in f".{k}."
+            )
+            self.hf_layers_on_cpu = sum(
+                1 for k, v in self.hf.hf_device_map.items() if v == "cpu" and ".layers." in f".{k}."
             )
         files = [*self.folder.glob("*.safetensors"), *(self.tmp / "offload").glob("*")]
         return lambda prompt, n: time_hf(self.hf, prompt, n, Evictor(files))  # type: ignore[no-any-return]
@@ -433,22 +474,28 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: measured best)")
     ap.add_argument("--sweep", action="store_true", help="also run (a) at fast budgets 0.5, 0.75, 1.0")
     ap.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: tier 1 in GPU memory, tier 2 pinned")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logger.setLevel(logging.INFO)  # one line per timed phase, so a run cut short still says something
     n = args.tokens or 24
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ft-offload-", dir=os.environ.get("FT_BENCH_DIR")) as tmp:
         b = Bench(Path(tmp), args)
+        logger.info("model built and converted in %.0f s on %s", b.build_s, b.device)
         gen = torch.Generator().manual_seed(1)
         prompt = torch.randint(0, b.shape["vocab"], (16,), generator=gen).tolist()
         if args.threads:
             torch.set_num_threads(args.threads)
             threads, thread_rates = args.threads, {}
+        elif b.cuda:  # the CPU only computes HOST placements: torch's default threads
+            threads, thread_rates = torch.get_num_threads(), {}
         else:
             threads, thread_rates = pick_threads(b.ram, prompt)
         ref = time_engine(b.ram, prompt, n, Evictor([]))["tokens"]
         routing = routing_stats(b.ram, prompt, n)
-        ram_bw = ram_bandwidth()
+        # The tier 2 -> tier 1 link: a RAM copy on CPU, a pinned host -> device copy on CUDA.
+        ram_bw = pinned_h2d_bandwidth(b.device) if b.cuda else ram_bandwidth()
         probe = LinkProbe(Path(tmp), max(b.stored_block_bytes, 1 << 20))
         runs: dict[str, list[dict[str, Any]]] = {c: [] for c in CONTENDERS}
         for rep in range(args.reps):
@@ -458,7 +505,15 @@ def main() -> int:
                 before = probe.measure()
                 r = cold_run(run, prompt, n, ref)
                 runs[name].append({**r, "link_bw": (before + probe.measure()) / 2})
-                logger.info("rep %d %s %.2f tok/s", rep, name, runs[name][-1]["tok_s"])
+                last = runs[name][-1]
+                logger.info(
+                    "rep %d %s: %.2f tok/s, %.0f MB/token from disk, same tokens as (d): %s",
+                    rep,
+                    name,
+                    last["tok_s"],
+                    last["disk_bytes_per_token"] / 1e6,
+                    last["same_tokens_as_ram"],
+                )
         sweep = {}
         if args.sweep:
             for fast in (args.budget, 0.5, 0.75, 1.0):
@@ -476,9 +531,17 @@ def main() -> int:
     print(
         f"ratios: a/b {summary['ratio_a_over_b']:.2f}x  a/c {summary['ratio_a_over_c']:.2f}x  "
         f"a/d {summary['ratio_a_over_d']:.2f}; (a) s/token {1 / res['freetoken_qstar']['tok_s']:.4f} = "
-        f"{bound['a_over_bound']:.2f}x its bound (max of disk bytes / link bandwidth and touched "
-        f"bytes / RAM bandwidth; median over reps)"
+        f"{bound['a_over_bound']:.2f}x its bound (max of disk bytes / link bandwidth and "
+        f"{'host->device bytes / pinned copy' if b.cuda else 'touched bytes / RAM'} bandwidth; "
+        "median over reps)"
     )
+    if b.cuda:
+        est = res["freetoken_qstar"].get("h2d_bw_estimate")
+        print(
+            f"pinned host->device copy: {ram_bw / 1e9:.1f} GB/s (64 MiB, CUDA events); (a)'s streaming "
+            f"copies as its oracle measured them: {(est or 0) / 1e9:.1f} GB/s; (a) copied "
+            f"{res['freetoken_qstar'].get('h2d_bytes_per_token', 0) / 1e6:.0f} MB host->device per token"
+        )
     print(
         "disk MB read per decode token (/proc/self/io): "
         + " | ".join(f"{c} {res[c]['disk_bytes_per_token'] / 1e6:.0f}" for c in CONTENDERS)
@@ -524,7 +587,10 @@ def report(
         floors = probe_floors
         if own:
             floors = [r["disk_bytes_per_token"] / bw for r, bw in zip(rs, own, strict=True)]
-        over = [(1 / r["tok_s"]) / max(f, touched / ram_bw) for r, f in zip(rs, floors, strict=True)]
+        # The fast link's floor: the bytes FreeToken copied host -> device per token (CUDA), else
+        # the bytes of the experts a token touches, at the link's measured best.
+        fast_floors = [r.get("h2d_bytes_per_token", touched) / ram_bw for r in rs]
+        over = [(1 / r["tok_s"]) / max(f, ff) for r, f, ff in zip(rs, floors, fast_floors, strict=True)]
         res[name] = {
             "tok_s": statistics.median(r["tok_s"] for r in rs),
             "tok_s_all": [round(r["tok_s"], 3) for r in rs],
@@ -537,6 +603,7 @@ def report(
             "disk_floor_s_per_token_probe": round(statistics.median(probe_floors), 4),
             "disk_floor_s_per_token": round(statistics.median(floors), 4),
             "s_per_token_over_bound": round(statistics.median(over), 3),
+            "fast_link_floor_s_per_token": round(statistics.median(fast_floors), 4),
         }
         for k in (
             "fast_hit_rate",
@@ -545,6 +612,8 @@ def report(
             "prefetch_recall",
             "prefetch_baseline_precision",
             "disk_bytes_per_token",
+            "h2d_bytes_per_token",
+            "h2d_bw_estimate",
         ):
             if rs[0].get(k) is not None:
                 res[name][k] = round(statistics.median(r[k] for r in rs), 3)
@@ -552,9 +621,11 @@ def report(
             if k in rs[-1]:
                 res[name][f"{k}_last_rep"] = rs[-1][k]
     res["accelerate_offload"]["decoder_layers_on_disk"] = b.hf_layers_on_disk
+    res["accelerate_offload"]["decoder_layers_on_cpu"] = b.hf_layers_on_cpu
     a = res["freetoken_qstar"]
     return {
         "model": {**sh, "expert_bytes": b.expert_bytes, "build_s": round(b.build_s, 1)},
+        "device": str(b.device),
         "budget_fraction": b.args.budget,
         "host_budget_fraction": b.args.host_budget,
         "decode_tokens": n - 1,
@@ -569,13 +640,18 @@ def report(
         "ratio_a_over_d": a["tok_s"] / res["freetoken_ram"]["tok_s"],
         "bound": {
             "touched_bytes_per_token": touched,
-            "ram_bw_Bps": ram_bw,
+            "fast_link": "pinned host->device copy" if b.cuda else "RAM copy",
+            "fast_link_bw_Bps": ram_bw,
             "ram_s_per_token": touched / ram_bw,
+            "a_fast_link_floor_s_per_token": a["fast_link_floor_s_per_token"],
+            "a_streaming_bw_over_fast_link_bw": (
+                a["h2d_bw_estimate"] / ram_bw if a.get("h2d_bw_estimate") else None
+            ),
             "a_disk_bytes_per_token": a["disk_bytes_per_token"],
             "a_link_bw_own_reads_Bps_median": statistics.median(a["link_bw_own_reads_Bps_all"]),
             "a_link_bw_probe_Bps_median": statistics.median(a["link_bw_probe_Bps_all"]),
             "a_disk_floor_s_per_token": a["disk_floor_s_per_token"],
-            "a_bound_s_per_token": max(a["disk_floor_s_per_token"], touched / ram_bw),
+            "a_bound_s_per_token": max(a["disk_floor_s_per_token"], a["fast_link_floor_s_per_token"]),
             "a_over_bound": a["s_per_token_over_bound"],
         },
     }

@@ -54,3 +54,39 @@ def test_prior_and_unknown():
     assert BandwidthOracle("x").estimate() is None
     assert BandwidthOracle("x").seconds_for(10) == float("inf")
     assert BandwidthOracle("x", prior_bps=1e9).seconds_for(10**9) == pytest.approx(1.0)
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: `query()` says whether the copy finished, and may run `on_query`
+    (a loader thread queuing its next copy while the compute thread polls)."""
+
+    def __init__(self, ms: float = 0.0, done: bool = True, on_query=None) -> None:
+        self.ms, self.done, self.on_query = ms, done, on_query
+
+    def query(self) -> bool:
+        if self.on_query is not None:
+            self.on_query()
+        return self.done
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return end.ms - self.ms
+
+
+def test_a_cuda_copy_queued_while_polling_is_not_lost():
+    oracle = BandwidthOracle("host->fast", prior_bps=None)
+    late = (_FakeEvent(0.0), _FakeEvent(2.0), 2 * MiB)
+    queues_late = _FakeEvent(1.0, on_query=lambda: oracle.record_cuda_copy(*late))
+    oracle.record_cuda_copy(_FakeEvent(0.0), queues_late, MiB)
+    oracle.record_cuda_copy(_FakeEvent(0.0), _FakeEvent(5.0, done=False), MiB)  # still copying
+    oracle.poll()
+    assert oracle.samples == 1  # the finished copy
+    oracle.poll()
+    assert oracle.samples == 2  # the one queued during the first poll was kept and is folded in now
+    assert oracle.bytes_total == 3 * MiB
+
+
+def test_stats_fold_in_finished_cuda_copies():
+    oracle = BandwidthOracle("host->fast", prior_bps=None)
+    oracle.record_cuda_copy(_FakeEvent(0.0), _FakeEvent(4.0), 4 * MiB)  # 4 MiB in 4 ms
+    s = oracle.stats()
+    assert s["samples"] == 1 and s["estimate_bps"] == pytest.approx(MiB / 1e-3)

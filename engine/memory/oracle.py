@@ -17,6 +17,7 @@ CUDA copies with events recorded on the copy stream, folded in by `poll()` once 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -64,6 +65,7 @@ class BandwidthOracle:
         self.seconds_total = 0.0
         self.history: deque[tuple[float, float]] = deque(maxlen=history)  # (clock s, bytes/s)
         self._pending_cuda: list[tuple[Any, Any, int]] = []
+        self._pending_lock = threading.Lock()  # loader threads queue copies while compute polls
 
     # ---- samples --------------------------------------------------------------------------
     def record(self, nbytes: int, seconds: float) -> None:
@@ -112,19 +114,23 @@ class BandwidthOracle:
 
     def record_cuda_copy(self, start: Any, end: Any, nbytes: int) -> None:
         """Queue a CUDA copy bracketed by recorded events; folded in by `poll()` when done."""
-        self._pending_cuda.append((start, end, nbytes))
+        with self._pending_lock:
+            self._pending_cuda.append((start, end, nbytes))
 
     def poll(self) -> None:
         """Fold in the queued CUDA copies whose end event completed (non-blocking)."""
         if not self._pending_cuda:
             return
+        with self._pending_lock:
+            pending, self._pending_cuda = self._pending_cuda, []
         still: list[tuple[Any, Any, int]] = []
-        for start, end, nbytes in self._pending_cuda:
+        for start, end, nbytes in pending:
             if end.query():
                 self.record(nbytes, start.elapsed_time(end) / 1e3)  # ms -> s
             else:
                 still.append((start, end, nbytes))
-        self._pending_cuda = still
+        with self._pending_lock:
+            self._pending_cuda[:0] = still  # keep issue order ahead of copies queued meanwhile
 
     # ---- answers --------------------------------------------------------------------------
     def estimate(self) -> float | None:
@@ -138,6 +144,7 @@ class BandwidthOracle:
         return float("inf") if not bw else nbytes / bw
 
     def stats(self) -> dict[str, Any]:
+        self.poll()  # finished CUDA copies count
         return {
             "estimate_bps": self._estimate,
             "samples": self.samples,

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The GPU checks in one go: the `cuda` tests, then bench/offload.py with tier 1 in GPU memory.
+#   bash bench/cuda.sh [OUT_DIR]        (needs the package installed and a CUDA GPU; ~6 min)
+# Logs and the benchmark's JSON land in OUT_DIR (default: bench-cuda-out/). The benchmark's files
+# go to FT_BENCH_DIR, default a folder beside this checkout: /tmp is often RAM (tmpfs), where
+# O_DIRECT fails and dropping the page cache does not empty it, so tier 3 would not be a disk.
+set -u
+out=${1:-bench-cuda-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+export FT_BENCH_DIR=${FT_BENCH_DIR:-$PWD/.bench-tmp}
+mkdir -p "$FT_BENCH_DIR"
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
+    df -h /tmp "$FT_BENCH_DIR"
+    nproc; free -g
+} 2>&1 | tee "$out/machine.txt"
+timeout "${FT_TEST_TIMEOUT:-200}" python3 -m pytest -q -s -m cuda -p no:cacheprovider \
+    tests/test_memory_cuda.py tests/test_engine_cuda.py 2>&1 | tee "$out/cuda_tests.log"
+timeout "${FT_BENCH_TIMEOUT:-420}" python3 bench/offload.py --device cuda --sweep \
+    --json "$out/offload_cuda.json" 2>&1 | tee "$out/offload_cuda.log"
+rm -rf "$FT_BENCH_DIR"
