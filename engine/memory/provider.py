@@ -127,7 +127,7 @@ class TieredExpertProvider:
         else:
             self.fast = FastTier[ExpertWeights](None, max_pinned_fraction=max_pinned_fraction)
         self.host = HostTier[Any](budget.host_bytes)
-        self.exclusive = placement == "qstar" and not self.cuda
+        self.exclusive = placement == "qstar"
         self._prefetch_wanted = prefetch
         self.reader = BlockReader(self.ftw, direct=direct_io)
         self.storage_link = BandwidthOracle("storage->host", clock=clock, prior_bps=1e9)
