@@ -120,6 +120,41 @@ def test_host_tier_is_one_lru_across_layers_and_reports_evictions():
     assert t.pop((0, 1)) == b"d" and len(dropped) == 2  # pop hands the value over: no eviction
 
 
+def test_a_ranked_tier_evicts_the_lowest_rank_first_and_lru_among_equals():
+    t = HostTier[str](400)
+    score = {(0, 0): 5.0, (0, 1): 1.0, (1, 0): 1.0, (1, 1): 9.0}
+    t.rank = lambda k: score.get(k, 0.0)  # type: ignore[assignment,arg-type]
+    for k in score:
+        t.put(k, "x", 100)
+    t.get((0, 1))  # (1, 0) is now the least recent of the two rank-1 keys
+    assert t.eviction_order() == [(1, 0), (0, 1), (0, 0), (1, 1)]
+    assert t.put((2, 0), "y", 100) == [(1, 0)]  # not (0, 0), the least recently used
+    t.protected = lambda k: k == (0, 1)  # type: ignore[assignment]
+    assert t.victims_for(200) == [(2, 0), (0, 0)]  # needed soon: skipped while others free room
+    assert t.evict_coldest() == (2, 0)
+
+
+def test_qstar_tier_2_evicts_the_least_used_expert_not_the_least_recent(built):
+    """What leaves RAM is chosen by decayed routing frequency under q* (bench/offload.py: 228 ->
+    204 MB read per decode token); the per-layer LRU baseline keeps plain recency."""
+    _, ftw = built("mixtral")
+    probe = TieredExpertProvider(ftw, MemoryBudget(), top_k=2)
+    one = probe.fast_bytes[(0, 0)]
+    budget = MemoryBudget(fast_bytes=2 * one, host_bytes=2 * one)
+    tp = TieredExpertProvider(ftw, budget, top_k=2, prefetch=False)
+    tp.freq[0].update({0: 3.0, 1: 0.5, 2: 2.0, 3: 2.5})
+    for e in range(4):  # (0, 0) and (0, 1) end up in tier 2, (0, 0) the least recently used
+        tp.get(0, e)
+    assert sorted(tp.host.keys()) == [(0, 0), (0, 1)] and tp.host.keys()[0] == (0, 0)
+    tp.get(0, 4)  # one expert must leave RAM: the rarely used (0, 1), not the older (0, 0)
+    assert (0, 0) in tp.host and (0, 1) not in tp.host and (0, 1) not in tp.fast
+    tp.close()
+    baseline = TieredExpertProvider(ftw, MemoryBudget(), top_k=2, prefetch=False, placement="stream")
+    assert baseline.host.rank is None
+    baseline.close()
+    probe.close()
+
+
 # ---- provider correctness ----------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
 @pytest.mark.parametrize("fraction", [0.1, 0.25, 0.5])

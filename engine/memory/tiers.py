@@ -42,7 +42,8 @@ class LRUTier(Generic[V]):
     and only then pinned ones (coldest first). `capacity_bytes=None` means unbounded. `on_evict`
     (if set) is called with each evicted key and value (not for `pop`). `protected` (if set) names
     keys needed soon (the next layers' predicted experts): `put` evicts them only when the other
-    unpinned keys do not free enough room.
+    unpinned keys do not free enough room. `rank` (if set) orders evictions: lowest rank first,
+    least recently used first among equal ranks (unset: plain LRU).
     """
 
     def __init__(self, name: str, capacity_bytes: int | None) -> None:
@@ -54,6 +55,7 @@ class LRUTier(Generic[V]):
         self.pinned: set[Hashable] = set()
         self.on_evict: Callable[[Hashable, V], None] | None = None
         self.protected: Callable[[Hashable], bool] | None = None  # needed soon: evicted last
+        self.rank: Callable[[Hashable], float] | None = None  # eviction order (lowest first)
 
     def __contains__(self, key: object) -> bool:
         return key in self._items
@@ -64,6 +66,12 @@ class LRUTier(Generic[V]):
     def keys(self) -> list[ExpertKey]:
         """Keys, coldest (least recently used) first."""
         return list(self._items)  # type: ignore[arg-type]
+
+    def eviction_order(self) -> list[Hashable]:
+        """Keys in the order evictions take them: by `rank` (stable, so least recently used first
+        among equals), or least recently used first without one."""
+        keys = list(self._items)
+        return keys if self.rank is None else sorted(keys, key=self.rank)
 
     def get(self, key: ExpertKey, *, count: bool = True) -> V | None:
         """The value (marked most recently used) or None; counts a hit or a miss."""
@@ -101,14 +109,15 @@ class LRUTier(Generic[V]):
         need = self.used_bytes + nbytes - self.capacity_bytes
         out: list[ExpertKey] = []
         protected = self.protected
+        order = self.eviction_order()
         for second_pass in (False, True):
-            for k, (_, size) in self._items.items():
+            for k in order:
                 if need <= 0:
                     return out
                 if k in self.pinned or k in out or (not second_pass and protected and protected(k)):
                     continue
                 out.append(k)  # type: ignore[arg-type]
-                need -= size
+                need -= self._items[k][1]
             if protected is None:
                 break
         return out
@@ -151,13 +160,14 @@ class LRUTier(Generic[V]):
             self.on_evict(key, value)
 
     def evict_coldest(self, *, include_pinned: bool = False) -> ExpertKey | None:
-        """Evict the least recently used unpinned key (or pinned, if none and allowed)."""
-        for key in self._items:
+        """Evict the first unpinned key of `eviction_order` (or pinned, if none and allowed)."""
+        order = self.eviction_order()
+        for key in order:
             if key not in self.pinned:
                 self._drop(key)
                 return key  # type: ignore[return-value]
-        if include_pinned and self._items:
-            key = next(iter(self._items))
+        if include_pinned and order:
+            key = order[0]
             self._drop(key)
             return key  # type: ignore[return-value]
         return None
