@@ -56,8 +56,16 @@ for the process, O_DIRECT reads and mmap page faults alike), the same meter for 
 
 Reading a/b: both (a) and (b) wait on the disk, so as the link slows a/b tends to the ratio of
 their disk bytes per token (printed: ~1087 MB for accelerate, which puts 5 of 8 decoder layers and
-lm_head on disk at this budget and loads all 8 experts of each, against ~240 MB for (a), ~4.5x);
+lm_head on disk at this budget and loads all 8 experts of each, against ~204 MB for (a), ~5.3x);
 on a fast link accelerate's per-byte overheads (copies, hooks, serial compute) push a/b higher.
+(a)'s ~204 MB is ~8 blocks per token of the 16 it routes to: replaying this model's routing, an
+LRU over half the experts reads ~9 (228 MB), evicting by decayed routing frequency (what q* does)
+~8, and an offline optimum that knows the future ~3.7.
+
+On a GPU (`--device cuda`, or `bash bench/cuda.sh` for the `cuda` tests and this bench in one go):
+tier 1 is GPU memory, tier 2 pinned host memory, accelerate gets max_memory = {GPU: dense weights
++ budget x E, cpu: host_budget x E}; the fast link's bound is the bytes (a) copied host -> device
+over a measured 64 MiB pinned copy, and the output compares (a)'s own copies (its oracle) with it.
 
 Bounds: touched = bytes of the experts one decode token routes to (top_k x layers x expert
 bytes); ram_bw = a RAM copy. This shared machine's disk drifts from 0.3 to 3 GB/s within minutes,

@@ -185,16 +185,28 @@ def run_experts(
     weights: torch.Tensor,
     spec: MoESpec,
 ) -> torch.Tensor:
-    """Group tokens by expert and accumulate `weight * expert(x)`, experts in ascending id.
+    """Group tokens by expert and accumulate `weight * expert(x)`, experts in ascending id."""
+    return dispatch_experts(lambda e, x: expert_forward(get(layer, e), x, spec), hidden, expert_ids, weights)
 
-    Ascending order with index_add matches the reference summation order.
+
+def dispatch_experts(
+    forward: Callable[[int, torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """hidden [T, H], expert_ids [T, A], weights [T, A] -> [T, H]: the sum over a token's experts
+    of `weight * forward(expert, its tokens' hidden)`, experts in ascending id.
+
+    Ascending order with index_add matches the reference summation order, so every provider that
+    dispatches through here (in RAM, FTW, tiered) gives the same logits.
     """
     out = torch.zeros_like(hidden)
     if hidden.shape[0] == 1:
         # Decode: one token, A experts; skip the grouping machinery.
         ids = expert_ids[0].tolist()
         for a in sorted(range(len(ids)), key=ids.__getitem__):
-            y = expert_forward(get(layer, ids[a]), hidden, spec)
+            y = forward(ids[a], hidden)
             out += (y * weights[0, a]).to(out.dtype)
         return out
     flat_ids = expert_ids.reshape(-1)
@@ -209,7 +221,7 @@ def run_experts(
         idx = order[start : start + count]
         tokens = token_of[start : start + count].clone()
         start += count
-        y = expert_forward(get(layer, expert), hidden[tokens], spec)
+        y = forward(expert, hidden[tokens])
         w = weights.reshape(-1)[idx, None]
         out.index_add_(0, tokens, (y * w).to(out.dtype))
     return out

@@ -142,7 +142,7 @@ def test_qstar_tier_2_evicts_the_least_used_expert_not_the_least_recent(built):
     one = probe.fast_bytes[(0, 0)]
     budget = MemoryBudget(fast_bytes=2 * one, host_bytes=2 * one)
     tp = TieredExpertProvider(ftw, budget, top_k=2, prefetch=False)
-    tp.freq[0].update({0: 3.0, 1: 0.5, 2: 2.0, 3: 2.5})
+    tp.routing.by_layer[0].update({0: 3.0, 1: 0.5, 2: 2.0, 3: 2.5})
     for e in range(4):  # (0, 0) and (0, 1) end up in tier 2, (0, 0) the least recently used
         tp.get(0, e)
     assert sorted(tp.host.keys()) == [(0, 0), (0, 1)] and tp.host.keys()[0] == (0, 0)

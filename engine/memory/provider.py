@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import MemoryBudgetError
-from ..experts import ExpertKey, ExpertWeights, expert_forward
+from ..experts import ExpertKey, ExpertWeights, dispatch_experts, expert_forward
 from ..ftw import FTWFile
 from ..spec import MoESpec
 from .budget import MemoryBudget
@@ -55,6 +55,7 @@ from .moves import TierMover
 from .oracle import BandwidthOracle, Clock
 from .policy import AlwaysStreamPolicy, ComputeCostModel, ExpertCase, Placement, QStarPolicy
 from .prefetch import Prefetcher
+from .routing import RoutingFrequency
 from .stats import PhaseTimer, provider_stats
 from .storage import BlockReader
 from .tiers import FastTier, HostTier, LayerLRUTier
@@ -108,13 +109,14 @@ class TieredExpertProvider:
         self.ftw = ftw if isinstance(ftw, FTWFile) else FTWFile(Path(ftw))
         self.budget, self.dtype, self.device = budget, dtype, torch.device(device)
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
-        self.clock, self.hot_every, self.decay, self.placement = clock, hot_every, decay, placement
+        self.clock, self.hot_every, self.placement = clock, hot_every, placement
         keys = self.ftw.expert_keys()
         elem = torch.empty((), dtype=dtype).element_size()
         self.stored_bytes = {k: self.ftw.expert_info(*k).stored_length for k in keys}
         self.fast_bytes = {k: decoded_bytes(self.ftw, k, elem) for k in keys}
         self.codec = {k: codec_name(self.ftw, k) for k in keys}
         self.layers = sorted({k[0] for k in keys})
+        self.routing = RoutingFrequency(self.layers, decay)
         self.top_k = {lay: top_k if isinstance(top_k, int) else top_k[lay] for lay in self.layers}
         self.min_working_set = max(
             sum(sorted((self.fast_bytes[k] for k in keys if k[0] == lay), reverse=True)[: self.top_k[lay]])
@@ -131,7 +133,7 @@ class TieredExpertProvider:
             # What leaves RAM is the least used expert (decayed routing frequency), not the least
             # recently used: over the bench model's routing that is 12% fewer disk reads per token
             # (bench/offload.py; an LRU reads what a frequency-blind order pushed out a token ago).
-            self.host.rank = self._frequency
+            self.host.rank = self.routing.of
         self.exclusive = placement == "qstar"
         self._prefetch_wanted = prefetch
         self.reader = BlockReader(self.ftw, direct=direct_io)
@@ -178,7 +180,6 @@ class TieredExpertProvider:
         if prefetch:
             self.fast.protected = self.host.protected = self._needed_soon
         self.routers: dict[int, torch.nn.Module] = {}
-        self.freq: dict[int, dict[int, float]] = {lay: {} for lay in self.layers}
         self.steps = 0
         self._hooks: list[Any] = []
         self._timer: Any = None
@@ -268,28 +269,7 @@ class TieredExpertProvider:
                 self._soon[layer] = set(used)
             self.prefetcher.begin_layer(layer, used)
             self._prefetch_next(layer, hidden)
-        out = torch.zeros_like(hidden)
-        if hidden.shape[0] == 1:
-            ids = expert_ids[0].tolist()
-            for a in sorted(range(len(ids)), key=ids.__getitem__):
-                y = self._compute(layer, ids[a], hidden, spec)
-                out += (y * weights[0, a]).to(out.dtype)
-            return out
-        flat_ids = expert_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        token_of = order // expert_ids.shape[1]
-        experts, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
-        start = 0
-        for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
-            idx = order[start : start + count]
-            # clone(): index_add_ with an index that is a view into a larger tensor is ~300x
-            # slower on CPU (torch 2.13; see experts.run_experts).
-            tokens = token_of[start : start + count].clone()
-            start += count
-            y = self._compute(layer, expert, hidden[tokens], spec)
-            w = weights.reshape(-1)[idx, None]
-            out.index_add_(0, tokens, (y * w).to(out.dtype))
-        return out
+        return dispatch_experts(lambda e, x: self._compute(layer, e, x, spec), hidden, expert_ids, weights)
 
     def _compute(self, layer: int, expert: int, x: torch.Tensor, spec: MoESpec) -> torch.Tensor:
         key = (layer, expert)
@@ -342,8 +322,8 @@ class TieredExpertProvider:
             fast_bytes=self.fast_bytes[key],
             activation_bytes=2 * x.numel() * x.element_size(),
             prefetched_s=float("inf") if staged and self.cuda else 0.0,
-            frequency=self.freq[key[0]].get(key[1], 0.0),
-            victims=[(self._reload_s(v, host_miss), self.freq[v[0]].get(v[1], 0.0)) for v in victims],
+            frequency=self.routing.of(key),
+            victims=[(self._reload_s(v, host_miss), self.routing.of(v)) for v in victims],
             host_miss=host_miss,
             can_stream=self.fast.fits(self.fast_bytes[key], key),
             free_room=self.fast.has_room(self.fast_bytes[key], key),
@@ -356,28 +336,18 @@ class TieredExpertProvider:
 
     # ---- routing statistics, hot set, prefetch --------------------------------------------
     def _note_routing(self, layer: int, used: list[int]) -> None:
-        f = self.freq[layer]
-        for e in list(f):
-            f[e] *= self.decay
-        for e in used:
-            f[e] = f.get(e, 0.0) + 1.0
+        self.routing.note(layer, used)
         if layer == self.layers[0]:
             self.steps += 1
             if self.steps % self.hot_every == 0:
-                ranked = sorted(
-                    ((v, (lay, e)) for lay, fl in self.freq.items() for e, v in fl.items()), reverse=True
-                )
                 with self._lock:
-                    self.fast.set_hot([k for _, k in ranked])
+                    self.fast.set_hot(self.routing.hottest())
 
     def _prefetch_load(self, key: ExpertKey) -> Any:
         wanted = self.prefetcher.wanted if self.prefetcher is not None else None
         return self.moves.prefetch_load(
             key, stage=bool(self.spare_bytes), still_wanted=(lambda: wanted(key)) if wanted else None
         )
-
-    def _frequency(self, key: Any) -> float:
-        return self.freq[key[0]].get(key[1], 0.0)
 
     def _needed_soon(self, key: Any) -> bool:
         return key[1] in self._soon.get(key[0], ())
@@ -398,7 +368,7 @@ class TieredExpertProvider:
             with self.phases.time("predict"):
                 router = self.routers.get(nxt)
                 pred = self.prefetcher.predict(
-                    nxt, hidden, router, self.top_k[nxt], self.freq[nxt], score=d == 0
+                    nxt, hidden, router, self.top_k[nxt], self.routing.by_layer[nxt], score=d == 0
                 )
             with self._lock:
                 self._soon[nxt] = set(pred)
