@@ -2,13 +2,15 @@
 
 Tiers on a CPU-only machine (tier 1 and tier 2 are both RAM; what differs is the form):
 - tier 1 "fast": decoded `ExpertWeights` ready for matmul (budget shared with the KV cache);
-- tier 2 "host": stored FTW block bytes, one LRU for all layers;
+- tier 2 "host": stored FTW block bytes, one tier for all layers; with q* what leaves it (and RAM)
+  is the least used expert by decayed routing frequency (`routing.RoutingFrequency`);
 - tier 3: the FTW file, read past the page cache (`storage.BlockReader`, O_DIRECT), so the byte
   budgets are the RAM the experts really get and a tier-2 miss really costs a disk read.
 With placement "qstar" the two RAM tiers are exclusive for blocks that decode zero-copy (stored
 codec = compute dtype): promoting one moves its buffer from tier 2 to tier 1 and an eviction
 demotes it back (`moves.TierMover`), so both budgets hold distinct experts.
-On CUDA: tier 1 = device tensors, tier 2 = decoded experts in pinned host memory (`cuda_path`).
+On CUDA: tier 1 = device tensors, tier 2 = decoded experts in pinned host memory (`cuda_path`);
+with q* exclusive too: a promoted expert leaves tier 2, an evicted one is copied back into it.
 
 Placements (per expert per step, `QStarPolicy`):
 - RESIDENT: in tier 1; compute there.
@@ -26,7 +28,7 @@ coming layers are "needed soon": the tiers evict them last, so a prefetch never 
 the next layers are about to use.
 
 Every placement computes `expert_forward` on identical weight values, in the summation order of
-`run_experts`, so the logits equal the all-in-RAM engine's whatever the budget.
+`experts.dispatch_experts`, so the logits equal the all-in-RAM engine's whatever the budget.
 
 Fast memory is shared with the KV cache: `attach(engine)` installs `on_kv_resize` as the
 BlockPool's `on_resize`; KV growth shrinks tier 1 (prefetch staging first, then coldest experts,
