@@ -58,9 +58,10 @@ Reading a/b: both (a) and (b) wait on the disk, so as the link slows a/b tends t
 their disk bytes per token (printed: ~1087 MB for accelerate, which puts 5 of 8 decoder layers and
 lm_head on disk at this budget and loads all 8 experts of each, against ~204 MB for (a), ~5.3x);
 on a fast link accelerate's per-byte overheads (copies, hooks, serial compute) push a/b higher.
-(a)'s ~204 MB is ~8 blocks per token of the 16 it routes to: replaying this model's routing, an
-LRU over half the experts reads ~9 (228 MB), evicting by decayed routing frequency (what q* does)
-~8, and an offline optimum that knows the future ~3.7.
+(a)'s ~204 MB is ~8 blocks per token of the 16 it routes to: replaying this model's routing
+(bench/eviction.py), RAM for half the experts reads 8.9 blocks per token evicting the least
+recently used, 7.8 evicting by decayed routing frequency (what q* does) and 3.7 with the offline
+optimum that knows the future.
 
 On a GPU (`--device cuda`, or `bash bench/cuda.sh` for the `cuda` tests and this bench in one go):
 tier 1 is GPU memory, tier 2 pinned host memory, accelerate gets max_memory = {GPU: dense weights
