@@ -19,41 +19,13 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 
-Trace = list[list[tuple[int, list[int]]]]  # per forward: (layer, experts used) in layer order
+sys.path.insert(0, str(Path(__file__).parent))  # bench/offload.py: the model and its routing
 
 
-def record_routing(engine: Any, prompt: list[int], n: int) -> Trace:
-    """Greedy-decode `n` tokens after `prompt`; the experts each forward routed to, per layer."""
-    from freetoken_agents.engine.experts import run_experts
-
-    inner, trace = engine.experts, []
-
-    class Recorder:
-        def get(self, layer: int, expert: int) -> Any:
-            return inner.get(layer, expert)
-
-        def run(self, layer: int, hidden: Any, ids: Any, w: Any, spec: Any) -> Any:
-            trace[-1].append((layer, sorted(set(ids.reshape(-1).tolist()))))
-            return run_experts(self.get, layer, hidden, ids, w, spec)
-
-    engine.use_expert_provider(Recorder())
-    try:
-        with engine.new_session() as s:
-            trace.append([])
-            tok = int(s.prefill(prompt, last_only=True)[0].argmax())
-            for _ in range(n - 1):
-                trace.append([])
-                tok = int(s.prefill([tok], last_only=True)[0].argmax())
-    finally:
-        engine.use_expert_provider(inner)
-    return trace
-
-
-def replay(trace: Trace, capacity: int, order: str, decay: float = 0.9) -> float:
+def replay(trace: list[list[tuple[int, list[int]]]], capacity: int, order: str, decay: float = 0.9) -> float:
     """Blocks read from disk per decode token with RAM for `capacity` experts, evicting by
     `order` ("lru", "frequency" or "belady"). The prefill's reads are not counted."""
     from freetoken_agents.engine.memory import HostTier
@@ -92,8 +64,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=4, help="random 16-token prompts (seeds 1..N)")
     ap.add_argument("--ram", type=float, default=0.5, help="fraction of the experts RAM holds")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).parent))
-    from offload import build_model
+    from offload import build_model, record_routing
 
     from freetoken_agents.engine import Engine
 

@@ -318,9 +318,12 @@ def pick_threads(engine: Any, prompt: list[int]) -> tuple[int, dict[int, float]]
     return best, rates
 
 
-def routing_stats(engine: Any, prompt: list[int], n: int) -> dict[str, Any]:
-    """Routing of `engine`'s greedy run: how often consecutive decode tokens share an expert in a
-    layer, per-layer max/min expert load, distinct experts per decode token."""
+Trace = list[list[tuple[int, list[int]]]]  # per forward: (layer, experts used) in layer order
+
+
+def record_routing(engine: Any, prompt: list[int], n: int) -> Trace:
+    """Greedy-decode `n` tokens after `prompt` (the prefill is forward 0); the experts each
+    forward routed to, per layer."""
     from freetoken_agents.engine.experts import run_experts
 
     inner, trace = engine.experts, []
@@ -330,15 +333,27 @@ def routing_stats(engine: Any, prompt: list[int], n: int) -> dict[str, Any]:
             return inner.get(layer, expert)
 
         def run(self, layer: int, hidden: Any, ids: Any, w: Any, spec: Any) -> Any:
-            trace.append((layer, hidden.shape[0], sorted(set(ids.reshape(-1).tolist()))))
+            trace[-1].append((layer, sorted(set(ids.reshape(-1).tolist()))))
             return run_experts(self.get, layer, hidden, ids, w, spec)
 
     engine.use_expert_provider(Recorder())
     try:
-        time_engine(engine, prompt, n, Evictor([]))
+        with engine.new_session() as s:
+            trace.append([])
+            tok = int(s.prefill(prompt, last_only=True)[0].argmax())
+            for _ in range(n - 1):
+                trace.append([])
+                tok = int(s.prefill([tok], last_only=True)[0].argmax())
     finally:
         engine.use_expert_provider(inner)
-    decode = [(layer, used) for layer, t, used in trace if t == 1]
+    return trace
+
+
+def routing_stats(engine: Any, prompt: list[int], n: int) -> dict[str, Any]:
+    """Routing of `engine`'s greedy run: how often consecutive decode tokens share an expert in a
+    layer, per-layer max/min expert load."""
+    trace = record_routing(engine, prompt, n)
+    decode = [(layer, used) for fwd in trace[1:] for layer, used in fwd]
     layers = sorted({layer for layer, _ in decode})
     per_layer = {lay: [set(u) for la, u in decode if la == lay] for lay in layers}
     share = [bool(a & b) for seq in per_layer.values() for a, b in zip(seq, seq[1:], strict=False)]

@@ -24,11 +24,14 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
+def _on_cuda(path) -> tuple[Engine, torch.nn.Module]:
+    """The engine and transformers' model of the checkpoint at `path`, both on the GPU."""
+    return Engine.from_pretrained(path, device="cuda"), load_reference(path).to("cuda")
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_prefill_and_decode_logits_match_transformers_on_cuda(arch, tiny_checkpoint):
-    path = tiny_checkpoint(arch)
-    engine = Engine.from_pretrained(path, device="cuda")
-    ref = load_reference(path).to("cuda")
+    engine, ref = _on_cuda(tiny_checkpoint(arch))
     ids = _prompt(engine.spec.vocab_size, 30, seed=3)
     with torch.no_grad():
         expected = ref(torch.tensor([ids], device="cuda")).logits[0]
@@ -44,9 +47,7 @@ def test_cuda_prefill_and_decode_logits_match_transformers_on_cuda(arch, tiny_ch
 
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
 def test_cuda_greedy_tokens_equal_transformers_generate_on_cuda(arch, tiny_checkpoint):
-    path = tiny_checkpoint(arch)
-    engine = Engine.from_pretrained(path, device="cuda")
-    ref = load_reference(path).to("cuda")
+    engine, ref = _on_cuda(tiny_checkpoint(arch))
     ids = _prompt(engine.spec.vocab_size, 12, seed=2)
     with torch.no_grad():
         out = ref.generate(
