@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # bench/offload.py: the model and its routing
+sys.path.insert(0, str(Path(__file__).parent))  # bench/_offload_tools.py: the model, its routing
 
 
 def replay(trace: list[list[tuple[int, list[int]]]], capacity: int, order: str, decay: float = 0.9) -> float:
@@ -64,7 +64,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=4, help="random 16-token prompts (seeds 1..N)")
     ap.add_argument("--ram", type=float, default=0.5, help="fraction of the experts RAM holds")
     args = ap.parse_args()
-    from offload import build_model, record_routing
+    from _offload_tools import build_model, record_routing
 
     from freetoken_agents.engine import Engine
 
