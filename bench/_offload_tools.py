@@ -210,11 +210,13 @@ def time_engine(
 def time_hf(model: Any, prompt: list[int], n: int, evict: Evictor) -> dict[str, Any]:
     from transformers import DynamicCache
 
-    cache = DynamicCache()
+    from freetoken_agents.recipes.tiny.train import cache_argument
+
+    kv = {cache_argument(model): DynamicCache()}  # `cache`, or `past_key_values` before 5.2x
 
     def step(ids: list[int]) -> int:
         with torch.no_grad():
-            out = model(torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True)
+            out = model(torch.tensor([ids], device=model.device), use_cache=True, **kv)
         return int(out.logits[0, -1].argmax())
 
     return time_loop(step, prompt, n, evict)

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import random
+import warnings
 
 import pytest
 import torch
+from tiny_models import load_reference
+from transformers import DynamicCache
 
 from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, Engine, render_chat
 from freetoken_agents.recipes.tiny import coding, corpus, world
-from freetoken_agents.recipes.tiny.train import batches, encode, render, shared_block_forward, train
+from freetoken_agents.recipes.tiny.train import (
+    batches,
+    cache_argument,
+    encode,
+    render,
+    shared_block_forward,
+    train,
+)
 
 
 def test_heldout_values_are_never_training_values():
@@ -163,6 +173,7 @@ def test_tokenizer_splits_a_name_into_the_same_tokens_in_prose_json_and_code():
     assert name_tokens(f"Create a function {fn}(x) which", fn) == name_tokens(f"def {fn}(x):", fn)
 
 
+@pytest.mark.filterwarnings("error::FutureWarning")  # no deprecated transformers argument either
 def test_a_shared_system_block_gives_the_logits_of_the_full_sequences(tiny_checkpoint):
     from transformers import AutoModelForCausalLM
 
@@ -195,3 +206,16 @@ def test_training_smoke_run_writes_an_ftw_the_engine_runs(tmp_path):
     out = engine.generate(ids, max_new_tokens=4)
     assert len(out.token_ids) >= 1
     assert "<|im_end|>" in engine.tokenizer.convert_ids_to_tokens(engine.default_stop_token_ids())
+
+
+def test_cache_argument_follows_the_transformers_release(tiny_checkpoint):
+    class Before:  # transformers 5 releases before the rename
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None): ...
+
+    assert cache_argument(Before()) == "past_key_values"
+    model = load_reference(tiny_checkpoint("qwen3_moe"))  # the installed transformers takes it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # and not as a deprecated name
+        kv = {cache_argument(model): DynamicCache()}
+        out = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **kv)
+    assert out.logits.shape[:2] == (1, 3)

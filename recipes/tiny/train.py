@@ -15,6 +15,7 @@ the system block (see `render`).
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import math
 import random
@@ -193,18 +194,25 @@ def batches(examples: list[Example], tokens_per_batch: int, pad_id: int, rng: ra
 def shared_block_forward(model: Any, block: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, **kw: Any):
     """The model's forward over `block` [P] followed by each row of `ids` [B, T]: the block runs
     once (with gradients) and its KV cache is repeated for the rows."""
-    cache = model(input_ids=block[None], use_cache=True).past_key_values
+    out = model(input_ids=block[None], use_cache=True)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
     cache.batch_repeat_interleave(ids.shape[0])
     p = block.shape[0]
     positions = torch.arange(p, p + ids.shape[1]).expand_as(ids)
     return model(
         input_ids=ids,
         attention_mask=mask,
-        past_key_values=cache,
         position_ids=positions,
         use_cache=False,
+        **{cache_argument(model): cache},
         **kw,
     )
+
+
+def cache_argument(model: Any) -> str:
+    """The name `model.forward` takes its KV cache by: `cache` in recent transformers 5 releases,
+    `past_key_values` before (deprecated since, and removed in 5.40)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 # ---- training ----------------------------------------------------------------------------------------
