@@ -4,9 +4,9 @@ While layer L computes, `predict` applies the router of layer L+d (d = 1..depth)
 MoE input (pre-gating: the residual stream changes little from one layer to the next, so the later
 router on the current hidden state picks mostly the same experts) and tops the set up with the
 layer's most frequent experts (decayed routing-frequency priors). `issue` hands the loads to the
-loader threads (CPU: two, an O_DIRECT read of the block into tier 2; CUDA: decode into pinned memory + a
-non_blocking copy on a side stream into the spare buffer, completion marked by an event), nearer
-layers first. Looking more than one layer ahead keeps the disk busy through attention and the
+two loader threads (an O_DIRECT read of the block into tier 2; CUDA: then decoded into pinned
+memory and a non_blocking copy on a side stream into the spare buffer, its end marked by an
+event), nearer layers first. Looking more than one layer ahead keeps the disk busy through attention and the
 layers whose experts are all in RAM (measured on the bench model: 1/2/3 layers ahead, top-2
 precision 0.89/0.84/0.80).
 

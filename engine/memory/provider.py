@@ -168,12 +168,10 @@ class TieredExpertProvider:
             fast_device=self.device.type,
             host_device="cpu-host",
         )
-        # CPU: two loader threads overlap one block's checksum with the next block's read (the
-        # reader keeps reads one at a time). CUDA: one, its staging copies share the spare buffer.
+        # Two loader threads: one verifies (and on CUDA decodes into pinned memory) the block it
+        # read while the other reads the next; the reader keeps reads one at a time.
         self.prefetcher = (
-            Prefetcher(self._prefetch_load, use_thread=prefetch_thread, loaders=1 if self.cuda else 2)
-            if prefetch
-            else None
+            Prefetcher(self._prefetch_load, use_thread=prefetch_thread, loaders=2) if prefetch else None
         )
         self.prefetch_depth = 1 if self.cuda else max(1, prefetch_depth)
         # Experts needed soon (this layer's, the predictions for the next ones): evicted last, so
