@@ -126,6 +126,42 @@ def test_a_dropped_load_already_running_skips_its_read_if_not_begun():
     assert pf.counters.cancelled == 1 and pf.counters.wasted == 0
 
 
+def test_queued_loads_run_nearest_layer_first():
+    """The bug: loads ran in issue order, so layer 2's experts, predicted at layer 1 (needed
+    next), waited behind layers 3 and 4's, issued a step earlier: layer 2's `take` could wait
+    for reads of deeper layers, though the module promises it waits only for its own layer's."""
+    loads = GatedLoads(blocked=(1, 0))
+    order: list[ExpertKey] = []
+
+    def load(key: ExpertKey) -> str:
+        order.append(key)
+        return loads(key)
+
+    pf = Prefetcher(load, use_thread=True, loaders=1)
+    pf.issue(1, [0], skip=lambda k: False)  # runs and blocks the loader
+    assert loads.started.wait(10)
+    pf.issue(3, [1], skip=lambda k: False)  # issued at layer 0: layers 3 and 4
+    pf.issue(4, [2], skip=lambda k: False)
+    pf.issue(2, [3, 4], skip=lambda k: False)  # issued at layer 1: layer 2, needed first
+    loads.release()
+    pf.begin_layer(1, [0])
+    pf.begin_layer(2, [3, 4])
+    assert pf.take((2, 3)) == "block(2, 3)" and pf.take((2, 4)) == "block(2, 4)"
+    pf.close()
+    assert order[:3] == [(1, 0), (2, 3), (2, 4)]
+
+
+def test_closing_the_loaders_cancels_what_is_still_queued():
+    loads = GatedLoads(blocked=(1, 0))
+    pf = Prefetcher(loads, use_thread=True, loaders=1)
+    pf.issue(1, [0, 1], skip=lambda k: False)
+    assert loads.started.wait(10)
+    queued = pf._pending[(1, 1)]
+    threading.Timer(0.05, loads.release).start()
+    pf.close()  # waits for the running load, cancels the queued one
+    assert queued.cancelled() and loads.calls == {(1, 0): 1}
+
+
 def test_a_failed_prefetch_is_left_to_the_demand_load():
     def load(key: ExpertKey) -> Any:
         raise OSError("disk on fire")

@@ -6,16 +6,16 @@ router on the current hidden state picks mostly the same experts) and tops the s
 layer's most frequent experts (decayed routing-frequency priors). `issue` hands the loads to the
 two loader threads (an O_DIRECT read of the block into tier 2; CUDA: then decoded into pinned
 memory and a non_blocking copy on a side stream into the spare buffer, its end marked by an
-event), nearer layers first. Looking more than one layer ahead keeps the disk busy through attention and the
-layers whose experts are all in RAM (measured on the bench model: 1/2/3 layers ahead, top-2
+event), nearer layers first. Looking more than one layer ahead keeps the disk busy through
+attention and the layers whose experts are all in RAM (measured on the bench model: 1/2/3 layers ahead, top-2
 precision 0.89/0.84/0.80).
 
 When layer L starts, `begin_layer` scores the one-layer-ahead prediction against the experts its
 router chose and cancels the queued loads nobody will take (layer L's unchosen experts, earlier
 layers'); one already running but still waiting for the link skips its read (`wanted`). Loads for
-later layers stay. The queue is in layer order, so `take(key)` may wait for a
-queued load of layer L: everything queued before it is also needed by layer L, so waiting never
-puts a demand behind a useless read, and a block is never read twice.
+later layers stay. The loaders take queued loads nearest layer first (`LayerOrderedLoaders`), so
+`take(key)` may wait for a queued load of layer L: everything run before it is also needed by
+layer L, so waiting never puts a demand behind a useless read, and a block is never read twice.
 
 Counters (one-layer-ahead prediction): precision = predicted-and-used / predicted, recall =
 predicted-and-used / used, and the same for a frequency-only predictor (the baseline pre-gating
@@ -24,10 +24,12 @@ must beat); loads issued / taken / cancelled / wasted.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -72,6 +74,62 @@ def pregate(router: torch.nn.Module, hidden: torch.Tensor, limit: int) -> list[i
     return [int(e) for e in order[: min(limit, int((votes > 0).sum()))]]
 
 
+class LayerOrderedLoaders:
+    """Loader threads that run queued loads nearest layer first (issue order among equals).
+
+    A plain FIFO pool ran them in issue order, so a next-layer expert first predicted at layer L
+    waited behind the loads for layers L+2 and L+3 issued one step earlier, and the next layer's
+    `take` waited for reads of deeper layers. `submit` returns a `Future`; one cancelled while
+    queued is skipped.
+    """
+
+    def __init__(self, load: Callable[[ExpertKey], Any], threads: int) -> None:
+        self.load = load
+        self._heap: list[tuple[int, int, ExpertKey, Future[Any]]] = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"ft-prefetch-{i}", daemon=True) for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, key: ExpertKey) -> Future[Any]:
+        fut: Future[Any] = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the loaders are closed")
+            heapq.heappush(self._heap, (key[0], next(self._seq), key, fut))
+            self._cv.notify()
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._closed:
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                _, _, key, fut = heapq.heappop(self._heap)
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(self.load(key))
+            except BaseException as exc:  # handed to whoever takes the load
+                fut.set_exception(exc)
+
+    def close(self) -> None:
+        """Cancel the queued loads, let running ones finish, stop the threads."""
+        with self._cv:
+            self._closed = True
+            for *_, fut in self._heap:
+                fut.cancel()
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+
+
 class Skipped:
     """What a load returns when it skipped its read because `Prefetcher.wanted` said no."""
 
@@ -103,7 +161,7 @@ class Prefetcher:
     ) -> None:
         self.load, self.max_inflight = load, max_inflight
         self.counters = PrefetchCounters()
-        self._pool = ThreadPoolExecutor(loaders, thread_name_prefix="ft-prefetch") if use_thread else None
+        self._pool = LayerOrderedLoaders(load, loaders) if use_thread else None
         self._pending: dict[ExpertKey, Future[Any]] = {}  # loads for layers that have not started
         self._current: dict[ExpertKey, Future[Any]] = {}  # loads the running layer will take
         self._predictions: dict[int, tuple[set[int], set[int]]] = {}  # layer -> (pregated, baseline)
@@ -164,7 +222,7 @@ class Prefetcher:
                 except Exception as exc:  # reported by the demand load that retries it
                     fut.set_exception(exc)
             else:
-                fut = self._pool.submit(self.load, key)
+                fut = self._pool.submit(key)
             self._pending[key] = fut
 
     def begin_layer(self, layer: int, used: list[int]) -> None:
@@ -238,4 +296,4 @@ class Prefetcher:
             fut.cancel()
         self._pending, self._current = {}, {}
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.close()
