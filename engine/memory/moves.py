@@ -7,10 +7,11 @@
   views of the tier-2 buffer, which leaves tier 2 (no copy, no second copy in RAM). Otherwise
   tier 1 gets a decoded copy and the compact bytes stay in tier 2 (the baseline design always
   copies: `ExpertWeights.packed`). CUDA: a non_blocking copy on a side stream.
-- tier 1 -> tier 2 (`demote`): an evicted zero-copy block returns to tier 2 (it is already in
-  RAM); one tier 2 cannot take leaves RAM and its buffer is recycled. CUDA with exclusive tiers:
-  a promoted expert leaves tier 2 and an evicted one is copied back into pinned memory
-  (`spill`): a device -> host copy (~1 ms for 25 MB) instead of a disk read if it is needed again,
+- tier 1 -> tier 2 (`demote`, tier 1's `on_evict`): an evicted zero-copy block returns to tier 2
+  (it is already in RAM); one tier 2 cannot take leaves RAM and its buffer is recycled. CUDA with
+  exclusive tiers (`spill`, tier 1's `on_evict` there):
+  a promoted expert leaves tier 2 and an evicted one is copied back into pinned memory: a
+  device -> host copy (~1 ms for 25 MB) instead of a disk read if it is needed again,
   and GPU and host memory hold twice as many distinct experts as when tier 2 kept a copy of
   everything in tier 1.
 Thread-safe: the loader threads read and insert into tier 2 under `lock` while the compute thread
@@ -76,6 +77,7 @@ class TierMover:
                 fast.on_evict = self.spill
         else:  # tier-2 values are the reader's buffers: reuse them once dropped
             host.on_evict = lambda _key, value: reader.buffers.retire(value)
+            fast.on_evict = self.demote
 
     def read_block(
         self, key: ExpertKey, *, urgent: bool = True, still_wanted: Callable[[], bool] | None = None
@@ -117,15 +119,15 @@ class TierMover:
     def decode(self, key: ExpertKey, stored: Any) -> ExpertWeights:
         return decode_block(self.ftw, key, stored, self.dtype)
 
-    def demote(self, evicted: list[ExpertKey]) -> None:
-        """Tier-1 evictions of zero-copy blocks go back to tier 2 (their bytes are in RAM)."""
-        for key in evicted:
-            stored = self.backing.pop(key, None)
-            if stored is None:
-                continue
-            self.host.put(key, stored, self.stored_bytes[key])
-            if key not in self.host:  # tier 2 cannot take it: it leaves RAM
-                self.reader.buffers.retire(stored)
+    def demote(self, key: ExpertKey, _w: ExpertWeights) -> None:
+        """CPU (`fast.on_evict`): a zero-copy block leaving tier 1 goes back to tier 2 (its bytes
+        are in RAM); a decoded copy is simply dropped."""
+        stored = self.backing.pop(key, None)
+        if stored is None:
+            return
+        self.host.put(key, stored, self.stored_bytes[key])
+        if key not in self.host:  # tier 2 cannot take it: it leaves RAM
+            self.reader.buffers.retire(stored)
 
     def spill(self, key: ExpertKey, w: ExpertWeights) -> None:
         """CUDA, exclusive tiers (`fast.on_evict`): an expert leaving tier 1 goes back to tier 2,
@@ -133,8 +135,7 @@ class TierMover:
         src = w.storage
         if src is None:
             return
-        pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-        pinned.copy_(src)
+        pinned = pinned_storage(w, self.dtype)
         with self.lock:
             self.bytes_moved["fast->host"] += src.numel() * src.element_size()
             self.host.put(key, rebase(w, pinned), self.fast_bytes[key])
@@ -150,7 +151,7 @@ class TierMover:
                 self.bytes_moved["host->fast"] = self.copies.bytes_copied
                 if self.exclusive:  # it moved up (the pinned buffer is reused once the copy ends)
                     self.host.pop(key)
-                self.demote(self.fast.put(key, w, self.fast_bytes[key]))
+                self.fast.put(key, w, self.fast_bytes[key])  # evictions: `spill`
             return w
         stored = staged if staged is not None else self.host_value(key, keep=not self.exclusive)
         n = self.stored_bytes[key]
@@ -166,7 +167,7 @@ class TierMover:
                 self.backing[key] = stored
             elif key not in self.host:  # a decoded copy: the compact bytes stay in tier 2
                 self.host.put(key, stored, n)
-            self.demote(self.fast.put(key, w, self.fast_bytes[key]))
+            self.fast.put(key, w, self.fast_bytes[key])  # evictions: `demote`
         return w
 
     def prefetch_load(

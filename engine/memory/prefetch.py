@@ -7,8 +7,8 @@ layer's most frequent experts (decayed routing-frequency priors). `issue` hands 
 two loader threads (an O_DIRECT read of the block into tier 2; CUDA: then decoded into pinned
 memory and a non_blocking copy on a side stream into the spare buffer, its end marked by an
 event), nearer layers first. Looking more than one layer ahead keeps the disk busy through
-attention and the layers whose experts are all in RAM (measured on the bench model: 1/2/3 layers ahead, top-2
-precision 0.89/0.84/0.80).
+attention and the layers whose experts are all in RAM (measured on the bench model: 1/2/3 layers
+ahead, top-2 precision 0.89/0.84/0.80).
 
 When layer L starts, `begin_layer` scores the one-layer-ahead prediction against the experts its
 router chose and cancels the queued loads nobody will take (layer L's unchosen experts, earlier

@@ -131,12 +131,12 @@ class TieredExpertProvider:
         else:
             self.fast = FastTier[ExpertWeights](None, max_pinned_fraction=max_pinned_fraction)
         self.host = HostTier[Any](budget.host_bytes)
-        if placement == "qstar":
+        self.exclusive = placement == "qstar"
+        if self.exclusive:
             # What leaves RAM is the least used expert (decayed routing frequency), not the least
             # recently used: replaying the offload bench model's routing, 7.8 instead of 8.9 disk
             # reads per decode token (bench/eviction.py).
             self.host.rank = self.routing.of
-        self.exclusive = placement == "qstar"
         self._prefetch_wanted = prefetch
         self.reader = BlockReader(self.ftw, direct=direct_io)
         self.storage_link = BandwidthOracle("storage->host", clock=clock, prior_bps=1e9)
@@ -207,10 +207,9 @@ class TieredExpertProvider:
         # stored bytes, so decoded staging copies would only take room from tier 1.
         wanted = self.min_working_set if self._prefetch_wanted and self.cuda else 0
         self.spare_bytes = wanted if avail - wanted >= self.min_working_set else 0
-        evicted = self.fast.resize(avail - self.spare_bytes)
+        evicted = self.fast.resize(avail - self.spare_bytes)  # `moves` demotes or spills them
         if evicted:
             logger.debug("fast tier shrank to %d bytes: evicted %s", avail - self.spare_bytes, evicted)
-            self.moves.demote(evicted)
 
     def on_kv_resize(self, kv_bytes: int) -> None:
         """BlockPool.on_resize: KV now needs `kv_bytes` of fast memory; resize the expert tier."""
