@@ -69,14 +69,15 @@ tier 1 is GPU memory, tier 2 pinned host memory, accelerate gets max_memory = {G
 over a measured 64 MiB pinned copy, and the output compares (a)'s own copies (its oracle) with it.
 
 Bounds: touched = bytes of the experts one decode token routes to (top_k x layers x expert
-bytes); ram_bw = a RAM copy. This shared machine's disk drifts from 0.3 to 3 GB/s within minutes,
-so the link bandwidth is measured during each phase: for FreeToken, its own reads' bytes over the
-wall time during which at least one read was in flight (`BlockReader.busy_seconds`: transfers
-only, checksums and waits excluded); `LinkProbe` (O_DIRECT block-sized reads of a scratch file no
-contender reads, just before and after each phase) is printed beside it. A phase's disk floor =
-its disk bytes per token / link bandwidth; (a)'s bound per token = max(disk floor, touched /
-ram_bw) (its transfers could all overlap), and "x its bound" is the median over repetitions of
-time per token / bound.
+bytes); fast_bw = the tier 2 -> tier 1 link at its best (a RAM copy; on CUDA a pinned copy).
+This shared machine's disk drifts from 0.3 to 3 GB/s within minutes, so the link bandwidth is
+measured during each phase: for FreeToken, its own reads' bytes over the wall time during which
+at least one read was in flight (`BlockReader.busy_seconds`: transfers only, checksums and waits
+excluded); `LinkProbe` (O_DIRECT block-sized reads of a scratch file no contender reads, just
+before and after each phase) is printed beside it. A phase's disk floor = its disk bytes per
+token / link bandwidth; (a)'s bound per token = max(disk floor, touched / fast_bw; on CUDA its
+host -> device bytes / fast_bw) (its transfers could all overlap), and "x its bound" is the
+median over repetitions of time per token / bound.
 """
 
 from __future__ import annotations
@@ -266,7 +267,7 @@ def main() -> int:
         ref = time_engine(b.ram, prompt, n, Evictor([]))["tokens"]
         routing = routing_stats(b.ram, prompt, n)
         # The tier 2 -> tier 1 link: a RAM copy on CPU, a pinned host -> device copy on CUDA.
-        ram_bw = pinned_h2d_bandwidth(b.device) if b.cuda else ram_bandwidth()
+        fast_bw = pinned_h2d_bandwidth(b.device) if b.cuda else ram_bandwidth()
         probe = LinkProbe(Path(tmp), max(b.stored_block_bytes, 1 << 20))
         runs: dict[str, list[dict[str, Any]]] = {c: [] for c in CONTENDERS}
         for rep in range(args.reps):
@@ -289,7 +290,7 @@ def main() -> int:
         if args.sweep:
             for fast in (args.budget, 0.5, 0.75, 1.0):
                 sweep[fast] = round(cold_run(b.tiered("qstar", True, fast), prompt, n, ref)["tok_s"], 3)
-        summary = report(b, runs, n, threads, thread_rates, ram_bw, load0)
+        summary = report(b, runs, n, threads, thread_rates, fast_bw, load0)
         summary["routing"], summary["qstar_tok_s_by_fast_budget"] = routing, sweep
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2, default=str))
@@ -310,7 +311,7 @@ def main() -> int:
     if b.cuda:
         est = res["freetoken_qstar"].get("h2d_bw_estimate")
         print(
-            f"pinned host->device copy: {ram_bw / 1e9:.1f} GB/s (64 MiB, CUDA events); (a)'s streaming "
+            f"pinned host->device copy: {fast_bw / 1e9:.1f} GB/s (64 MiB, CUDA events); (a)'s streaming "
             f"copies as its oracle measured them: {(est or 0) / 1e9:.1f} GB/s; (a) copied "
             f"{res['freetoken_qstar'].get('h2d_bytes_per_token', 0) / 1e6:.0f} MB host->device per token"
         )
@@ -339,7 +340,7 @@ def report(
     n: int,
     threads: int,
     thread_rates: dict[int, float],
-    ram_bw: float,
+    fast_bw: float,
     load0: tuple[float, float, float],
 ) -> dict[str, Any]:
     """Medians, ratios and bounds as one JSON-able dict."""
@@ -361,7 +362,7 @@ def report(
             floors = [r["disk_bytes_per_token"] / bw for r, bw in zip(rs, own, strict=True)]
         # The fast link's floor: the bytes FreeToken copied host -> device per token (CUDA), else
         # the bytes of the experts a token touches, at the link's measured best.
-        fast_floors = [r.get("h2d_bytes_per_token", touched) / ram_bw for r in rs]
+        fast_floors = [r.get("h2d_bytes_per_token", touched) / fast_bw for r in rs]
         over = [(1 / r["tok_s"]) / max(f, ff) for r, f, ff in zip(rs, floors, fast_floors, strict=True)]
         res[name] = {
             "tok_s": statistics.median(r["tok_s"] for r in rs),
@@ -419,11 +420,11 @@ def report(
         "bound": {
             "touched_bytes_per_token": touched,
             "fast_link": "pinned host->device copy" if b.cuda else "RAM copy",
-            "fast_link_bw_Bps": ram_bw,
-            "ram_s_per_token": touched / ram_bw,
+            "fast_link_bw_Bps": fast_bw,
+            "ram_s_per_token": touched / fast_bw,
             "a_fast_link_floor_s_per_token": a["fast_link_floor_s_per_token"],
             "a_streaming_bw_over_fast_link_bw": (
-                a["h2d_bw_estimate"] / ram_bw if a.get("h2d_bw_estimate") else None
+                a["h2d_bw_estimate"] / fast_bw if a.get("h2d_bw_estimate") else None
             ),
             "a_disk_bytes_per_token": a["disk_bytes_per_token"],
             "a_link_bw_own_reads_Bps_median": statistics.median(a["link_bw_own_reads_Bps_all"]),
