@@ -4,7 +4,6 @@ control, link probes, the timed decode loop and the routing recorder. Not a benc
 
 from __future__ import annotations
 
-import mmap
 import os
 import statistics
 import subprocess
@@ -99,7 +98,8 @@ def own_weights(module: torch.nn.Module) -> None:
 
 class LinkProbe:
     """The disk link's bandwidth right now: O_DIRECT reads of a scratch file of random bytes, one
-    block-sized request at a time, as FreeToken's reader issues them. No contender reads this
+    block-sized request at a time into the kind of buffer FreeToken's reader uses (huge pages:
+    `new_block_buffer`), as that reader issues them. No contender reads this
     file, so measuring warms nothing any of them will read; run before every timed phase, since
     this shared machine's disk drifts (0.3 to 2.8 GB/s measured within minutes)."""
 
@@ -112,7 +112,9 @@ class LinkProbe:
             os.fsync(f.fileno())
 
     def measure(self) -> float:
-        buf = mmap.mmap(-1, self.block)
+        from freetoken_agents.engine.memory import new_block_buffer
+
+        buf = new_block_buffer(self.block)
         fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
         try:
             size, n = os.path.getsize(self.path), 0

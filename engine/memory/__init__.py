@@ -8,7 +8,7 @@ from .policy import AlwaysStreamPolicy, ComputeCostModel, ExpertCase, Placement,
 from .prefetch import PrefetchCounters, Prefetcher
 from .provider import TieredExpertProvider
 from .stats import PhaseTimer
-from .storage import BlockReader
+from .storage import BlockReader, new_block_buffer
 from .tiers import FastTier, HostTier, LayerLRUTier, LRUTier, TierCounters
 
 __all__ = [
@@ -31,4 +31,5 @@ __all__ = [
     "ThrottledLink",
     "TierCounters",
     "TieredExpertProvider",
+    "new_block_buffer",
 ]
