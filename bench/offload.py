@@ -24,7 +24,8 @@ max_memory = dense weights + (budget + host_budget) x E: the same RAM for expert
 Contenders, greedy from the same 16-token prompt, each checked token for token against (d):
   (a) freetoken_qstar     TieredExpertProvider(placement="qstar"): q* placements, exclusive RAM
                           tiers, one fast LRU across layers with a pinned hot set, pre-gating
-                          prefetch on two loader threads, tier 3 read with O_DIRECT.
+                          prefetch on two loader threads, tier 3 read with O_DIRECT
+                          into buffers on huge pages.
   (b) accelerate_offload  transformers + accelerate disk offload: device_map="auto", max_memory,
                           offload_folder (what a Hugging Face user would do). transformers 5 keeps
                           a layer's experts fused ([E, 2I, H]), so an offloaded layer loads all E
