@@ -91,12 +91,14 @@ def new_block_buffer(size: int) -> mmap.mmap:
     """A fresh buffer for O_DIRECT reads: anonymous (page-aligned), backed by transparent huge
     pages where the kernel grants them, its pages faulted in now.
 
-    Huge pages: the kernel builds an O_DIRECT request from the buffer's physically contiguous
-    runs, at most `max_segments` of them (254 on this machine's virtio disk). Over scattered 4 KiB
-    pages a request carries ~1 MB; over 2 MiB pages it reaches `max_sectors_kb` (4 MB here), and
-    25 MB blocks read 1.5-1.65 -> 2.4-2.6 GB/s. Scattered pages are what a long-running process
-    gets back once memory has been freed and reused: a second run of bench/offload.py's (a) in
-    one process read ~25% slower than the first before this.
+    Huge pages: the kernel splits an O_DIRECT read where the buffer's physical pages stop being
+    contiguous (a request holds a bounded number of contiguous runs) and pins, then dirties and
+    unpins, every page. Over 4 KiB pages a request is only as large as free memory happens to be
+    contiguous (measured here: 2.4-3.6 MB, less once a process has freed and reused memory) and a
+    25 MB block is 6,400 pages; over 2 MiB pages requests reach the device's cap (4 MB) and a
+    block is 13 pages. 25 MB blocks read at 1.5-1.65 GB/s into 4 KiB-page buffers and 2.4-2.6
+    into huge-page ones (this project's virtual disk, interleaved reps). Before this, a second run
+    of bench/offload.py's (a) in one process read ~25% slower than the first.
     Faulted in now: otherwise the read faults them in while it holds the link, and the link idles
     meanwhile.
     """
