@@ -200,7 +200,8 @@ def test_block_buffers_are_faulted_in_and_on_huge_pages_where_the_kernel_has_the
     if _thp_mode() in ("always", "madvise"):
         # 8 MiB at any alignment holds 3 whole 2 MiB pages (asking for one leaves the kernel room
         # to fail a compaction): O_DIRECT reads into 4 KiB pages make smaller requests and pin
-        # 6,400 pages per 25 MB (1.5-1.65 GB/s on 4 KiB pages, 2.4-2.6 on 2 MiB, this project's disk).
+        # 6,400 pages per 25 MB (bench/tier3_reads.py: 1.50 GB/s into scattered 4 KiB pages, 2.36
+        # into huge pages).
         assert _mapping_field(buf, "AnonHugePages") >= 2048
     buf.close()
 

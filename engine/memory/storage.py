@@ -97,8 +97,8 @@ def new_block_buffer(size: int) -> mmap.mmap:
     unpins, every page. Over 4 KiB pages a request is only as large as free memory happens to be
     contiguous (measured here: 2.4-3.6 MB, less once a process has freed and reused memory) and a
     25 MB block is 6,400 pages; over 2 MiB pages requests reach the device's cap (4 MB) and a
-    block is 13 pages. 25 MB blocks read at 1.5-1.65 GB/s into 4 KiB-page buffers and 2.4-2.6
-    into huge-page ones (this project's virtual disk, interleaved reps). Before this, a second run
+    block is 13 pages. `bench/tier3_reads.py` on this project's virtual disk: 25 MB blocks read at
+    1.50 GB/s into scattered 4 KiB pages, 2.36 into huge-page buffers. Before this, a second run
     of bench/offload.py's (a) in one process read ~25% slower than the first.
     Faulted in now: otherwise the read faults them in while it holds the link, and the link idles
     meanwhile.
