@@ -143,17 +143,23 @@ class Bench:
         self.hf_layers_on_disk = self.hf_layers_on_cpu = 0
 
     def tiered(self, placement: str, prefetch: bool, fast: float | None = None) -> Runner:
-        from freetoken_agents.engine import Engine
-        from freetoken_agents.engine.memory import MemoryBudget, TieredExpertProvider
+        from freetoken_agents.engine import Engine, TieringOptions
+        from freetoken_agents.engine.memory import MemoryBudget
 
-        eng = Engine.from_pretrained(self.ftw, device=self.args.device)
-        own_weights(eng.model)
-        kv_room = 8 * eng.kv_pool.bytes_per_block
+        kv_room = 8 * self.ram.kv_pool.bytes_per_block
         budget = MemoryBudget(
             fast_bytes=int((self.args.budget if fast is None else fast) * self.expert_bytes) + kv_room,
             host_bytes=int(self.args.host_budget * self.expert_bytes),
         )
-        tp = TieredExpertProvider.for_engine(eng, self.ftw, budget, placement=placement, prefetch=prefetch)
+        eng = Engine.from_pretrained(
+            self.ftw,
+            device=self.args.device,
+            memory=budget,
+            placement=placement,
+            tiering=TieringOptions(prefetch=prefetch),
+        )
+        own_weights(eng.model)
+        tp = eng.experts
 
         def run(prompt: list[int], n: int) -> dict[str, Any]:
             # The link as FreeToken's own reads found it: bytes over the time a read was in flight.

@@ -28,6 +28,7 @@ from .errors import (
 from .experts import ExpertProvider, ExpertWeights, InMemoryExpertProvider
 from .generate import GenerationResult, SamplingParams, TokenEvent
 from .memory import MemoryBudget
+from .options import PLACEMENTS, EngineOptions, Placement, TieringOptions
 from .session import Session
 from .spec import ModelSpec
 
@@ -46,6 +47,7 @@ __all__ = [
     "ContextOverflowError",
     "Engine",
     "EngineError",
+    "EngineOptions",
     "ExpertProvider",
     "ExpertWeights",
     "FTWFormatError",
@@ -54,8 +56,11 @@ __all__ = [
     "InvalidTokenError",
     "MemoryBudget",
     "MemoryBudgetError",
+    "PLACEMENTS",
+    "Placement",
     "ModelSpec",
     "SamplingParams",
+    "TieringOptions",
     "Session",
     "TokenEvent",
     "UnsupportedModelError",

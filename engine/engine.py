@@ -1,40 +1,45 @@
-"""The Engine: load a checkpoint, own the weights, the KV pool and the expert provider."""
+"""The Engine: owns the weights, the KV pool, the expert provider and the anchors of a loaded model;
+runs sessions (`Session`) and generation. Built by `Engine.from_pretrained` (`assemble.py`)."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import ValidationError
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
-from .adapters import adapter_for
 from .anchors.digest import model_fingerprint
 from .anchors.store import AnchorStore
+from .assemble import assemble
 from .chat import render_chat
-from .checkpoint import SafetensorsCheckpoint, read_config
-from .errors import CheckpointError, EngineError
-from .experts import ExpertKey, ExpertProvider, ExpertWeights, InMemoryExpertProvider
+from .errors import EngineError
+from .experts import ExpertProvider
 from .generate import GenerationResult, SamplingParams, TokenEvent, stream_tokens
-from .int8 import check_quant_options, quantize_dense
+from .int8 import check_quant_options
 from .kv import DEFAULT_BLOCK_SIZE, BlockPool, bytes_per_block
 from .memory import MemoryBudget
+from .options import EngineOptions, Placement, TieringOptions
+from .placement import PlacementChoice, expert_bytes
 from .session import Session
 from .spec import ModelSpec
 from .transformer import MoETransformer
 
 logger = logging.getLogger(__name__)
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
 
 class Engine:
-    """A loaded MoE model. Create with `Engine.from_pretrained(path)`; run with sessions."""
+    """A loaded MoE model. Create with `Engine.from_pretrained(path, ...)`; run with sessions.
+
+    `Engine.from_pretrained` is the composition root (`assemble.py`); the constructor receives
+    the built parts and wires what depends on the engine itself: the KV pool (with the expert
+    provider's `on_kv_resize`, when its fast memory is shared with the KV cache, and the anchor
+    store's `reclaim`), the anchor store, and the model fingerprint, taken here, at load.
+    """
 
     def __init__(
         self,
@@ -43,11 +48,14 @@ class Engine:
         experts: ExpertProvider,
         *,
         tokenizer: Any | None = None,
+        tokenizer_error: str | None = None,
         hf_config: PretrainedConfig | None = None,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
         memory: MemoryBudget | None = None,
         source: Path | None = None,
+        placement: PlacementChoice | None = None,
+        on_kv_resize: Callable[[int], None] | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         expert_quant: str = "auto",
         dense_quant: Sequence[str] = (),
@@ -59,21 +67,28 @@ class Engine:
         self.dtype, self.device = dtype, torch.device(device)
         self.memory = memory or MemoryBudget()
         self.source = source
+        self.placement = placement or PlacementChoice("resident", "built directly")
         self._tokenizer = tokenizer
+        self._tokenizer_error = tokenizer_error
         model.attach_experts(experts)
         streams = model.kv_streams()
         max_blocks = None
         if self.memory.kv_bytes is not None:
             block_bytes = bytes_per_block(streams, block_size, dtype)
             max_blocks = max(1, self.memory.kv_bytes // block_bytes)
-        self.kv_pool = BlockPool(
-            streams, block_size=block_size, dtype=dtype, device=device, max_blocks=max_blocks
-        )
-        self.max_context = spec.max_position_embeddings
-        self._model_fingerprint: str | None = None
         # Semantic anchors of this engine's sessions; a full KV pool first evicts cold anchors.
         self.anchors = AnchorStore(self)
-        self.kv_pool.reclaim = self.anchors.reclaim
+        self.kv_pool = BlockPool(
+            streams,
+            block_size=block_size,
+            dtype=dtype,
+            device=device,
+            max_blocks=max_blocks,
+            reclaim=self.anchors.reclaim,
+            on_resize=on_kv_resize,
+        )
+        self.max_context = spec.max_position_embeddings
+        self._model_fingerprint = self._fingerprint()
 
     # ---- loading ----------------------------------------------------------------------------
     @classmethod
@@ -82,106 +97,83 @@ class Engine:
         path: str | Path,
         *,
         device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        memory: MemoryBudget | None = None,
+        dtype: torch.dtype | str = torch.float32,
+        memory: MemoryBudget | dict[str, Any] | None = None,
+        placement: Placement = "auto",
         expert_quant: str = "auto",
         dense_quant: Sequence[str] = (),
+        quant: str | None = None,
+        cache_dir: str | Path | None = None,
+        progress: bool = True,
+        tiering: TieringOptions | None = None,
     ) -> Engine:
         """Load a Hugging Face checkpoint folder (config.json + *.safetensors [+ tokenizer]) or an
-        FTW file (`ftw.load.load_ftw`: experts are read and decoded on first use).
+        FTW file, with its experts where `placement` and `memory` say (`options.EngineOptions`
+        documents every option; `assemble.py` is where the engine is built).
 
-        Int8 weight-only compute (`int8.py`; fused int8 GEMV for decode, dequantize per block for
-        prefill; nothing is held twice):
-            expert_quant: ``"auto"`` (default) keeps expert projections stored in FTW's int8 codec
-                in int8 and loads everything else in `dtype` (an HF checkpoint loads exactly as
-                before); ``"int8"`` holds every expert projection in int8, quantizing float
-                weights at load (per output row, the same bits as ``freetoken convert --quant
-                int8``); ``"none"`` decodes every stored codec to `dtype`.
-            dense_quant: parts of the dense model to hold in int8, a subset of
-                ``("attention", "lm_head")``; default none.
+            memory: byte budgets: fast_bytes (tier 1 + KV cache), host_bytes (tier 2), kv_bytes
+                (the KV cache alone). A fast or host budget makes placement "auto" tier the
+                experts; so does a model whose experts do not fit free memory.
+            placement: "auto" | "resident" | "qstar" | "stream"; what was chosen, and why, is
+                logged and in `stats()["placement"]`.
+            quant: FTW codec of the cached conversion of an HF folder that must be tiered
+                (default: lossless); cache_dir: where it is cached (default $FREETOKEN_CACHE,
+                else the user cache dir).
+            expert_quant / dense_quant: int8 weight-only compute (`int8.py`): "auto" keeps expert
+                projections stored in FTW's int8 codec in int8; "int8" quantizes every expert
+                projection at load (resident placement only); "none" decodes every codec to
+                `dtype`. dense_quant: a subset of ("attention", "lm_head").
 
         Raises CheckpointError (missing/garbled files or tensors), FTWFormatError (a corrupted,
         truncated or foreign FTW file), UnsupportedModelError (unknown model_type), EngineError
-        (unsupported device, unknown expert_quant or dense_quant value).
+        (bad options: an unknown or absent device, an unknown quant or placement),
+        MemoryBudgetError (a budget below what one layer needs, naming the smallest that works).
         """
-        expert_quant, dense_quant = check_quant_options(expert_quant, dense_quant)
-        quant = {"expert_quant": expert_quant, "dense_quant": dense_quant}
-        folder = Path(path)
-        if device != "cpu" and not device.startswith("cuda"):
-            raise EngineError(f"device must be 'cpu' or 'cuda[:N]', got '{device}'")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise EngineError(f"device '{device}' requested but CUDA is not available")
-        if folder.is_file() or (folder.suffix == ".ftw" and not folder.exists()):
-            from .ftw.load import load_ftw
-
-            ftw = load_ftw(folder, dtype=dtype, device=device, expert_quant=expert_quant)
-            quantize_dense(ftw.model, dense_quant)
-            return cls(
-                ftw.spec,
-                ftw.model,
-                ftw.experts,
-                tokenizer=ftw.tokenizer,
-                hf_config=ftw.hf_config,
-                dtype=dtype,
-                device=device,
-                memory=memory,
-                source=folder,
-                **quant,
-            )
-        t0 = time.perf_counter()
-        raw = read_config(folder)
-        adapter = adapter_for(raw["model_type"])
-        try:
-            hf_config = AutoConfig.from_pretrained(folder)
-        except (ValueError, KeyError, TypeError, OSError) as e:
-            raise CheckpointError(f"cannot read the config in {folder}: {e}") from e
-        spec = adapter.build_spec(hf_config)
-        ckpt = SafetensorsCheckpoint(folder)
-        model = MoETransformer(spec)
-        load_dense_weights(model, lambda name: adapter.dense_tensor(ckpt, name), str(folder), dtype, device)
-        experts: dict[ExpertKey, ExpertWeights] = {}
-        for layer in spec.moe_layers():
-            moe = spec.layers[layer].moe
-            assert moe is not None
-            for e, tensors in adapter.layer_experts(ckpt, layer, moe.num_experts):
-                _check_expert_shapes(tensors, moe.intermediate_size, spec.hidden_size, layer, e, folder)
-                if expert_quant == "int8":
-                    experts[(layer, e)] = ExpertWeights.quantized(tensors, dtype, device)
-                else:
-                    experts[(layer, e)] = ExpertWeights.packed(tensors, dtype, device)
-        quantize_dense(model, dense_quant)
-        tokenizer = _load_tokenizer(folder)
-        logger.info(
-            "loaded %s (%d experts) from %s in %.2fs",
-            spec.model_type,
-            len(experts),
-            folder,
-            time.perf_counter() - t0,
-        )
-        return cls(
-            spec,
-            model,
-            InMemoryExpertProvider(experts),
-            tokenizer=tokenizer,
-            hf_config=hf_config,
-            dtype=dtype,
+        options = EngineOptions.parse(
             device=device,
+            dtype=dtype,
             memory=memory,
-            source=folder,
-            **quant,
+            placement=placement,
+            expert_quant=expert_quant,
+            dense_quant=dense_quant,
+            quant=quant,
+            cache_dir=cache_dir,
+            progress=progress,
+            tiering=tiering or TieringOptions(),
         )
+        return cls.from_options(path, options)
+
+    @classmethod
+    def from_options(cls, path: str | Path, options: EngineOptions) -> Engine:
+        """`from_pretrained` with the options already validated (what every front end passes)."""
+        return assemble(cls, path, options)
 
     def use_expert_provider(self, provider: ExpertProvider) -> None:
-        """Route every MoE layer through `provider` (e.g. a tiered expert memory)."""
+        """Route every MoE layer through `provider`, a wrapper of the current one (routing
+        counters for calibration, recorders in benchmarks); the KV pool keeps its wiring."""
         self.experts = provider
         self.model.attach_experts(provider)
+
+    def close(self) -> None:
+        """Stop the expert provider's threads and close its files (tiered placements). The engine
+        must not be used afterwards. Idempotent."""
+        close = getattr(self.experts, "close", None)
+        if callable(close):
+            close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- tokenizer and chat -----------------------------------------------------------------
     @property
     def tokenizer(self) -> Any:
         """The checkpoint's own tokenizer (transformers). EngineError if the checkpoint has none."""
         if self._tokenizer is None:
-            raise EngineError(f"checkpoint {self.source} has no tokenizer files")
+            why = self._tokenizer_error or f"checkpoint {self.source} has no tokenizer"
+            raise EngineError(f"{why}: this engine runs on token ids only")
         return self._tokenizer
 
     @property
@@ -190,17 +182,19 @@ class Engine:
 
     @property
     def model_fingerprint(self) -> str:
-        """sha256 hex of weights, tokenizer, KV layout and anchor format (computed once; see
-        `anchors.digest.model_fingerprint`). Anchors never cross engines with different ones.
-        Non-default int8 options are mixed in: an int8 engine's KV data differs from fp32's."""
-        if self._model_fingerprint is None:
-            fingerprint = model_fingerprint(self)
-            if (self.expert_quant, self.dense_quant) != ("auto", ()):
-                dense = ",".join(self.dense_quant)
-                tag = f"{fingerprint}|expert_quant={self.expert_quant}|dense_quant={dense}"
-                fingerprint = hashlib.sha256(tag.encode()).hexdigest()
-            self._model_fingerprint = fingerprint
+        """sha256 hex of weights, tokenizer, KV layout and anchor format, taken when the engine
+        was built (`anchors.digest.model_fingerprint`): replacing the file afterwards does not
+        change it. Anchors never cross engines with different ones."""
         return self._model_fingerprint
+
+    def _fingerprint(self) -> str:
+        """Non-default int8 options are mixed in: an int8 engine's KV data differs from fp32's."""
+        fingerprint = model_fingerprint(self)
+        if (self.expert_quant, self.dense_quant) != ("auto", ()):
+            dense = ",".join(self.dense_quant)
+            tag = f"{fingerprint}|expert_quant={self.expert_quant}|dense_quant={dense}"
+            fingerprint = hashlib.sha256(tag.encode()).hexdigest()
+        return fingerprint
 
     def apply_chat_template(
         self,
@@ -266,12 +260,15 @@ class Engine:
             "dtype": str(self.dtype),
             "expert_quant": self.expert_quant,
             "dense_quant": list(self.dense_quant),
+            "expert_bytes": expert_bytes(self.spec, self.dtype),
+            "placement": self.placement.placement,
         }
 
     def stats(self) -> dict[str, Any]:
-        """The expert provider's `stats()` when it has one (tiered memory: hits/misses, bytes
-        moved, prefetch accuracy, bandwidth, decisions, phase times), else basic counters; both
-        with the KV pool's `kv_blocks_in_use` / `kv_bytes_in_use`."""
+        """`placement` ("resident", "qstar" or "stream") and `placement_reason`; the expert
+        provider's `stats()` when it has one (tiered memory: `tiers` with fast/host/storage
+        counters, bytes moved, prefetch accuracy, bandwidth, decisions, phase times), else basic
+        counters; the KV pool's `kv_blocks_in_use` / `kv_bytes_in_use`."""
         provider_stats = getattr(self.experts, "stats", None)
         if callable(provider_stats):
             out: dict[str, Any] = dict(provider_stats())
@@ -281,46 +278,9 @@ class Engine:
                 "experts_in_ram": len(loaded()) if callable(loaded) else None,
                 "expert_bytes_in_ram": getattr(self.experts, "nbytes", None),
             }
+        out["placement"] = self.placement.placement
+        out["placement_reason"] = self.placement.reason
         pool = self.kv_pool
         out["kv_blocks_in_use"] = pool.blocks_in_use
         out["kv_bytes_in_use"] = pool.blocks_in_use * pool.bytes_per_block
         return out
-
-
-def load_dense_weights(
-    model: MoETransformer, get: Callable[[str], torch.Tensor], where: str, dtype: torch.dtype, device: str
-) -> None:
-    """Assign every dense parameter/buffer of `model` from `get(engine_name)` (shape-checked)."""
-    keep_fp32 = model.fp32_parameter_names()
-    state: dict[str, torch.Tensor] = {}
-    for name, param in [*model.named_parameters(), *model.named_buffers()]:
-        tensor = get(name)
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise CheckpointError(
-                f"tensor for '{name}' in {where} has shape {list(tensor.shape)}, expected {list(param.shape)}"
-            )
-        state[name] = tensor.to(device=device, dtype=torch.float32 if name in keep_fp32 else dtype)
-    model.load_state_dict(state, strict=True, assign=True)
-
-
-def _check_expert_shapes(
-    tensors: dict[str, torch.Tensor], inter: int, hidden: int, layer: int, expert: int, folder: Path
-) -> None:
-    expected = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise CheckpointError(
-                f"expert {expert} of layer {layer} in {folder}: '{name}' has shape "
-                f"{list(tensors[name].shape)}, expected {list(shape)}"
-            )
-
-
-def _load_tokenizer(folder: Path) -> Any | None:
-    if not any((folder / f).exists() for f in _TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot load the tokenizer in {folder}: {e}") from e

@@ -28,7 +28,17 @@ class InvalidTokenError(EngineError):
 
 
 class MemoryBudgetError(EngineError):
-    """A memory budget cannot hold what the engine needs to run."""
+    """A memory budget cannot hold what the engine needs to run, or a size cannot be read.
+
+    `option`: the budget field at fault ("fast_bytes", "host_bytes", "kv_bytes"), when one is;
+    `minimum_bytes`: the smallest value of it that would work, when known. Front ends (the CLI)
+    use them to name their own flag.
+    """
+
+    def __init__(self, message: str, *, option: str | None = None, minimum_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.option = option
+        self.minimum_bytes = minimum_bytes
 
 
 class FTWFormatError(EngineError):

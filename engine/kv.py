@@ -49,8 +49,9 @@ class BlockPool:
 
     Storage for layer l, stream s is a tensor `[capacity, block_size, *shape]`. Capacity grows
     geometrically when the free list runs dry (up to `max_blocks`, if set). When a bounded pool is
-    full, `reclaim` (if set; the engine's anchor store sets it) is called until it frees a block
-    or returns False, before MemoryBudgetError is raised.
+    full, `reclaim` (if given; the engine passes its anchor store's) is called until it frees a
+    block or returns False, before MemoryBudgetError is raised. `on_resize` (if given; the engine
+    passes a tiered expert provider's) hears of every change of the KV bytes in use.
 
     Per block: `refcount` (tables holding it), `pins` (how many of those are read-only pins) and
     `filled` (one past the highest offset any writer reserved in it). Counters for tests and
@@ -66,6 +67,8 @@ class BlockPool:
         device: torch.device | str = "cpu",
         initial_blocks: int = 16,
         max_blocks: int | None = None,
+        reclaim: Callable[[], bool] | None = None,
+        on_resize: Callable[[int], None] | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -80,11 +83,11 @@ class BlockPool:
         self.pins: list[int] = []
         self.filled: list[int] = []
         self._free: list[int] = []
-        self.reclaim: Callable[[], bool] | None = None
+        self.reclaim = reclaim
         # Called with the KV bytes in use (blocks in use x bytes_per_block) before a block is taken
         # and after blocks are freed, so a shared fast budget can shrink/regrow the expert tier.
         # It may raise MemoryBudgetError to refuse a block; the pool is then unchanged.
-        self.on_resize: Callable[[int], None] | None = None
+        self.on_resize = on_resize
         self.digest_calls = 0
         self.digested_bytes = 0
         self.copied_bytes = 0

@@ -12,6 +12,7 @@ from freetoken_agents.engine.ftw.convert import convert_checkpoint
 from freetoken_agents.engine.kv import BlockPool, BlockTable, StreamSpec
 from freetoken_agents.engine.memory import LayerLRUTier, MemoryBudget, TieredExpertProvider
 from freetoken_agents.engine.memory.budget import free_host_bytes
+from freetoken_agents.engine.options import TieringOptions
 
 GB = 10**9
 
@@ -113,7 +114,10 @@ def test_engine_stats_basic_and_tiered(mixtral):
         assert eng.stats()["kv_bytes_in_use"] == eng.kv_pool.bytes_per_block
     ws = TieredExpertProvider(ftw, MemoryBudget(), top_k=2).min_working_set
     budget = MemoryBudget(fast_bytes=ws + 4 * eng.kv_pool.bytes_per_block, host_bytes=ws)
-    tp = TieredExpertProvider.for_engine(eng, ftw, budget, prefetch_thread=False)
+    eng = Engine.from_pretrained(
+        ftw, memory=budget, placement="qstar", tiering=TieringOptions(prefetch_thread=False)
+    )
+    tp = eng.experts
     eng.generate([1, 2, 3, 4, 5, 6], max_new_tokens=8, stop_token_ids=())
     st = eng.stats()
     for tier in ("fast", "host"):  # hits and misses per tier
@@ -145,12 +149,13 @@ def test_layer_lru_tier_evicts_within_the_layer_only():
 
 def test_stream_placement_baseline_is_exact_and_never_hosts(mixtral):
     folder, ftw = mixtral
-    ref, eng = Engine.from_pretrained(folder), Engine.from_pretrained(folder)
+    ref = Engine.from_pretrained(ftw)  # all resident, same weights
     probe = TieredExpertProvider(ftw, MemoryBudget(), top_k=2, placement="stream")
-    fast = probe.min_working_set + 8 * eng.kv_pool.bytes_per_block
-    tp = TieredExpertProvider.for_engine(
-        eng, ftw, MemoryBudget(fast_bytes=fast), placement="stream", prefetch=False
+    fast = probe.min_working_set + 8 * ref.kv_pool.bytes_per_block
+    eng = Engine.from_pretrained(
+        ftw, memory=MemoryBudget(fast_bytes=fast), placement="stream", tiering=TieringOptions(prefetch=False)
     )
+    tp = eng.experts
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     want = ref.generate(ids, max_new_tokens=8, stop_token_ids=()).token_ids
     assert eng.generate(ids, max_new_tokens=8, stop_token_ids=()).token_ids == want

@@ -13,6 +13,7 @@ from freetoken_agents.engine import Engine
 from freetoken_agents.engine.ftw.convert import convert_checkpoint
 from freetoken_agents.engine.memory import BandwidthOracle, MemoryBudget, TieredExpertProvider
 from freetoken_agents.engine.memory.oracle import cuda_timed_copy
+from freetoken_agents.engine.options import TieringOptions
 
 pytestmark = [
     pytest.mark.cuda,
@@ -51,13 +52,17 @@ def mixtral_ftw(tiny_checkpoint, tmp_path_factory):
 def test_cuda_tiered_provider_is_exact_under_tight_budget(mixtral_ftw, prefetch_thread):
     folder, ftw = mixtral_ftw
     ref = Engine.from_pretrained(folder, device="cuda")
-    eng = Engine.from_pretrained(folder, device="cuda")
     ws = TieredExpertProvider(ftw, MemoryBudget(), top_k=2, device="cuda").min_working_set
     all_bytes = ref.experts.nbytes  # type: ignore[attr-defined]
-    fast = max(3 * ws, all_bytes // 4) + 8 * eng.kv_pool.bytes_per_block
-    tp = TieredExpertProvider.for_engine(
-        eng, ftw, MemoryBudget(fast_bytes=fast), prefetch_thread=prefetch_thread
+    fast = max(3 * ws, all_bytes // 4) + 8 * ref.kv_pool.bytes_per_block
+    eng = Engine.from_pretrained(
+        ftw,
+        device="cuda",
+        memory=MemoryBudget(fast_bytes=fast),
+        placement="qstar",
+        tiering=TieringOptions(prefetch_thread=prefetch_thread),
     )
+    tp = eng.experts
     assert tp.cuda
     ids = [5, 3, 8, 1, 9, 2, 7, 4, 6, 0, 11, 12]
     want = ref.generate(ids, max_new_tokens=16, stop_token_ids=()).token_ids
@@ -82,8 +87,11 @@ def test_cuda_tiered_provider_is_exact_under_tight_budget(mixtral_ftw, prefetch_
 
 def test_cuda_host_placement_moves_only_activations(mixtral_ftw):
     folder, ftw = mixtral_ftw
-    ref, eng = Engine.from_pretrained(folder, device="cuda"), Engine.from_pretrained(folder, device="cuda")
-    tp = TieredExpertProvider.for_engine(eng, ftw, MemoryBudget(), prefetch=False)
+    ref = Engine.from_pretrained(folder, device="cuda")
+    eng = Engine.from_pretrained(
+        ftw, device="cuda", memory=MemoryBudget(), placement="qstar", tiering=TieringOptions(prefetch=False)
+    )
+    tp = eng.experts
     tp.policy.compute.set("cuda", "decoded", 1, 1.0)  # make tier-1 compute look expensive: HOST
     tp.policy.compute.set("cuda", "decoded", 2, 1.0)
     tp.fast.resize(tp.min_working_set)

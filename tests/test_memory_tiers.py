@@ -16,8 +16,10 @@ from pydantic import ValidationError
 from freetoken_agents.engine import Engine
 from freetoken_agents.engine.errors import FTWFormatError, MemoryBudgetError
 from freetoken_agents.engine.experts import ExpertKey, run_experts
-from freetoken_agents.engine.ftw import FTWFile, FTWWriter, encode
+from freetoken_agents.engine.ftw import FTWFile
+from freetoken_agents.engine.ftw.convert import convert_checkpoint
 from freetoken_agents.engine.memory import BlockReader, FastTier, HostTier, MemoryBudget, TieredExpertProvider
+from freetoken_agents.engine.options import TieringOptions
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -29,14 +31,9 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(old)
 
 
-def write_ftw(engine: Engine, path: Path, codec: str = "fp32") -> Path:
-    """Write `engine`'s in-RAM experts as FTW expert blocks."""
-    experts = engine.experts
-    with FTWWriter(path, model_config={"model_type": engine.spec.model_type}) as w:
-        for layer, e in experts.keys():  # type: ignore[attr-defined]
-            tensors = experts.get(layer, e).tensors()
-            w.add_expert(layer, e, {k: encode(v, codec) for k, v in tensors.items()})
-    return path
+def tiered(ftw: Path, budget: MemoryBudget, *, placement: str = "qstar", **tiering) -> Engine:
+    """An engine over `ftw` with tiered experts, built by the composition root."""
+    return Engine.from_pretrained(ftw, memory=budget, placement=placement, tiering=TieringOptions(**tiering))
 
 
 def expert_bytes(engine: Engine) -> int:
@@ -50,7 +47,8 @@ def built(tiny_checkpoint, tmp_path_factory):
     def get(arch: str) -> tuple[Path, Path]:
         if arch not in cache:
             folder = tiny_checkpoint(arch)
-            ftw = write_ftw(Engine.from_pretrained(folder), tmp_path_factory.mktemp("ftw") / f"{arch}.ftw")
+            ftw = tmp_path_factory.mktemp("ftw") / f"{arch}.ftw"
+            convert_checkpoint(folder, ftw, quant="fp32", progress=False)
             cache[arch] = (folder, ftw)
         return cache[arch]
 
@@ -160,15 +158,13 @@ def test_qstar_tier_2_evicts_the_least_used_expert_not_the_least_recent(built):
 @pytest.mark.parametrize("fraction", [0.1, 0.25, 0.5])
 def test_logits_equal_in_ram_engine_under_tight_budget(arch, fraction, built):
     folder, ftw = built(arch)
-    ref = Engine.from_pretrained(folder)
-    eng = Engine.from_pretrained(folder)
-    kv = 4 * eng.kv_pool.bytes_per_block  # 36 tokens need 3 blocks of 16
-    probe = TieredExpertProvider(ftw, MemoryBudget(), top_k=_top_k(eng))
+    ref = Engine.from_pretrained(ftw)  # all resident, same weights
+    kv = 4 * ref.kv_pool.bytes_per_block  # 36 tokens need 3 blocks of 16
+    probe = TieredExpertProvider(ftw, MemoryBudget(), top_k=_top_k(ref))
     fast = kv + max(probe.min_working_set, int(fraction * expert_bytes(ref)))
     host = max(probe.stored_bytes.values()) * 2
-    tp = TieredExpertProvider.for_engine(
-        eng, ftw, MemoryBudget(fast_bytes=fast, host_bytes=host), prefetch_thread=False
-    )
+    eng = tiered(ftw, MemoryBudget(fast_bytes=fast, host_bytes=host), prefetch_thread=False)
+    tp = eng.experts
     ids = _prompt(eng.spec.vocab_size, 20)
     with ref.new_session() as a, eng.new_session() as b:
         la, lb = a.prefill(ids), b.prefill(ids)
@@ -218,10 +214,11 @@ def test_host_compute_time_excludes_the_disk_read(built):
     host compute cost (which q* compares with tier-1 compute) grew with disk latency and q* priced
     the read twice (it already adds the storage link's fetch time)."""
     folder, ftw = built("mixtral")
-    eng = Engine.from_pretrained(folder)
+    bpb = Engine.from_pretrained(folder).kv_pool.bytes_per_block
     ws = TieredExpertProvider(ftw, MemoryBudget(), top_k=2).min_working_set
-    budget = MemoryBudget(fast_bytes=ws + 4 * eng.kv_pool.bytes_per_block, host_bytes=1)  # keeps nothing
-    tp = TieredExpertProvider.for_engine(eng, ftw, budget, prefetch=False)
+    budget = MemoryBudget(fast_bytes=ws + 4 * bpb, host_bytes=1)  # keeps nothing
+    eng = tiered(ftw, budget, prefetch=False)
+    tp = eng.experts
     tp.policy.compute.set("cpu", "decoded", 1, 1.0)  # tier-1 compute looks slow: q* computes on the host
     read = tp.reader.read
 
@@ -253,12 +250,13 @@ def test_budget_below_one_layers_active_experts_raises_at_construction(built):
 
 def test_one_session_grows_10x_under_a_fixed_fast_budget(built):
     folder, ftw = built("mixtral")
-    ref, eng = Engine.from_pretrained(folder), Engine.from_pretrained(folder)
-    bpb = eng.kv_pool.bytes_per_block
+    ref = Engine.from_pretrained(ftw)  # all resident, same weights
+    bpb = ref.kv_pool.bytes_per_block
     probe = TieredExpertProvider(ftw, MemoryBudget(), top_k=2)
     fast = probe.min_working_set + 11 * bpb  # 160 tokens need 10 blocks of 16
     budget = MemoryBudget(fast_bytes=fast, host_bytes=4 * probe.stored_bytes[(0, 0)])
-    tp = TieredExpertProvider.for_engine(eng, ftw, budget, prefetch_thread=False)
+    eng = tiered(ftw, budget, prefetch_thread=False)
+    tp = eng.experts
     cap0 = tp.fast.capacity_bytes
     caps = []
     with ref.new_session() as a, eng.new_session() as b:
@@ -286,10 +284,11 @@ def test_one_session_grows_10x_under_a_fixed_fast_budget(built):
 
 def test_threaded_prefetch_gives_identical_logits(built):
     folder, ftw = built("mixtral")
-    ref, eng = Engine.from_pretrained(folder), Engine.from_pretrained(folder)
+    ref = Engine.from_pretrained(ftw)  # all resident, same weights
     ws = TieredExpertProvider(ftw, MemoryBudget(), top_k=2).min_working_set
-    budget = MemoryBudget(fast_bytes=3 * ws + 8 * eng.kv_pool.bytes_per_block, host_bytes=2 * ws)
-    tp = TieredExpertProvider.for_engine(eng, ftw, budget)
+    budget = MemoryBudget(fast_bytes=3 * ws + 8 * ref.kv_pool.bytes_per_block, host_bytes=2 * ws)
+    eng = tiered(ftw, budget)
+    tp = eng.experts
     ids = _prompt(eng.spec.vocab_size, 12, 5)
     assert (
         ref.generate(ids, max_new_tokens=16, stop_token_ids=()).token_ids
@@ -337,9 +336,10 @@ def test_corrupted_block_mid_generation_is_named_and_the_session_stays_usable(bu
     prompt, bad_step, bad = _first_new_expert(folder)
     damaged = tmp_path / "bad.ftw"
     damaged.write_bytes(ftw.read_bytes())
-    ref, eng = Engine.from_pretrained(folder), Engine.from_pretrained(folder)
+    ref = Engine.from_pretrained(ftw)  # all resident, same weights
     rec = Recorder(ref)
-    tp = TieredExpertProvider.for_engine(eng, damaged, MemoryBudget(), prefetch_thread=False)
+    eng = tiered(damaged, MemoryBudget(), prefetch_thread=False)
+    tp = eng.experts
     info = tp.ftw.expert_info(*bad)
     with open(damaged, "r+b") as f:
         f.seek(info.data_offset + 7)
@@ -373,11 +373,12 @@ def test_anchor_records_the_tiers_and_a_rollback_rewarms_tier_1(built):
     """The bug: the tiered provider had no snapshot_state/restore_state, so an anchor recorded an
     empty expert state and a rollback left tier 1 as the failed continuation had left it."""
     folder, ftw = built("mixtral")
-    ref, eng = Engine.from_pretrained(folder), Engine.from_pretrained(folder)
-    probe = TieredExpertProvider(ftw, MemoryBudget(), top_k=_top_k(eng))
-    fast = 8 * eng.kv_pool.bytes_per_block + probe.min_working_set * 2
+    ref = Engine.from_pretrained(ftw)  # all resident, same weights
+    probe = TieredExpertProvider(ftw, MemoryBudget(), top_k=_top_k(ref))
+    fast = 8 * ref.kv_pool.bytes_per_block + probe.min_working_set * 2
     budget = MemoryBudget(fast_bytes=fast, host_bytes=sum(probe.stored_bytes.values()))  # all fit in RAM
-    tp = TieredExpertProvider.for_engine(eng, ftw, budget, prefetch=False)
+    eng = tiered(ftw, budget, prefetch=False)
+    tp = eng.experts
     ids = _prompt(eng.spec.vocab_size, 12, seed=3)
     with eng.new_session() as s, ref.new_session() as r:
         s.prefill(ids)

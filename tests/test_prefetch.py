@@ -15,8 +15,9 @@ import torch
 from freetoken_agents.engine import Engine
 from freetoken_agents.engine.experts import ExpertKey
 from freetoken_agents.engine.ftw.convert import convert_checkpoint
-from freetoken_agents.engine.memory import MemoryBudget, Prefetcher, TieredExpertProvider
+from freetoken_agents.engine.memory import MemoryBudget, Prefetcher
 from freetoken_agents.engine.memory.prefetch import SKIPPED
+from freetoken_agents.engine.options import TieringOptions
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -188,14 +189,16 @@ def test_pregating_beats_frequency_baseline_on_non_uniform_routing(tiny_checkpoi
     folder = tiny_checkpoint("mixtral")
     ftw = tmp_path / "mixtral.ftw"
     convert_checkpoint(folder, ftw, quant="fp32", progress=False)
-    eng = Engine.from_pretrained(folder)
+    eng = Engine.from_pretrained(
+        ftw, memory=MemoryBudget(), placement="qstar", tiering=TieringOptions(prefetch_thread=False)
+    )
+    tp = eng.experts
     _plant_router_bias(eng, hot=(0, 1), scale=2.0)
     routed: Counter[tuple[int, int]] = Counter()
     for i in eng.spec.moe_layers():
         eng.model.layers[i].mlp.router.register_forward_hook(  # type: ignore[union-attr]
             lambda _m, _a, out, i=i: routed.update((i, int(e)) for e in out[0].reshape(-1).tolist())
         )
-    tp = TieredExpertProvider.for_engine(eng, ftw, MemoryBudget(), prefetch_thread=False)
     gen = torch.Generator().manual_seed(7)
     for _ in range(4):
         prompt = torch.randint(0, eng.spec.vocab_size, (12,), generator=gen).tolist()

@@ -25,7 +25,7 @@ from transformers import CONFIG_MAPPING, PretrainedConfig
 
 from ..adapters import adapter_for
 from ..adapters.base import dequantized
-from ..engine import load_dense_weights
+from ..dense import load_dense_weights
 from ..errors import CheckpointError, FTWFormatError
 from ..int8 import check_quant_options
 from ..spec import ModelSpec
@@ -58,6 +58,7 @@ class LoadedFTW:
     tokenizer: Any | None
     hf_config: PretrainedConfig
     ftw: FTWFile
+    tokenizer_error: str | None = None  # why `tokenizer` is None (token-id use only)
 
 
 def config_from_dict(cfg: dict[str, Any]) -> PretrainedConfig:
@@ -111,7 +112,14 @@ def load_ftw(
         )
         check_expert_directory(ftw, spec)
         experts = FTWExpertProvider(ftw, dtype, device, expert_quant)
-        tokenizer = load_embedded_tokenizer(ftw)
+        tokenizer_error = None
+        try:
+            tokenizer = load_embedded_tokenizer(ftw)
+        except CheckpointError as e:  # the weights stay usable on token ids
+            tokenizer, tokenizer_error = None, str(e)
+            logger.warning("%s; loading for token-id use only", e)
+        if tokenizer is None and tokenizer_error is None:
+            tokenizer_error = f"{ftw.path} embeds no tokenizer"
     except BaseException:
         ftw.close()
         raise
@@ -122,7 +130,7 @@ def load_ftw(
         len(ftw.expert_keys()),
         time.perf_counter() - t0,
     )
-    return LoadedFTW(spec, model, experts, tokenizer, hf_config, ftw)
+    return LoadedFTW(spec, model, experts, tokenizer, hf_config, ftw, tokenizer_error)
 
 
 def check_expert_directory(ftw: FTWFile, spec: ModelSpec) -> None:

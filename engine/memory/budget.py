@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
+from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError
+
+from ..errors import MemoryBudgetError
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +39,40 @@ def free_cuda_bytes(device: str | torch.device = "cuda") -> int:
     return int(free)
 
 
+_BYTES = TypeAdapter(ByteSize)
+_FRACTION = re.compile(r"^\s*(0?\.\d+|0|1(\.0*)?)\s*$")
+
+
+def parse_size(value: str | int, option: str = "size") -> int:
+    """Bytes from an int or a size string ("8GiB", "512 MB", "1.5GB", "4096"); units are
+    pydantic's `ByteSize` ones (KB = 1000, KiB = 1024). MemoryBudgetError naming `option` when
+    it cannot be read."""
+    if isinstance(value, bool):
+        raise MemoryBudgetError(f"{option}: expected a size in bytes, got {value!r}", option=option)
+    try:
+        return int(_BYTES.validate_python(value))
+    except ValidationError:
+        raise MemoryBudgetError(
+            f"{option}: cannot read {value!r} as a size (e.g. 8GiB, 512MB, 1073741824)", option=option
+        ) from None
+
+
+def format_size(nbytes: int) -> str:
+    """`nbytes` for people: '12.0MiB', '3.5GiB' (binary units, rounded up so it is enough)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{-(-nbytes * 10 // scale) / 10:.1f}{unit}"
+    return f"{nbytes}B"
+
+
+def _size_field(value: Any) -> Any:
+    return parse_size(value, "memory budget") if isinstance(value, str) else value
+
+
+SizeBytes = Annotated[Annotated[int, Field(gt=0)] | None, BeforeValidator(_size_field)]
+"""A byte count > 0 (or None), also given as a size string such as "8GiB"."""
+
+
 class MemoryBudget(BaseModel):
     """How much memory the engine may use.
 
@@ -45,9 +83,50 @@ class MemoryBudget(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    fast_bytes: int | None = Field(default=None, gt=0)
-    host_bytes: int | None = Field(default=None, gt=0)
-    kv_bytes: int | None = Field(default=None, gt=0)
+    fast_bytes: SizeBytes = None
+    host_bytes: SizeBytes = None
+    kv_bytes: SizeBytes = None
+
+    @classmethod
+    def from_strings(
+        cls,
+        fast: str | None = None,
+        host: str | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        kv_bytes: int | None = None,
+        names: tuple[str, str] = ("fast", "host"),
+        free_host: Callable[[], int] = free_host_bytes,
+        free_device: Callable[[torch.device], int] = free_cuda_bytes,
+    ) -> MemoryBudget | None:
+        """A budget from what a user typed (the CLI's --fast-mem / --host-mem): each a size
+        ("8GiB", "512MB") or a fraction of the memory free now ("0.25": a plain number in (0, 1]);
+        None leaves that tier to the engine's default. Returns None when both are None.
+        MemoryBudgetError naming the option (`names`) for a value that is neither."""
+        if fast is None and host is None:
+            return None
+        sizes: dict[str, int | None] = {}
+        fractions: dict[str, float | None] = {"fast": None, "host": None}
+        for tier, text, name in (("fast", fast, names[0]), ("host", host, names[1])):
+            if text is None:
+                continue
+            if _FRACTION.match(str(text)):
+                fraction = float(text)
+                if fraction <= 0:
+                    raise MemoryBudgetError(f"{name}: must be above 0, got {text!r}", option=f"{tier}_bytes")
+                fractions[tier] = fraction
+            else:
+                sizes[f"{tier}_bytes"] = parse_size(text, name)
+        if any(f is not None for f in fractions.values()):
+            base = cls.from_fractions(
+                fractions["fast"],
+                fractions["host"],
+                device=device,
+                free_host=free_host,
+                free_device=free_device,
+            )
+            sizes = {"fast_bytes": base.fast_bytes, "host_bytes": base.host_bytes} | sizes
+        return cls(**sizes, kv_bytes=kv_bytes)
 
     @classmethod
     def from_fractions(

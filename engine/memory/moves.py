@@ -32,13 +32,18 @@ from .oracle import BandwidthOracle
 from .prefetch import SKIPPED
 from .stats import PhaseTimer
 from .storage import BlockReader
-from .tiers import FastTier, HostTier
+from .tiers import FastTier, HostTier, LayerLRUTier
 from .weights import decode_block, pinned_storage, rebase
 
 
 class TierMover:
-    """Block movement between `fast` (tier 1), `host` (tier 2) and the file read by `reader`.
+    """Block movement between tier 1 (`fast`), tier 2 (`host`) and the file read by `reader`.
 
+    The mover builds both tiers, so their eviction hooks are its own methods from the start:
+    `placement` "qstar" gives tier 1 a pinned hot set (`FastTier`), "stream" one LRU per layer
+    (`LayerLRUTier`, `n_layers`); both start unbounded (the provider sizes tier 1 against the KV
+    cache). Tier 2 holds `host_bytes`; `rank` orders its evictions; `protected` names keys both
+    tiers evict last (needed soon).
     `exclusive`: tier 1 and tier 2 never both hold an expert (q* placement; CPU: zero-copy blocks
     move up, others keep their compact bytes in tier 2; CUDA: every expert moves).
     `backing`: tier-1 key -> the stored bytes its weights are views of.
@@ -49,8 +54,6 @@ class TierMover:
         ftw: FTWFile,
         dtype: torch.dtype,
         device: torch.device,
-        fast: FastTier[ExpertWeights],
-        host: HostTier[Any],
         reader: BlockReader,
         links: tuple[BandwidthOracle, BandwidthOracle],
         phases: PhaseTimer,
@@ -59,25 +62,40 @@ class TierMover:
         exclusive: bool,
         stored_bytes: dict[ExpertKey, int],
         fast_bytes: dict[ExpertKey, int],
+        placement: str = "qstar",
+        n_layers: int = 1,
+        host_bytes: int | None = None,
+        max_pinned_fraction: float = 0.5,
+        rank: Callable[[Any], float] | None = None,
+        protected: Callable[[Any], bool] | None = None,
     ) -> None:
-        self.ftw, self.dtype, self.fast, self.host, self.reader = ftw, dtype, fast, host, reader
+        self.ftw, self.dtype, self.reader = ftw, dtype, reader
         self.storage_link, self.fast_link = links
         self.phases, self.cuda, self.exclusive = phases, cuda, exclusive
         self.stored_bytes, self.fast_bytes = stored_bytes, fast_bytes
         self.lock = threading.RLock()
         self.backing: dict[ExpertKey, Any] = {}
         self.bytes_moved = {"storage->host": 0, "host->fast": 0, "fast->host": 0}
-        reader.on_transfer = self.storage_link.record  # the transfer alone, not queueing or checksums
         self.copies: Any = None
         if cuda:
             from .cuda_path import CopyEngine
 
             self.copies = CopyEngine(device, self.fast_link)
-            if exclusive:
-                fast.on_evict = self.spill
-        else:  # tier-2 values are the reader's buffers: reuse them once dropped
-            host.on_evict = lambda _key, value: reader.buffers.retire(value)
-            fast.on_evict = self.demote
+        # CPU: tier-2 values are the reader's buffers, reused once dropped; an expert leaving
+        # tier 1 is demoted. CUDA with exclusive tiers: it is spilled back into pinned tier 2.
+        on_host_evict = None if cuda else (lambda _key, value: reader.buffers.retire(value))
+        on_fast_evict = (self.spill if exclusive else None) if cuda else self.demote
+        if placement == "stream":
+            self.fast: FastTier[ExpertWeights] = LayerLRUTier(
+                None, n_layers, on_evict=on_fast_evict, protected=protected
+            )
+        else:
+            self.fast = FastTier(
+                None, max_pinned_fraction=max_pinned_fraction, on_evict=on_fast_evict, protected=protected
+            )
+        self.host: HostTier[Any] = HostTier(
+            host_bytes, on_evict=on_host_evict, rank=rank, protected=protected
+        )
 
     def read_block(
         self, key: ExpertKey, *, urgent: bool = True, still_wanted: Callable[[], bool] | None = None

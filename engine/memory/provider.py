@@ -30,8 +30,8 @@ the next layers are about to use.
 Every placement computes `expert_forward` on identical weight values, in the summation order of
 `experts.dispatch_experts`, so the logits equal the all-in-RAM engine's whatever the budget.
 
-Fast memory is shared with the KV cache: `attach(engine)` installs `on_kv_resize` as the
-BlockPool's `on_resize`; KV growth shrinks tier 1 (prefetch staging first, then coldest experts,
+Fast memory is shared with the KV cache: the engine gives `on_kv_resize` to its BlockPool as
+`on_resize`; KV growth shrinks tier 1 (prefetch staging first, then coldest experts,
 pinned last; zero-copy blocks are demoted to tier 2), freed KV regrows it. MemoryBudgetError when
 even one layer's top_k experts cannot fit (at construction, or when KV would take that room; the
 KV block is then refused and the session keeps its state).
@@ -44,7 +44,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -60,11 +60,7 @@ from .prefetch import Prefetcher
 from .routing import RoutingFrequency
 from .stats import PhaseTimer, provider_stats
 from .storage import BlockReader
-from .tiers import FastTier, HostTier, LayerLRUTier
 from .weights import codec_name, decoded_bytes
-
-if TYPE_CHECKING:
-    from ..engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +68,19 @@ logger = logging.getLogger(__name__)
 class TieredExpertProvider:
     """Experts from `ftw` under `budget` (fast_bytes: tier 1 + KV; host_bytes: tier 2).
 
+    Built by the engine's composition root (`Engine.from_pretrained(..., placement="qstar" |
+    "stream")`), which hands it what it needs: the routers (for pre-gating) and the attention
+    modules (timed for `stats()`); the engine passes `on_kv_resize` to its KV pool. Built alone
+    (tests, tools) it serves `get` and `run` without pre-gating.
+
     Args:
         top_k: experts per token (int, or per MoE layer); sets the minimum working set.
         dtype: compute dtype of decoded experts. device: "cpu" or "cuda[:N]".
-        prefetch: pre-gating prefetch on (needs `attach` for the routers); `prefetch_thread`
-            False loads inline (deterministic tests); `prefetch_depth`: how many MoE layers ahead
-            (CUDA: 1, the spare buffer holds one layer).
+        routers: MoE layer index -> its router module (pre-gating; none: frequency priors only).
+        attention: modules whose forward time `stats()` reports as the "attention" phase.
+        prefetch: pre-gating prefetch on; `prefetch_thread` False loads inline (deterministic
+            tests); `prefetch_depth`: how many MoE layers ahead (CUDA: 1, the spare buffer holds
+            one layer).
         hot_every: re-evaluate the pinned hot set every this many steps; `decay`: per-step decay
             of routing frequencies.
         placement: "qstar" (cost model, shared fast LRU + pinned hot set, exclusive RAM tiers) or
@@ -95,6 +98,8 @@ class TieredExpertProvider:
         top_k: int | Mapping[int, int],
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
+        routers: Mapping[int, torch.nn.Module] | None = None,
+        attention: Sequence[torch.nn.Module] = (),
         prefetch: bool = True,
         prefetch_thread: bool = True,
         policy: QStarPolicy | None = None,
@@ -124,30 +129,23 @@ class TieredExpertProvider:
             sum(sorted((self.fast_bytes[k] for k in keys if k[0] == lay), reverse=True)[: self.top_k[lay]])
             for lay in self.layers
         )
-        self.kv_bytes = self.spare_bytes = 0
         if placement == "stream":
-            self.fast: FastTier[ExpertWeights] = LayerLRUTier(None, len(self.layers))
             self.min_working_set *= len(self.layers)  # every layer needs its own top-k room
-        else:
-            self.fast = FastTier[ExpertWeights](None, max_pinned_fraction=max_pinned_fraction)
-        self.host = HostTier[Any](budget.host_bytes)
+        self.kv_bytes = self.spare_bytes = 0
         self.exclusive = placement == "qstar"
-        if self.exclusive:
-            # What leaves RAM is the least used expert (decayed routing frequency), not the least
-            # recently used: replaying the offload bench model's routing, 7.8 instead of 8.9 disk
-            # reads per decode token (bench/eviction.py).
-            self.host.rank = self.routing.of
         self._prefetch_wanted = prefetch
-        self.reader = BlockReader(self.ftw, direct=direct_io)
+        # Experts needed soon (this layer's, the predictions for the next ones): evicted last, so
+        # a prefetch never pushes out what the next layers are about to use.
+        self._soon: dict[int, set[int]] = {}
         self.storage_link = BandwidthOracle("storage->host", clock=clock, prior_bps=1e9)
         self.fast_link = BandwidthOracle("host->fast", clock=clock, prior_bps=1e10)
+        # The transfer alone is timed (not queueing or checksums).
+        self.reader = BlockReader(self.ftw, direct=direct_io, on_transfer=self.storage_link.record)
         self.phases = PhaseTimer()
         self.moves = TierMover(
             self.ftw,
             dtype,
             self.device,
-            self.fast,
-            self.host,
             self.reader,
             (self.storage_link, self.fast_link),
             self.phases,
@@ -155,7 +153,17 @@ class TieredExpertProvider:
             exclusive=self.exclusive,
             stored_bytes=self.stored_bytes,
             fast_bytes=self.fast_bytes,
+            placement=placement,
+            n_layers=len(self.layers),
+            host_bytes=budget.host_bytes,
+            max_pinned_fraction=max_pinned_fraction,
+            # What leaves RAM under q* is the least used expert (decayed routing frequency), not
+            # the least recently used: replaying the offload bench model's routing, 7.8 instead
+            # of 8.9 disk reads per decode token (bench/eviction.py).
+            rank=self.routing.of if self.exclusive else None,
+            protected=self._needed_soon if prefetch else None,
         )
+        self.fast, self.host = self.moves.fast, self.moves.host
         self._lock = self.moves.lock
         self._apply_fast_budget()
         self.act_link = BandwidthOracle("activations", clock=clock, prior_bps=1e10) if self.cuda else None
@@ -174,14 +182,9 @@ class TieredExpertProvider:
             Prefetcher(self._prefetch_load, use_thread=prefetch_thread, loaders=2) if prefetch else None
         )
         self.prefetch_depth = 1 if self.cuda else max(1, prefetch_depth)
-        # Experts needed soon (this layer's, the predictions for the next ones): evicted last, so
-        # a prefetch never pushes out what the next layers are about to use.
-        self._soon: dict[int, set[int]] = {}
-        if prefetch:
-            self.fast.protected = self.host.protected = self._needed_soon
-        self.routers: dict[int, torch.nn.Module] = {}
+        self.routers: dict[int, torch.nn.Module] = dict(routers or {})
         self.steps = 0
-        self._hooks: list[Any] = []
+        self._hooks: list[Any] = [h for module in attention for h in self.phases.hook(module, "attention")]
         self._timer: Any = None
         if self.cuda:
             from .cuda_path import ComputeTimer
@@ -221,30 +224,6 @@ class TieredExpertProvider:
         except MemoryBudgetError:
             self.kv_bytes = old
             raise
-
-    # ---- wiring ---------------------------------------------------------------------------
-    @classmethod
-    def for_engine(
-        cls, engine: Engine, ftw: FTWFile | str | os.PathLike[str], budget: MemoryBudget, **kwargs: Any
-    ) -> TieredExpertProvider:
-        """Build for `engine`'s spec (top_k per MoE layer) and `attach` it."""
-        top_k = {i: engine.spec.layers[i].moe.top_k for i in engine.spec.moe_layers()}  # type: ignore[union-attr]
-        provider = cls(ftw, budget, top_k=top_k, dtype=engine.dtype, device=str(engine.device), **kwargs)
-        provider.attach(engine)
-        return provider
-
-    def attach(self, engine: Engine) -> None:
-        """Take the routers (pre-gating), share fast memory with the KV pool, time attention
-        (forward hooks, for `stats()`), become the engine's expert provider."""
-        from ..moe import MoEBlock
-
-        for i, layer in enumerate(engine.model.layers):
-            if isinstance(layer.mlp, MoEBlock):
-                self.routers[i] = layer.mlp.router
-            self._hooks += self.phases.hook(layer.self_attn, "attention")
-        self.on_kv_resize(engine.kv_pool.blocks_in_use * engine.kv_pool.bytes_per_block)
-        engine.kv_pool.on_resize = self.on_kv_resize
-        engine.use_expert_provider(self)
 
     # ---- the ExpertProvider protocol ------------------------------------------------------
     def get(self, layer: int, expert: int) -> ExpertWeights:

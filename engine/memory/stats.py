@@ -1,7 +1,7 @@
 """Observability of the tiered expert memory: time per phase and the `stats()` record.
 
 Phases (seconds, summed since construction, compute thread only):
-- attention: the attention modules' forward (forward hooks installed by `attach`);
+- attention: the attention modules' forward (forward hooks the provider installs on the modules it is given);
 - experts: expert matmuls (tier 1 or host);
 - wait_storage: demand reads from tier 3 the compute thread waited for;
 - wait_prefetch: waiting for a prefetch load (queued or running) of an expert this layer uses;

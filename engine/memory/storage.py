@@ -168,11 +168,18 @@ class BlockReader:
     in effect), `buffers` (the recycled buffers). Thread-safe.
     """
 
-    def __init__(self, ftw: FTWFile, *, direct: bool = True, serial: bool = True) -> None:
+    def __init__(
+        self,
+        ftw: FTWFile,
+        *,
+        direct: bool = True,
+        serial: bool = True,
+        on_transfer: Callable[[int, float], None] | None = None,
+    ) -> None:
         self.ftw = ftw
         self.buffers = BlockBuffers()
         self.link = LinkQueue() if serial else None
-        self.on_transfer: Callable[[int, float], None] | None = None  # (bytes, seconds) per read
+        self.on_transfer = on_transfer  # (bytes, seconds) per read
         self.path = ftw.path
         self.bytes_read = 0
         self.reads = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ..experts import ExpertKey
 
@@ -39,23 +39,33 @@ class LRUTier(Generic[V]):
     """Keys -> values with a byte size, least recently used first, under `capacity_bytes`.
 
     Pinned keys are never chosen by `put`'s evictions; `resize` evicts unpinned keys coldest first
-    and only then pinned ones (coldest first). `capacity_bytes=None` means unbounded. `on_evict`
-    (if set) is called with each evicted key and value (not for `pop`). `protected` (if set) names
-    keys needed soon (the next layers' predicted experts): `put` evicts them only when the other
-    unpinned keys do not free enough room. `rank` (if set) orders evictions: lowest rank first,
-    least recently used first among equal ranks (unset: plain LRU).
+    and only then pinned ones (coldest first). `capacity_bytes=None` means unbounded.
+    Hooks, given at construction (subclasses pass them on as `**hooks`):
+    - `on_evict` (if set) is called with each evicted key and value (not for `pop`);
+    - `protected` (if set) names keys needed soon (the next layers' predicted experts): `put`
+      evicts them only when the other unpinned keys do not free enough room;
+    - `rank` (if set) orders evictions: lowest rank first, least recently used first among equal
+      ranks (unset: plain LRU).
     """
 
-    def __init__(self, name: str, capacity_bytes: int | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        capacity_bytes: int | None,
+        *,
+        on_evict: Callable[[Hashable, V], None] | None = None,
+        protected: Callable[[Hashable], bool] | None = None,
+        rank: Callable[[Hashable], float] | None = None,
+    ) -> None:
         self.name = name
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.counters = TierCounters()
         self._items: OrderedDict[Hashable, tuple[V, int]] = OrderedDict()
         self.pinned: set[Hashable] = set()
-        self.on_evict: Callable[[Hashable, V], None] | None = None
-        self.protected: Callable[[Hashable], bool] | None = None  # needed soon: evicted last
-        self.rank: Callable[[Hashable], float] | None = None  # eviction order (lowest first)
+        self.on_evict = on_evict
+        self.protected = protected  # needed soon: evicted last
+        self.rank = rank  # eviction order (lowest first)
 
     def __contains__(self, key: object) -> bool:
         return key in self._items
@@ -209,8 +219,8 @@ class FastTier(LRUTier[V]):
     `max_pinned_fraction` of the capacity in bytes; the others are unpinned.
     """
 
-    def __init__(self, capacity_bytes: int | None, *, max_pinned_fraction: float = 0.5) -> None:
-        super().__init__("fast", capacity_bytes)
+    def __init__(self, capacity_bytes: int | None, *, max_pinned_fraction: float = 0.5, **hooks: Any) -> None:
+        super().__init__("fast", capacity_bytes, **hooks)
         self.max_pinned_fraction = max_pinned_fraction
 
     def pin(self, key: ExpertKey) -> bool:
@@ -241,8 +251,8 @@ class FastTier(LRUTier[V]):
 class HostTier(LRUTier[V]):
     """Tier 2: one LRU shared by all layers (a hot layer may take the whole tier)."""
 
-    def __init__(self, capacity_bytes: int | None) -> None:
-        super().__init__("host", capacity_bytes)
+    def __init__(self, capacity_bytes: int | None, **hooks: Any) -> None:
+        super().__init__("host", capacity_bytes, **hooks)
 
 
 class LayerLRUTier(FastTier[V]):
@@ -252,8 +262,8 @@ class LayerLRUTier(FastTier[V]):
     `put` evicts only the same layer's coldest entries; `set_hot` pins nothing.
     """
 
-    def __init__(self, capacity_bytes: int | None, n_layers: int) -> None:
-        super().__init__(capacity_bytes, max_pinned_fraction=0.0)
+    def __init__(self, capacity_bytes: int | None, n_layers: int, **hooks: Any) -> None:
+        super().__init__(capacity_bytes, max_pinned_fraction=0.0, **hooks)
         self.name = "fast(per-layer LRU)"
         self.n_layers = max(1, n_layers)
 

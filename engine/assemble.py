@@ -1,0 +1,170 @@
+"""The composition root: the one place an `Engine` is put together (`Engine.from_pretrained`).
+
+    options -> device checked -> dense model loaded (HF folder or FTW file)
+            -> placement resolved (`placement.resolve_placement`: "auto" made concrete)
+            -> expert provider built: resident (all experts in RAM/VRAM, or lazily from an FTW
+               file) or tiered (`memory.TieredExpertProvider` over an FTW file: the file given,
+               or the cached conversion of the HF folder, `ftw.cache`)
+            -> Engine(spec, model, provider, ...): the KV pool gets the provider's resize
+               callback and the anchor store's reclaim at construction.
+
+Collaborators get what they need through their constructors (the tiered provider: routers for
+pre-gating and the attention modules it times); nothing is patched on afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import CheckpointError, EngineError
+from .experts import ExpertProvider, InMemoryExpertProvider
+from .ftw.cache import cached_ftw, lossless_quant
+from .ftw.load import load_ftw
+from .hf_folder import expert_source_dtype, load_hf_dense, load_hf_experts, load_hf_tokenizer
+from .int8 import check_quant_options, quantize_dense
+from .memory import TieredExpertProvider
+from .memory.budget import free_host_bytes
+from .moe import MoEBlock
+from .options import EngineOptions
+from .placement import (
+    PlacementChoice,
+    check_device,
+    expert_bytes,
+    free_fast_bytes,
+    resolve_placement,
+    tiered_budget,
+)
+from .transformer import MoETransformer
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+def is_ftw_path(path: Path) -> bool:
+    """Whether `path` names an FTW file (an existing file, or a missing path ending in .ftw)."""
+    return path.is_file() or (path.suffix == ".ftw" and not path.exists())
+
+
+def assemble(engine_cls: type[Engine], path: str | Path, options: EngineOptions) -> Engine:
+    """Build the engine for `path` (an HF checkpoint folder or an FTW file) under `options`.
+
+    Raises CheckpointError, FTWFormatError, UnsupportedModelError (what the loaders raise),
+    EngineError (an unknown or absent device, bad quant options, a combination that cannot
+    run), MemoryBudgetError (a budget below what the model needs to run).
+    """
+    t0 = time.perf_counter()
+    path = Path(path).expanduser()
+    device = check_device(options.device)
+    dev = str(device)
+    dtype = options.dtype
+    expert_quant, dense_quant = check_quant_options(options.expert_quant, options.dense_quant)
+    ftw_path: Path | None = None
+    loaded_ftw = None
+    hf = None
+    if is_ftw_path(path):
+        loaded_ftw = load_ftw(path, dtype=dtype, device=dev, expert_quant=expert_quant)
+        ftw_path = path
+        spec, model, hf_config = loaded_ftw.spec, loaded_ftw.model, loaded_ftw.hf_config
+        tokenizer, tokenizer_error = loaded_ftw.tokenizer, loaded_ftw.tokenizer_error
+    else:
+        hf = load_hf_dense(path, dtype, dev)
+        spec, model, hf_config = hf.spec, hf.model, hf.hf_config
+        tokenizer, tokenizer_error = load_hf_tokenizer(path)
+
+    needed = expert_bytes(spec, dtype)
+    choice = resolve_placement(options.placement, options.memory, needed, free_fast_bytes(device))
+    logger.info("placement %s for %s: %s", choice.placement, path, choice.reason)
+    memory = options.memory
+    on_kv_resize = None
+    if choice.placement == "resident":
+        if loaded_ftw is not None:
+            experts: ExpertProvider = loaded_ftw.experts
+        else:
+            assert hf is not None
+            experts = InMemoryExpertProvider(load_hf_experts(hf, dtype, dev, int8=expert_quant == "int8"))
+    else:
+        if expert_quant == "int8":
+            raise EngineError(
+                f"expert_quant='int8' runs with placement 'resident' only (placement is "
+                f"'{choice.placement}': {choice.reason}); to tier int8 experts convert with --quant int8"
+            )
+        if ftw_path is None:
+            assert hf is not None
+            ftw_path = _converted(hf, path, dtype, options)
+        memory = tiered_budget(memory, device, free_fast_bytes(device), free_host_bytes())
+        provider = _tiered_provider(ftw_path, memory, model, dtype, dev, choice, options)
+        experts, on_kv_resize = provider, provider.on_kv_resize
+    quantize_dense(model, dense_quant)
+    engine = engine_cls(
+        spec,
+        model,
+        experts,
+        tokenizer=tokenizer,
+        tokenizer_error=tokenizer_error,
+        hf_config=hf_config,
+        dtype=dtype,
+        device=dev,
+        memory=memory,
+        source=path,
+        placement=choice,
+        on_kv_resize=on_kv_resize,
+        expert_quant=expert_quant,
+        dense_quant=dense_quant,
+    )
+    logger.info(
+        "loaded %s from %s in %.2fs (placement %s)",
+        spec.model_type,
+        path,
+        time.perf_counter() - t0,
+        choice.placement,
+    )
+    return engine
+
+
+def _converted(hf: Any, folder: Path, dtype: torch.dtype, options: EngineOptions) -> Path:
+    """The cached FTW of an HF folder that must be tiered (converted on first use)."""
+    if options.quant is not None:
+        quant, dense = options.quant, (dtype if dtype != torch.float16 else torch.float32)
+    else:
+        quant, dense = lossless_quant(folder, dtype, expert_source_dtype(hf))
+    try:
+        return cached_ftw(
+            folder, quant=quant, dense_dtype=dense, cache_dir=options.cache_dir, progress=options.progress
+        )
+    except ValueError as e:
+        raise EngineError(f"cannot convert {folder} for tiered placement: {e}") from e
+    except OSError as e:
+        raise CheckpointError(f"cannot write the converted checkpoint of {folder}: {e}") from e
+
+
+def _tiered_provider(
+    ftw_path: Path,
+    memory: Any,
+    model: MoETransformer,
+    dtype: torch.dtype,
+    device: str,
+    choice: PlacementChoice,
+    options: EngineOptions,
+) -> TieredExpertProvider:
+    spec = model.spec
+    moe_layers = spec.moe_layers()
+    top_k = {i: spec.layers[i].moe.top_k for i in moe_layers}  # type: ignore[union-attr]
+    routers = {i: layer.mlp.router for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoEBlock)}
+    return TieredExpertProvider(
+        ftw_path,
+        memory,
+        top_k=top_k,
+        dtype=dtype,
+        device=device,
+        routers=routers,
+        attention=[layer.self_attn for layer in model.layers],
+        placement=choice.placement,
+        **options.tiering.provider_kwargs(),
+    )

@@ -1,0 +1,149 @@
+"""What a user chooses when loading a model: one typed record that every entry point (Engine,
+FreeTokenModel, ChatFreeToken, the CLI, the server) passes down unchanged to the composition root
+(`assemble.assemble`), so what a user sets is what runs.
+
+Placements (`Placement`):
+- ``"auto"`` (default): tiered q* when a fast or host budget is given, or when the experts do not
+  fit the device's free memory (CUDA: `torch.cuda.mem_get_info`; CPU: available RAM); resident
+  otherwise. The choice and its reason are logged and reported by `engine.stats()["placement"]`.
+- ``"resident"``: every expert in fast memory (RAM on a CPU-only machine, VRAM on CUDA).
+- ``"qstar"``: the three-tier expert memory under the q* policy (`memory.TieredExpertProvider`).
+- ``"stream"``: the per-layer-LRU streaming baseline (mixtral-offloading's design), for benchmarks.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import EngineError
+from .memory import MemoryBudget
+
+Placement = Literal["auto", "resident", "qstar", "stream"]
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+"""dtype names the options accept (besides a torch.dtype)."""
+
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+@dataclass(frozen=True)
+class TieringOptions:
+    """Tuning of the tiered expert memory (`TieredExpertProvider`'s keyword arguments); the
+    defaults are what users get. Tests and benchmarks change them (`prefetch_thread=False` loads
+    inline, deterministically; `clock` and `policy` are injectable)."""
+
+    prefetch: bool = True
+    prefetch_thread: bool = True
+    prefetch_depth: int = 3
+    hot_every: int = 16
+    decay: float = 0.9
+    max_pinned_fraction: float = 0.5
+    direct_io: bool = True
+    policy: Any = None
+    clock: Callable[[], float] = time.monotonic
+
+    def provider_kwargs(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+class EngineOptions(BaseModel):
+    """How to load a model. Every field has the default a new user should get.
+
+    device: "cpu" or "cuda[:N]". dtype: compute dtype (a torch.dtype or a name such as
+    "float32", "bfloat16"). memory: byte budgets (`MemoryBudget`, or a dict of its fields; sizes
+    may be strings such as "8GiB"). placement: see the module docstring. expert_quant /
+    dense_quant: int8 weight-only compute (`int8.py`). quant: the FTW codec an HF folder is
+    converted to when it must be tiered (None: lossless, the values the resident engine holds).
+    cache_dir: where converted checkpoints are cached (None: $FREETOKEN_CACHE, else the platform's
+    user cache dir). progress: progress bars on conversion and verification. tiering: tuning of
+    the tiered memory.
+    """
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True, extra="forbid")
+
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    memory: MemoryBudget | None = None
+    placement: Placement = "auto"
+    expert_quant: str = "auto"
+    dense_quant: tuple[str, ...] = ()
+    quant: str | None = None
+    cache_dir: Path | None = None
+    progress: bool = True
+    tiering: TieringOptions = Field(default_factory=TieringOptions)
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, value: Any) -> str:
+        text = str(value).strip()
+        if not _DEVICE.match(text):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {text!r}")
+        return text
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: Any) -> torch.dtype:
+        if isinstance(value, torch.dtype):
+            if value not in DTYPES.values():
+                raise ValueError(f"dtype must be float32, bfloat16 or float16, got {value}")
+            return value
+        name = str(value).removeprefix("torch.")
+        if name not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {value!r}")
+        return DTYPES[name]
+
+    @field_validator("dense_quant", mode="before")
+    @classmethod
+    def _dense_quant(cls, value: Any) -> tuple[str, ...]:
+        if isinstance(value, str):
+            raise ValueError(f"dense_quant must be a sequence of part names, got the string {value!r}")
+        return tuple(value or ())
+
+    @classmethod
+    def parse(cls, **options: Any) -> EngineOptions:
+        """`EngineOptions(**options)`, with EngineError (one line naming the option) for bad input."""
+        try:
+            return cls(**options)
+        except ValidationError as e:
+            raise EngineError(f"invalid engine options: {one_line_errors(e)}") from None
+
+    def key(self) -> tuple:
+        """What identifies the engine these options load (engines are shared per identical key);
+        `progress` does not change what is loaded and is left out."""
+        memory = self.memory.model_dump() if self.memory is not None else None
+        return (
+            self.device,
+            str(self.dtype),
+            tuple(sorted((memory or {}).items())),
+            self.placement,
+            self.expert_quant,
+            self.dense_quant,
+            self.quant,
+            str(self.cache_dir) if self.cache_dir is not None else None,
+            self.tiering,
+        )
+
+
+def one_line_errors(error: ValidationError) -> str:
+    """A pydantic ValidationError as '<field>: <message>; ...' on one line."""
+    parts = []
+    for item in error.errors():
+        where = ".".join(str(x) for x in item["loc"]) or "value"
+        parts.append(f"{where}: {item['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
