@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv import StreamSpec
-from .layers import RMSNorm, StepContext, apply_rope
+from .layers import RMSNorm, StepContext, apply_rope, apply_rope_half
+from .paged_attention import chunk_views, decode_gqa, decode_mla
 from .spec import AttentionSpec
 
 
@@ -39,18 +40,18 @@ def attend(
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scaling, enable_gqa=q.shape[0] != k.shape[0]
         )
-    group = q.shape[0] // k.shape[0]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=0)
-        v = v.repeat_interleave(group, dim=0)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [N, T, S]
+    # Group the query heads of each kv head as rows of one matrix: K/V are never repeated.
+    n, t, d = q.shape
+    kv = k.shape[0]
+    g = n // kv
+    scores = torch.matmul(q.reshape(kv, g * t, d), k.transpose(-1, -2)).view(kv, g, t, -1) * scaling
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+        scores = scores.masked_fill(~mask, float("-inf"))  # [K, G, T, S]
+    sink = sinks.to(scores.dtype).view(kv, g, 1, 1).expand(kv, g, t, 1)
     logits = torch.cat([scores, sink], dim=-1)
     logits = logits - logits.amax(dim=-1, keepdim=True)
     probs = torch.softmax(logits, dim=-1)[..., :-1]
-    return torch.matmul(probs.to(v.dtype), v)
+    return torch.matmul(probs.to(v.dtype).reshape(kv, g * t, -1), v).view(n, t, -1)
 
 
 class GQAAttention(nn.Module):
@@ -88,10 +89,17 @@ class GQAAttention(nn.Module):
         v = v.view(t, s.num_kv_heads, s.head_dim)
         if s.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, ctx.cos, ctx.sin, interleaved=False)
-        k = apply_rope(k, ctx.cos, ctx.sin, interleaved=False)
+        cos2, sin2 = ctx.rope_half
+        q, k = apply_rope_half(q, cos2, sin2), apply_rope_half(k, cos2, sin2)
         ctx.table.write(self.layer, "k", ctx.new_slots, k)
         ctx.table.write(self.layer, "v", ctx.new_slots, v)
+        sinks = self.sinks if s.sinks else None
+        if ctx.is_decode:  # read the cached blocks in place
+            chunks = ctx.chunks(s.sliding_window)
+            keys_r = _views(ctx, self.layer, "k", chunks, q.dtype)  # [n_c, K, D] each
+            values_r = _views(ctx, self.layer, "v", chunks, q.dtype)
+            out = decode_gqa(q[0], keys_r, values_r, s.scaling, sinks)  # [N, D]
+            return self.o_proj(out.reshape(1, s.num_heads * s.head_dim))
         keys = ctx.table.read(self.layer, "k").to(q.dtype).transpose(0, 1)  # [K, S, D]
         values = ctx.table.read(self.layer, "v").to(q.dtype).transpose(0, 1)
         out = attend(
@@ -100,7 +108,7 @@ class GQAAttention(nn.Module):
             values,
             ctx.mask(s.sliding_window),
             s.scaling,
-            self.sinks if s.sinks else None,
+            sinks,
         )  # [N, T, D]
         return self.o_proj(out.transpose(0, 1).reshape(t, s.num_heads * s.head_dim))
 
@@ -150,12 +158,19 @@ class MLAAttention(nn.Module):
         k_rope = apply_rope(k_rope[:, None, :], ctx.cos, ctx.sin, interleaved=self.rope_interleaved)[:, 0]
         ctx.table.write(self.layer, "latent", ctx.new_slots, latent)
         ctx.table.write(self.layer, "k_rope", ctx.new_slots, k_rope)
-        latents = ctx.table.read(self.layer, "latent").to(q.dtype)  # [S, R]
-        k_ropes = ctx.table.read(self.layer, "k_rope").to(q.dtype)  # [S, P]
 
         w = self.kv_b_proj.weight.view(n, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         w_k, w_v = w.split([s.qk_nope_head_dim, s.v_head_dim], dim=1)  # [N, Dn, R], [N, Dv, R]
         q_latent = torch.einsum("tnd,ndr->ntr", q_nope, w_k)  # [N, T, R]
+        if ctx.is_decode:  # read the cached blocks in place
+            chunks = ctx.chunks(s.sliding_window)
+            latents_r = _views(ctx, self.layer, "latent", chunks, q.dtype)  # [n_c, R] each
+            k_ropes_r = _views(ctx, self.layer, "k_rope", chunks, q.dtype)  # [n_c, P] each
+            ctx_latent = decode_mla(q_latent[:, 0], q_rope[0], latents_r, k_ropes_r, s.scaling)  # [N, R]
+            out = torch.einsum("nr,nvr->nv", ctx_latent, w_v)  # [N, Dv]
+            return self.o_proj(out.reshape(1, n * s.v_head_dim))
+        latents = ctx.table.read(self.layer, "latent").to(q.dtype)  # [S, R]
+        k_ropes = ctx.table.read(self.layer, "k_rope").to(q.dtype)  # [S, P]
         scores = torch.matmul(q_latent, latents.T) + torch.matmul(q_rope.transpose(0, 1), k_ropes.T)
         scores = scores * s.scaling  # [N, T, S]
         mask = ctx.mask(s.sliding_window)
@@ -165,3 +180,9 @@ class MLAAttention(nn.Module):
         ctx_latent = torch.matmul(probs, latents)  # [N, T, R]
         out = torch.einsum("ntr,nvr->tnv", ctx_latent, w_v)  # [T, N, Dv]
         return self.o_proj(out.reshape(t, n * s.v_head_dim))
+
+
+def _views(ctx: StepContext, layer: int, stream: str, chunks: list, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The cached chunks of one stream, as views of the pool where contiguous (`chunk_views`)."""
+    views = chunk_views(ctx.table.pool.flat(layer, stream), chunks, ctx.table.slots)
+    return views if views[0].dtype == dtype else [v.to(dtype) for v in views]

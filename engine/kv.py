@@ -120,8 +120,10 @@ class BlockPool:
         self._free.extend(reversed(range(old, new_capacity)))
         self.capacity = new_capacity
 
-    def allocate(self) -> int:
-        """Take a free block (refcount 1), growing the pool when needed."""
+    def allocate(self, prefer: int | None = None) -> int:
+        """Take a free block (refcount 1), growing the pool when needed: `prefer` if it is free
+        (a table asks for the block after its last one, so its blocks stay one contiguous run
+        that decode attention reads in place), else the lowest free id."""
         while not self._free and self.max_blocks is not None and self.capacity >= self.max_blocks:
             if self.reclaim is None or not self.reclaim():
                 break
@@ -137,11 +139,20 @@ class BlockPool:
             self._grow(grow)
         if self.on_resize is not None:
             self.on_resize((self.blocks_in_use + 1) * self.bytes_per_block)
-        block = self._free.pop()
+        block = self._take_free(prefer)
         self.refcount[block] = 1
         self.pins[block] = 0
         self.filled[block] = 0
         return block
+
+    def _take_free(self, prefer: int | None) -> int:
+        if prefer is not None and prefer < self.capacity and self.refcount[prefer] == 0:
+            try:
+                self._free.remove(prefer)
+                return prefer
+            except ValueError:
+                pass
+        return self._free.pop()
 
     def incref(self, blocks: Sequence[int], *, pin: bool = False) -> None:
         """Take one more reference to each block (`pin`: a read-only one)."""
@@ -264,7 +275,7 @@ class BlockTable:
             # The shared block's positions now live in the private copy.
             self._slots = self._slots_for(0, start)
         while len(self.blocks) * bs < stop:
-            self.blocks.append(pool.allocate())
+            self.blocks.append(pool.allocate(prefer=self.blocks[-1] + 1 if self.blocks else None))
         for i in range(start // bs, len(self.blocks)):
             b = self.blocks[i]
             pool.filled[b] = max(pool.filled[b], min(bs, stop - i * bs))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .kv import BlockTable
+from .paged_attention import Chunk, position_chunks
 from .spec import RopeSpec
 
 
@@ -30,6 +31,8 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight_in_fp32:
             return (self.weight * h).to(dtype)
+        if dtype == torch.float32:
+            return self.weight * h  # the .to() below would be a no-op call
         return self.weight * h.to(dtype)
 
 
@@ -39,6 +42,20 @@ def rope_cos_sin(
     """cos, sin of shape [T, rot_dim/2] for integer `positions [T]`."""
     freqs = positions.float()[:, None] * rope.inv_freq.to(positions.device)[None, :]
     return (freqs.cos() * rope.attention_scaling).to(dtype), (freqs.sin() * rope.attention_scaling).to(dtype)
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-width tables for `apply_rope_half`: cos [T, 1, rot] = (cos, cos), sin = (-sin, sin)."""
+    return torch.cat([cos, cos], dim=-1)[:, None, :], torch.cat([-sin, sin], dim=-1)[:, None, :]
+
+
+def apply_rope_half(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` for the half layout in three ops: x * (c, c) + (x2, x1) * (-s, s).
+
+    The same products and sums as the reference's ``x * cos + rotate_half(x) * sin`` (negation is
+    exact), so bit for bit the same result. x [T, heads, rot]; tables from `rope_tables`.
+    """
+    return x * cos2 + x.roll(x.shape[-1] // 2, dims=-1) * sin2
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -66,10 +83,33 @@ class StepContext:
     cos: torch.Tensor  # [T, rot/2]
     sin: torch.Tensor
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    _chunks: dict[int | None, list[Chunk]] = field(default_factory=dict)
+    _tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_keys(self) -> int:
         return self.table.length
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token: attention reads the cache in place (`paged_attention`)."""
+        return self.positions.shape[0] == 1
+
+    @property
+    def rope_half(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope_tables` of this step (computed once, shared by every layer)."""
+        if self._tables is None:
+            self._tables = rope_tables(self.cos, self.sin)
+        return self._tables
+
+    def chunks(self, sliding_window: int | None) -> list[Chunk]:
+        """`position_chunks` of the cached positions a decode token attends to: all of them, or
+        the last `sliding_window` (computed once per step and window, shared by every layer)."""
+        if sliding_window not in self._chunks:
+            t = self.table
+            start = 0 if sliding_window is None else max(0, t.length - sliding_window)
+            self._chunks[sliding_window] = position_chunks(t.blocks, t.pool.block_size, start, t.length)
+        return self._chunks[sliding_window]
 
     def mask(self, sliding_window: int | None) -> torch.Tensor | None:
         """Boolean [T, S] mask (True = attend), or None when every cached key is visible."""
