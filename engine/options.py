@@ -93,7 +93,7 @@ class EngineOptions(BaseModel):
     def _device(cls, value: Any) -> str:
         text = str(value).strip()
         if not _DEVICE.match(text):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {text!r}")
+            raise ValueError(f"must be 'cpu' or 'cuda[:N]', got {text!r}")
         return text
 
     @field_validator("dtype", mode="before")
@@ -101,11 +101,11 @@ class EngineOptions(BaseModel):
     def _dtype(cls, value: Any) -> torch.dtype:
         if isinstance(value, torch.dtype):
             if value not in DTYPES.values():
-                raise ValueError(f"dtype must be float32, bfloat16 or float16, got {value}")
+                raise ValueError(f"must be float32, bfloat16 or float16, got {value}")
             return value
         name = str(value).removeprefix("torch.")
         if name not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {value!r}")
+            raise ValueError(f"must be one of {', '.join(DTYPES)}, got {value!r}")
         return DTYPES[name]
 
     @field_validator("dense_quant", mode="before")
@@ -122,6 +122,10 @@ class EngineOptions(BaseModel):
             return cls(**options)
         except ValidationError as e:
             raise EngineError(f"invalid engine options: {one_line_errors(e)}") from None
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The options as `Engine.from_pretrained` keyword arguments."""
+        return {name: getattr(self, name) for name in type(self).model_fields}
 
     def key(self) -> tuple:
         """What identifies the engine these options load (engines are shared per identical key);

@@ -1,17 +1,34 @@
-"""What the recipes share: loading the model (the embedded default or `--model PATH`) and the
-writer they print through (the CLI's stdout; tests pass their own)."""
+"""What the recipes (and the `freetoken` command, which sits above them) share: the model and
+engine arguments (`--model`, `--device`, `--dtype`, `--fast-mem`, `--host-mem`, `--placement`),
+loading the model with them, the writer recipes print through, and running a recipe as a program
+(`python -m freetoken_agents.recipes.NAME`) with one-line errors.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-from freetoken_agents import FreeTokenModel, default_model
+from freetoken_agents import AgentError, FreeTokenModel, default_model
+from freetoken_agents.engine import PLACEMENTS, EngineError, EngineOptions, MemoryBudgetError
+from freetoken_agents.engine.memory import MemoryBudget
+from freetoken_agents.engine.memory.budget import format_size
+
+from . import RecipeError
 
 Write = Callable[[str], None]
 """Where recipe output goes: text in, nothing out (lines end with their own newline)."""
+
+MEMORY_FLAGS = {"fast_bytes": "--fast-mem", "host_bytes": "--host-mem"}
+"""Budget field -> the flag that sets it (errors name the flag)."""
+
+ERRORS: tuple[type[BaseException], ...] = (EngineError, AgentError, RecipeError, OSError, ValueError)
+"""Errors a recipe program (and the CLI) prints as one line with exit code 1; anything else is a
+bug and shows its traceback."""
 
 
 def stdout_write(text: str) -> None:
@@ -25,15 +42,125 @@ def model_path(path: str | Path | None) -> Path:
     return Path(path) if path is not None else default_model()
 
 
-def load_model(path: str | Path | None = None) -> FreeTokenModel:
-    """A FreeTokenModel over `path` (an HF checkpoint folder or an .ftw file; default: embedded)."""
-    return FreeTokenModel.from_pretrained(model_path(path))
-
-
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """`--model PATH` plus the engine arguments (`add_engine_arguments`)."""
     parser.add_argument(
         "--model",
         default=None,
         metavar="PATH",
         help="Hugging Face checkpoint folder or .ftw file (default: the embedded model)",
     )
+    add_engine_arguments(parser)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every command that loads a model takes, passed to the engine unchanged."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    group.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype"
+    )
+    group.add_argument(
+        "--fast-mem",
+        default=None,
+        metavar="SIZE",
+        help="tier 1 budget (VRAM on CUDA, resident experts in RAM on a CPU), shared with the KV "
+        "cache: a size such as 8GiB, or a fraction of free memory such as 0.25; tiers the experts",
+    )
+    group.add_argument(
+        "--host-mem",
+        default=None,
+        metavar="SIZE",
+        help="tier 2 budget (host RAM for expert blocks): a size such as 32GiB or a fraction such as "
+        "0.5; tiers the experts",
+    )
+    group.add_argument(
+        "--placement",
+        default="auto",
+        choices=PLACEMENTS,
+        help="where experts go: auto (tiered q* when a budget is given or the experts do not fit "
+        "free memory), resident, qstar, stream (default auto)",
+    )
+
+
+def engine_options(args: argparse.Namespace, **extra: Any) -> EngineOptions:
+    """The EngineOptions the engine arguments in `args` ask for (MemoryBudgetError naming the
+    flag for an unreadable size; EngineError for a bad device)."""
+    options = EngineOptions.parse(device=args.device, dtype=args.dtype, placement=args.placement, **extra)
+    memory = MemoryBudget.from_strings(
+        args.fast_mem,
+        args.host_mem,
+        device=options.device,
+        names=(MEMORY_FLAGS["fast_bytes"], MEMORY_FLAGS["host_bytes"]),
+    )
+    return options.model_copy(update={"memory": memory}) if memory is not None else options
+
+
+def load_model(args: argparse.Namespace) -> FreeTokenModel:
+    """A FreeTokenModel over `args.model` (default: the embedded model) with the engine options
+    of `args`."""
+    return FreeTokenModel.from_pretrained(model_path(args.model), **engine_options(args).as_kwargs())
+
+
+def use_threads(threads: int | None, model: str | Path | None) -> None:
+    """Torch's intra-op threads for a command: `threads` when given; else one thread for the
+    embedded model (`model` None), whose matmuls are too small to gain from more (on a busy
+    2-core machine, one thread ran the demo in half the time of two); else torch's default."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    elif model is None:
+        torch.set_num_threads(1)
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (multi-line messages joined with '; '); a memory budget
+    error names the flag that sets the budget and the smallest value that works."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = "; ".join(lines) or type(error).__name__
+    if isinstance(error, MemoryBudgetError) and error.option in MEMORY_FLAGS:
+        flag = MEMORY_FLAGS[error.option]
+        if error.minimum_bytes is not None:
+            text += f" (give {flag} {format_size(error.minimum_bytes)} or more)"
+        else:
+            text = f"{flag}: {text}" if not text.startswith(flag) else text
+    return text
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def recipe_main(
+    name: str,
+    description: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+    argv: Sequence[str] | None,
+) -> int:
+    """`python -m freetoken_agents.recipes.NAME ARGS`: parse, run, and print errors in `ERRORS`
+    as one line (exit code 1; `--debug` shows the traceback), as `freetoken recipe NAME` does."""
+    prog = f"python -m freetoken_agents.recipes.{name}"
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(message)s"
+    )
+    use_threads(args.threads, args.model)
+    try:
+        return int(run(args) or 0)
+    except ERRORS as e:
+        if args.debug:
+            raise
+        sys.stderr.write(f"{prog}: error: {one_line(e)}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -33,8 +33,8 @@ from freetoken_agents._decode import opening_fences
 from freetoken_agents.anchors import AnchorHandle
 from freetoken_agents.trace import AnchorRecord, RollbackRecord
 
-from . import RecipeError
-from ._common import Write, add_model_argument, load_model, stdout_write
+from . import RECIPES, RecipeError
+from ._common import Write, add_model_argument, load_model, recipe_main, stdout_write
 from ._printing import CodingPrinter
 from .sandbox import Isolation, SandboxLimits, SandboxResult, run_python
 from .tiny.coding import CODING_SYSTEM_PROMPT, code_failure_note, code_task, extract_code
@@ -347,7 +347,7 @@ def run(args: argparse.Namespace, write: Write = stdout_write) -> int:
     else:
         task = code_task(random.Random(args.seed), "heldout")
         prompt, tests = task.prompt, task.tests
-    model = load_model(args.model)
+    model = load_model(args)
     write(f"task: {prompt}\ntests: {'; '.join(tests)}\n")
     result = solve(
         model,
@@ -369,10 +369,8 @@ def run(args: argparse.Namespace, write: Write = stdout_write) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m freetoken_agents.recipes.coding_assistant ARGS`: `freetoken recipe coding_assistant`."""
-    from freetoken_agents.cli import main as cli_main
-
-    return cli_main(["recipe", "coding_assistant", *(argv or [])])
+    """`python -m freetoken_agents.recipes.coding_assistant ARGS`: this recipe as a program."""
+    return recipe_main("coding_assistant", RECIPES["coding_assistant"], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

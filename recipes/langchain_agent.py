@@ -16,10 +16,11 @@ from typing import Any
 from langchain_core.messages import BaseMessage
 from langchain_core.tools import tool
 
+from freetoken_agents.engine import EngineOptions
 from freetoken_agents.integrations.langchain import ChatFreeToken
 
-from . import RecipeError
-from ._common import Write, add_model_argument, model_path, stdout_write
+from . import RECIPES, RecipeError
+from ._common import Write, add_model_argument, engine_options, model_path, recipe_main, stdout_write
 from .tiny.world import SYSTEM_PROMPT, capital_of, tool_question, weather_report
 
 
@@ -43,18 +44,31 @@ ToolChoicePolicy = Callable[[int], str]
 
 
 def build_agent(
-    model: str | Path | None = None, *, tool_choice: str | ToolChoicePolicy = "auto", max_tokens: int = 96
+    model: str | Path | None = None,
+    *,
+    tool_choice: str | ToolChoicePolicy = "auto",
+    max_tokens: int = 96,
+    options: EngineOptions | None = None,
 ) -> Any:
     """A `create_agent` graph over ChatFreeToken(model) (default: the embedded model) and TOOLS.
     `tool_choice` (auto, any, none or a tool name) applies to the first model call, later ones
-    are auto, so the agent can answer; a callable `tool_choice(n)` gives every call's.
+    are auto, so the agent can answer; a callable `tool_choice(n)` gives every call's. `options`:
+    the engine's device, dtype, memory and placement (default: EngineOptions()).
     Raises RecipeError when `langchain` is not installed."""
     try:
         from langchain.agents import create_agent
         from langchain.agents.middleware import wrap_model_call
     except ImportError as e:
         raise RecipeError("the langchain_agent recipe needs LangChain: pip install 'langchain>=1.0'") from e
-    llm = ChatFreeToken(model=str(model_path(model)), max_tokens=max_tokens)
+    options = options or EngineOptions()
+    llm = ChatFreeToken(
+        model=str(model_path(model)),
+        max_tokens=max_tokens,
+        device=options.device,
+        dtype=str(options.dtype).removeprefix("torch."),
+        memory=options.memory,
+        placement=options.placement,
+    )
     policy = tool_choice if callable(tool_choice) else (lambda n: tool_choice if n == 1 else "auto")
     calls = 0
 
@@ -77,9 +91,10 @@ def run_langchain_agent(
     max_tokens: int = 96,
     recursion_limit: int = 12,
     write: Write = stdout_write,
+    options: EngineOptions | None = None,
 ) -> list[BaseMessage]:
     """Run the agent on `question`, printing each message as it is added; returns them all."""
-    agent = build_agent(model, tool_choice=tool_choice, max_tokens=max_tokens)
+    agent = build_agent(model, tool_choice=tool_choice, max_tokens=max_tokens, options=options)
     messages: list[BaseMessage] = []
     config = {"recursion_limit": recursion_limit}
     for state in agent.stream({"messages": [("user", question)]}, config, stream_mode="values"):
@@ -102,16 +117,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, write: Write = stdout_write) -> int:
     question = args.question or tool_question(random.Random(args.seed), "heldout", "lookup_capital").question
     run_langchain_agent(
-        question, model=args.model, tool_choice=args.tool_choice, max_tokens=args.max_tokens, write=write
+        question,
+        model=args.model,
+        tool_choice=args.tool_choice,
+        max_tokens=args.max_tokens,
+        write=write,
+        options=engine_options(args),
     )
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m freetoken_agents.recipes.langchain_agent ARGS`: `freetoken recipe langchain_agent`."""
-    from freetoken_agents.cli import main as cli_main
-
-    return cli_main(["recipe", "langchain_agent", *(argv or [])])
+    """`python -m freetoken_agents.recipes.langchain_agent ARGS`: this recipe as a program."""
+    return recipe_main("langchain_agent", RECIPES["langchain_agent"], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ from freetoken_agents import Agent, AgentResult, FreeTokenModel, RetryableToolEr
 from freetoken_agents.agent import ToolChoicePolicy
 from freetoken_agents.constrained import ToolChoice
 
-from . import RecipeError
-from ._common import Write, add_model_argument, load_model, stdout_write
+from . import RECIPES, RecipeError
+from ._common import Write, add_model_argument, load_model, recipe_main, stdout_write
 from ._printing import AgentPrinter, trace_summary
 from .tiny.world import SYSTEM_PROMPT, get_weather, lookup_capital, tool_question
 
@@ -98,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, write: Write = stdout_write) -> int:
     question = args.question or tool_question(random.Random(args.seed), "heldout", "get_weather").question
-    model = load_model(args.model)
+    model = load_model(args)
     write(f"question: {question}\n")
     run_tool_loop(
         model,
@@ -112,10 +112,8 @@ def run(args: argparse.Namespace, write: Write = stdout_write) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m freetoken_agents.recipes.tool_loop ARGS`: `freetoken recipe tool_loop ARGS`."""
-    from freetoken_agents.cli import main as cli_main
-
-    return cli_main(["recipe", "tool_loop", *(argv or [])])
+    """`python -m freetoken_agents.recipes.tool_loop ARGS`: this recipe as a program."""
+    return recipe_main("tool_loop", RECIPES["tool_loop"], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,10 @@ from ..ftw.codecs import EncodedTensor, decode, wrap_mxfp4
 from ..spec import LayerSpec, ModelSpec, MoESpec
 from .base import Adapter, _check_experts, common_spec_fields, gqa, head_dim_of, plain_encoded, rope_spec
 
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+"""gpt-oss's clamped SwiGLU constants (used when the config does not carry them)."""
+
 
 def deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
     """Rows (g0, u0, g1, u1, ...) -> (g0, g1, ..., u0, u1, ...) along dim 0."""
@@ -38,8 +42,9 @@ class GptOssAdapter(Adapter):
             router_bias=True,
             activation="gpt_oss_swiglu",
             expert_bias=True,
-            swiglu_alpha=float(getattr(config, "swiglu_alpha", 1.702)),
-            swiglu_limit=float(config.swiglu_limit),
+            # transformers < 5.24 does not set these on GptOssConfig: the architecture's values.
+            swiglu_alpha=float(getattr(config, "swiglu_alpha", None) or SWIGLU_ALPHA),
+            swiglu_limit=float(getattr(config, "swiglu_limit", None) or SWIGLU_LIMIT),
         )
         bias = bool(config.attention_bias)
         layers = tuple(

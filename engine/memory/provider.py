@@ -52,7 +52,7 @@ from ..errors import MemoryBudgetError
 from ..experts import ExpertKey, ExpertWeights, dispatch_experts, expert_forward
 from ..ftw import FTWFile
 from ..spec import MoESpec
-from .budget import MemoryBudget
+from .budget import MemoryBudget, format_size
 from .moves import TierMover
 from .oracle import BandwidthOracle, Clock
 from .policy import AlwaysStreamPolicy, ComputeCostModel, ExpertCase, Placement, QStarPolicy
@@ -200,10 +200,14 @@ class TieredExpertProvider:
             return
         avail = total - self.kv_bytes
         if avail < self.min_working_set:
+            need = self.kv_bytes + self.min_working_set
             raise MemoryBudgetError(
                 f"fast memory budget of {total} bytes cannot hold the KV cache ({self.kv_bytes} "
                 f"bytes) plus the minimum expert working set ({self.min_working_set} bytes: one "
-                f"layer's top-k experts); raise MemoryBudget.fast_bytes or shorten the context"
+                f"layer's top-k experts); raise MemoryBudget.fast_bytes to at least {need} bytes "
+                f"({format_size(need)}) or shorten the context",
+                option="fast_bytes",
+                minimum_bytes=need,
             )
         # Prefetch staging (the spare half of the double buffer) goes first under pressure. On a
         # CPU-only machine prefetch reads ahead into tier 2 only: HOST computes straight from the

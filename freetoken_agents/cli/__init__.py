@@ -10,31 +10,24 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from ..engine import EngineError
-from ..errors import AgentError
-from ..recipes import RecipeError
+from ..recipes._common import ERRORS as RECIPE_ERRORS
+from ..recipes._common import one_line, positive_int
 from . import bench, chat, demo, ftw, generate, recipe
 from .common import CLIError
 
 __all__ = ["CLIError", "build_parser", "main"]
 
-ERRORS: tuple[type[BaseException], ...] = (
-    EngineError,
-    AgentError,
-    RecipeError,
-    CLIError,
-    OSError,
-    ValueError,
-)
-"""Errors `main()` prints as one line with exit code 1 (EmbeddedModelMissing is an EngineError,
-SandboxError a RecipeError); anything else is a bug and shows its traceback."""
+ERRORS: tuple[type[BaseException], ...] = (*RECIPE_ERRORS, CLIError)
+"""Errors `main()` prints as one line with exit code 1: EngineError (EmbeddedModelMissing and
+MemoryBudgetError are EngineErrors), AgentError, RecipeError (SandboxError is one), CLIError,
+OSError, ValueError; anything else is a bug and shows its traceback."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="freetoken", description="FreeToken: MoE agents on one machine.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     parser.add_argument(
-        "--threads", type=_positive, default=None, help="torch threads (default: 1 for the embedded model)"
+        "--threads", type=positive_int, default=None, help="torch threads (default: 1 for the embedded model)"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in _COMMANDS:
@@ -59,19 +52,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def one_line(error: BaseException) -> str:
-    """The error's message on one line (multi-line messages joined with '; ')."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return "; ".join(lines) or type(error).__name__
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ piped), with manual anchors and rollback:
     /anchor [label]         place an anchor after the last turn
     /rollback [label|id]    go back to that anchor (default: the latest): its context and history
     /anchors                list the anchors
+    /stats                  the engine's placement, expert tiers and KV cache
     /help, /quit
 """
 
@@ -16,14 +17,16 @@ from typing import Any
 
 from ..anchors import AnchorHandle
 from ..engine import EngineError
+from ..engine.memory.budget import format_size
 from ..model import FreeTokenModel, GenerateRequest
-from ..recipes._common import add_model_argument, model_path
-from .common import CLIError, show_progress, sync_with_progress, use_threads, write
+from ..recipes._common import add_model_argument, engine_options, model_path, use_threads
+from .common import CLIError, show_progress, sync_with_progress, write
 
 HELP = """commands:
   /anchor [label]       place an anchor after the last turn
   /rollback [label|id]  back to an anchor (default: the latest): the model's context and the history
   /anchors              list the anchors
+  /stats                the engine's placement, expert tiers and KV cache
   /help                 this help
   /quit                 leave (so does end of input)
 """
@@ -128,10 +131,33 @@ class ChatSession:
             write("  (no anchors)\n")
 
 
+def stats_lines(stats: dict[str, Any]) -> str:
+    """`engine.stats()` for people: placement, each expert tier's use and hits, the KV cache."""
+    out = [f"  placement: {stats['placement']} ({stats.get('placement_reason', '')})"]
+    for name, tier in (stats.get("tiers") or {}).items():
+        if "used_bytes" in tier:
+            cap = tier.get("capacity_bytes")
+            room = format_size(cap) if cap is not None else "unbounded"
+            out.append(
+                f"  {name}: {tier['entries']} experts, {format_size(tier['used_bytes'])} of {room}; "
+                f"hits {tier['hits']}, misses {tier['misses']}, evictions {tier['evictions']}"
+            )
+        else:
+            out.append(f"  {name}: {tier.get('reads', 0)} reads, {format_size(tier.get('bytes_read', 0))}")
+    if "policy" in stats:
+        decisions = ", ".join(f"{k} {v}" for k, v in sorted(stats["policy"].get("decisions", {}).items()))
+        out.append(f"  q* decisions: {decisions or 'none yet'}")
+    if stats.get("experts_in_ram") is not None:
+        out.append(f"  experts in RAM: {stats['experts_in_ram']}")
+    out.append(f"  KV cache: {stats['kv_blocks_in_use']} blocks, {format_size(stats['kv_bytes_in_use'])}")
+    return "\n".join(out) + "\n"
+
+
 def run(args: argparse.Namespace) -> int:
-    use_threads(args, args.model)
+    use_threads(args.threads, args.model)
     path = model_path(args.model)
-    session = ChatSession(FreeTokenModel.from_pretrained(path), args)
+    options = engine_options(args, progress=show_progress(args.no_progress))
+    session = ChatSession(FreeTokenModel.from_pretrained(path, **options.as_kwargs()), args)
     interactive = sys.stdin.isatty()
     if interactive:
         write(f"chatting with {path.name}; /help for commands\n")
@@ -159,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
                 session.rollback(rest.strip() or None)
             elif command == "/anchors":
                 session.list_anchors()
+            elif command == "/stats":
+                write(stats_lines(session.model.engine.stats()))
             else:
                 raise CLIError(f"unknown command {command}; /help lists them")
         except (CLIError, EngineError) as e:  # a bad command or anchor: say so, keep chatting

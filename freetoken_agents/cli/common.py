@@ -16,19 +16,6 @@ class CLIError(Exception):
     `main()` prints it as one line and returns exit code 1."""
 
 
-def use_threads(args: Any, model: str | None) -> None:
-    """Torch's intra-op threads for a command: `--threads N` when given; else one thread for the
-    embedded model (`model` None), whose matmuls are too small to gain from more (on a busy
-    2-core machine, one thread ran the demo in half the time of two); else torch's default."""
-    import torch
-
-    threads = getattr(args, "threads", None)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    elif model is None:
-        torch.set_num_threads(1)
-
-
 def write(text: str) -> None:
     """CLI output: stdout, flushed at once (streamed tokens show as they come)."""
     sys.stdout.write(text)

@@ -16,12 +16,12 @@ import time
 from ..agent import Agent, AgentResult
 from ..errors import AgentError
 from ..model import FreeTokenModel
-from ..recipes._common import add_model_argument, model_path
+from ..recipes._common import add_model_argument, engine_options, model_path, use_threads
 from ..recipes._printing import AgentPrinter, CodingPrinter, answer_block, trace_summary
 from ..recipes.coding_assistant import CodingResult, solve
 from ..recipes.tiny import world
 from ..recipes.tiny.coding import code_task
-from .common import use_threads, write
+from .common import write
 
 DEMO_SEED = 12
 """The one constant that picks the demo's held-out question and coding tasks."""
@@ -47,9 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    use_threads(args, args.model)
+    use_threads(args.threads, args.model)
     path = model_path(args.model)
-    model = FreeTokenModel.from_pretrained(path)
+    model = FreeTokenModel.from_pretrained(path, **engine_options(args).as_kwargs())
     which = "the embedded model" if args.model is None else "model"
     write(f"FreeToken demo: {which} {path.name}, loaded in {time.perf_counter() - t0:.1f} s\n\n")
     agent_outcome = _agent_part(model, args.seed, args.max_new_tokens)

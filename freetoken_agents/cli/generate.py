@@ -5,13 +5,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 
-import torch
-
 from ..engine import Engine, SamplingParams, TokenEvent
 from ..engine.generate import stream_tokens
-from .common import PREFILL_CHUNK, CLIError, prefill_session, show_progress, use_threads, write
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from ..recipes._common import add_engine_arguments, engine_options, use_threads
+from .common import PREFILL_CHUNK, CLIError, prefill_session, show_progress, write
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,16 +21,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     p.add_argument("--no-progress", action="store_true", help="no prefill progress bar")
+    add_engine_arguments(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..embedded import default_model
 
-    use_threads(args, args.model)
-    engine = Engine.from_pretrained(args.model or default_model(), dtype=_DTYPES[args.dtype])
+    use_threads(args.threads, args.model)
+    options = engine_options(args, progress=show_progress(args.no_progress))
+    engine = Engine.from_options(args.model or default_model(), options)
     tok = engine.tokenizer
     if args.chat:
         ids = engine.apply_chat_template([{"role": "user", "content": args.prompt}])

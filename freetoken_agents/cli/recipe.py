@@ -8,7 +8,8 @@ import importlib
 from types import ModuleType
 
 from ..recipes import RECIPES, RecipeError
-from .common import use_threads, write
+from ..recipes._common import use_threads
+from .common import write
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,5 +40,5 @@ def recipe_parser(name: str) -> tuple[argparse.ArgumentParser, ModuleType]:
 def run(args: argparse.Namespace) -> int:
     parser, module = recipe_parser(args.name)
     options = parser.parse_args(args.args)
-    use_threads(args, options.model)
+    use_threads(args.threads, options.model)
     return int(module.run(options, write) or 0)

@@ -22,6 +22,8 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field
 
+from freetoken_agents.engine import Engine, EngineOptions, MemoryBudget, Placement
+
 from .engines import EngineHandle, shared_engine
 from .messages import to_chat_dicts
 from .tool_choice import normalize_tool_choice
@@ -69,8 +71,12 @@ class ChatFreeToken(BaseChatModel):
     """torch dtype name the engine loads weights in."""
     device: str = "cpu"
     """'cpu' or 'cuda[:N]'."""
-    memory: dict[str, Any] | None = None
-    """`freetoken_agents.engine.memory.MemoryBudget` fields (e.g. {"kv_bytes": 2**30})."""
+    memory: MemoryBudget | dict[str, Any] | None = None
+    """Byte budgets: a `freetoken_agents.engine.MemoryBudget` or a dict of its fields, sizes as
+    ints or strings (e.g. {"fast_bytes": "8GiB", "host_bytes": "32GiB"}). A fast or host budget
+    tiers the experts (q*), as `Engine.from_pretrained(memory=...)` does."""
+    placement: Placement = "auto"
+    """'auto' | 'resident' | 'qstar' | 'stream': where the experts go (see `Engine.from_pretrained`)."""
     tool_format: str | None = None
     """Tool-call family ('hermes', 'mistral', 'deepseek', 'harmony'); None: from the template."""
     timeout: float | None = None
@@ -93,6 +99,7 @@ class ChatFreeToken(BaseChatModel):
             "max_tokens": self.max_tokens,
             "dtype": self.dtype,
             "device": self.device,
+            "placement": self.placement,
         }
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
@@ -171,10 +178,20 @@ class ChatFreeToken(BaseChatModel):
         return RunnableMap(raw=llm) | assign.with_fallbacks([fallback], exception_key="parsing_error")
 
     # ---- generation ------------------------------------------------------------------------------
-    def _handle(self) -> EngineHandle:
-        return shared_engine(
-            self.model, dtype=self.dtype, device=self.device, memory=self.memory, family=self.tool_format
+    def engine_options(self) -> EngineOptions:
+        """The options the engine is loaded with (EngineError, one line, for bad ones)."""
+        return EngineOptions.parse(
+            device=self.device, dtype=self.dtype, memory=self.memory, placement=self.placement
         )
+
+    @property
+    def engine(self) -> Engine:
+        """The loaded engine (loaded on first use; shared by every instance with the same model,
+        options and tool format). `engine.stats()` shows its placement and tiers."""
+        return self._handle().engine
+
+    def _handle(self) -> EngineHandle:
+        return shared_engine(self.model, self.engine_options(), family=self.tool_format)
 
     def _turn(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], state: TurnState

@@ -2,7 +2,7 @@
 
 LangChain constructs chat models often (per request, per agent step, thousands of times in its
 standard test suite), so `ChatFreeToken(...)` must not load weights. The first generation calls
-`shared_engine(...)`, which loads once per (path, dtype, device, memory) and hands every later
+`shared_engine(...)`, which loads once per (path, engine options, tool format) and hands every later
 caller the same `EngineHandle`: the engine, the one backend session over it, its prefix cache
 and the lock that serialises work on them (engine sessions are not thread-safe).
 """
@@ -14,6 +14,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from freetoken_agents.engine import Engine, EngineOptions
 
 from .backend import LangChainBackend
 from .prefix_cache import PrefixCache
@@ -41,44 +43,40 @@ _HANDLES: dict[tuple, EngineHandle] = {}
 _LOAD_LOCK = threading.Lock()
 
 
-def engine_key(path: str | Path, dtype: str, device: str, memory: dict[str, Any] | None) -> tuple:
-    """The cache key: resolved path plus the options that change what gets loaded."""
+def engine_key(path: str | Path, options: EngineOptions, family: str | None = None) -> tuple:
+    """The cache key: resolved path, the engine options (everything that changes what gets
+    loaded) and the tool-call family the backend parses."""
     resolved = str(Path(path).expanduser().resolve())
-    return (resolved, dtype, device, tuple(sorted((memory or {}).items())))
+    return (resolved, options.key(), family)
 
 
 def shared_engine(
     path: str | Path,
+    options: EngineOptions | None = None,
     *,
-    dtype: str = "float32",
-    device: str = "cpu",
-    memory: dict[str, Any] | None = None,
     family: str | None = None,
     max_anchors: int = 32,
 ) -> EngineHandle:
-    """The shared handle for `path` (an HF checkpoint folder or an .ftw file), loading on first use.
+    """The shared handle for `path` (an HF checkpoint folder or an .ftw file) loaded with
+    `options` (`freetoken_agents.engine.EngineOptions`: device, dtype, memory, placement...,
+    passed to `Engine.from_options` unchanged), loading on first use.
 
-    `dtype` is a torch dtype name ("float32", "bfloat16"); `memory` holds `MemoryBudget` fields.
-    Raises whatever `Engine.from_pretrained` raises (CheckpointError, FTWFormatError, ...).
+    Raises whatever `Engine.from_pretrained` raises (CheckpointError, FTWFormatError,
+    MemoryBudgetError, EngineError...).
     """
-    key = engine_key(path, dtype, device, memory)
+    options = options or EngineOptions()
+    key = engine_key(path, options, family)
     handle = _HANDLES.get(key)
     if handle is not None:
         return handle
     with _LOAD_LOCK:
         handle = _HANDLES.get(key)
         if handle is None:
-            import torch
-
-            from freetoken_agents.engine import Engine
-            from freetoken_agents.engine.memory import MemoryBudget
-
-            budget = MemoryBudget(**memory) if memory else None
-            engine = Engine.from_pretrained(key[0], dtype=getattr(torch, dtype), device=device, memory=budget)
+            engine = Engine.from_options(key[0], options)
             backend = LangChainBackend(engine, family=family)
             handle = EngineHandle(engine, backend, PrefixCache(max_entries=max_anchors))
             _HANDLES[key] = handle
-            logger.info("loaded engine for %s (%s, %s)", key[0], dtype, device)
+            logger.info("loaded engine for %s (%s)", key[0], engine.stats()["placement"])
     return handle
 
 
