@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,8 @@ class Engine:
             on_resize=on_kv_resize,
         )
         self.max_context = spec.max_position_embeddings
+        # Held by every session step (`Session`): many callers, one engine state.
+        self.lock = threading.RLock()
         self._model_fingerprint = self._fingerprint()
 
     # ---- loading ----------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -9,10 +10,14 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from .errors import MemoryBudgetError
+
 if TYPE_CHECKING:
     from .session import Session
 
-FinishReason = Literal["length", "stop_token", "stop_string"]
+logger = logging.getLogger(__name__)
+
+FinishReason = Literal["length", "stop_token", "stop_string", "memory"]
 
 
 class SamplingParams(BaseModel):
@@ -116,6 +121,11 @@ def stream_tokens(
     known not to be; a stop string is cut from the text and generation ends at the token that
     completed it. The last token is appended to the session as pending (not yet run), so the
     session holds the whole sequence and a later prefill continues from it.
+
+    A token's event is yielded once the model has run it (its KV is cached), so when a memory
+    limit (`MemoryBudgetError`: the KV cache or the fast budget is full) stops generation, the
+    tokens produced so far are all delivered: the last one ends with finish_reason "memory".
+    A prompt that does not fit raises MemoryBudgetError (nothing was produced).
     """
     if params.max_new_tokens == 0:
         return
@@ -143,10 +153,17 @@ def stream_tokens(
             session.append_unprocessed(token)
             yield TokenEvent(token, text[emitted:] + tracker.flush(), "length")
             return
+        try:
+            next_logits = session.decode(token)
+        except MemoryBudgetError as e:
+            logger.warning("generation stopped after %d tokens by a memory limit: %s", step + 1, e)
+            session.append_unprocessed(token)
+            yield TokenEvent(token, text[emitted:] + tracker.flush(), "memory")
+            return
         safe = len(text) - _held_back(text, params.stop_strings)
         yield TokenEvent(token, text[emitted:safe])
         emitted = safe
-        logits = session.decode(token)
+        logits = next_logits
 
 
 def _first_stop(text: str, stops: Sequence[str]) -> int | None:

@@ -10,9 +10,10 @@ to it by pointer work: the session takes a fork of the anchor's block table and 
 
 from __future__ import annotations
 
+import functools
 import uuid
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -24,9 +25,29 @@ from .layers import StepContext, rope_cos_sin
 if TYPE_CHECKING:
     from .engine import Engine
 
+T = TypeVar("T")
+
+
+def _engine_step(method: Callable[..., T]) -> Callable[..., T]:
+    """Run a Session method under its engine's lock (see `Session`)."""
+
+    @functools.wraps(method)
+    def locked(self: Session, *args: Any, **kwargs: Any) -> T:
+        with self.engine.lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
 
 class Session:
-    """Created by `Engine.new_session()`. Not thread-safe; one sequence per session."""
+    """Created by `Engine.new_session()`; one sequence per session.
+
+    Many sessions of one engine may run in different threads: every step that touches the
+    engine's shared state (the forward pass, which writes the KV pool and moves experts; truncate,
+    fork, anchor, rollback, close) holds `engine.lock` for that step only, so steps of different
+    sessions interleave, each session sees only its own KV, and a session's results are exactly
+    what it would get alone. One session must not be used by two threads at once.
+    """
 
     def __init__(
         self, engine: Engine, table: BlockTable | None = None, token_ids: Sequence[int] = ()
@@ -56,6 +77,7 @@ class Session:
         return self.table.length
 
     # ---- model steps ------------------------------------------------------------------------
+    @_engine_step
     def prefill(self, token_ids: Sequence[int] | torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
         """Append `token_ids` and run them. Returns logits [T, V] (T = len(token_ids)), or [1, V]
         for the last token only with `last_only`."""
@@ -77,6 +99,7 @@ class Session:
         self._validate([token_id])
         self._pending.append(token_id)
 
+    @_engine_step
     def truncate(self, position: int) -> None:
         """Keep the first `position` tokens. O(number of KV blocks)."""
         self._check_open()
@@ -90,6 +113,7 @@ class Session:
         while self._lineage and self._lineage[-1][0] > position:
             self._lineage.pop()
 
+    @_engine_step
     def fork(self) -> Session:
         """An independent session sharing this one's KV blocks (copy-on-write). O(blocks)."""
         self._check_open()
@@ -104,6 +128,7 @@ class Session:
         """The nearest anchor at or before the current position on this branch, if any."""
         return self._lineage[-1][1] if self._lineage else None
 
+    @_engine_step
     def anchor(self, kind: str, label: str | None = None) -> Anchor:
         """Pin the current state in `engine.anchors` and return its (immutable) record.
 
@@ -121,6 +146,7 @@ class Session:
             self._lineage.append((anchor.position, anchor.id))
         return anchor
 
+    @_engine_step
     def rollback(self, anchor: Anchor | str, validate: Validation = "signature") -> Anchor:
         """Return to `anchor` (a record or its id): its token ids and KV, by pointer work.
 
@@ -150,6 +176,7 @@ class Session:
         restore_expert_state(self.engine.experts, found.expert_state)
         return found
 
+    @_engine_step
     def close(self) -> None:
         """Release the session's KV blocks. Idempotent."""
         if not self._closed:
