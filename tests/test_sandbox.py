@@ -1,8 +1,10 @@
 """The recipes' sandbox: runaway programs are stopped and reported, and the host is unharmed.
 
-Both isolation levels run where they can: `process` (rlimits + audit hook) everywhere, and
-`namespaces` (unique uid, read-only mounts, no network, PID namespace) on Linux as root, which
-is where these tests run in CI; elsewhere those cases are skipped with the reason."""
+Both isolation levels run where they can: `process` (rlimits + audit hook, an unprivileged uid
+when root) everywhere, and `namespaces` (unique uid, a new root with a read-only runtime view, no
+network, PID/IPC/UTS namespaces) on Linux as root, which is where these tests run in CI; elsewhere
+those cases are skipped with the reason. The coding recipe's verdict and the isolation attacks
+are in test_sandbox_attacks.py."""
 
 from __future__ import annotations
 
