@@ -1,57 +1,194 @@
-"""The coding recipe's test runner, run inside the sandbox as `main.py NONCE`: executes
-`solution.py`, then each assert of `tests.json`, and prints NONCE only when all of them pass.
+"""The coding recipe's program inside the sandbox: it runs `solution.py`, then answers calls.
 
-A failure ends the run with one line on stderr in the format the embedded model was trained on
-(`recipes/tiny/corpus.py`): `AssertionError: f(3) returned 5, expected 7`, `SyntaxError: invalid
-syntax (line 2)`, or Python's own last traceback line (`NameError: name 'a' is not defined`).
-This file is copied into the sandbox and run there as a script; importing it does nothing.
+It never sees a test. `check_code` (`_code_judge.py`, in the trusted process) evaluates each test
+itself; every name the test takes from the solution is looked up here (`describe`) and every call
+of a solution function runs here (`call`), its arguments and result crossing the channel as plain
+data. So the verdict is never something this process reports: code that exits early, patches
+`sys.exit`, `atexit` or builtins, or prints anything has made no call return a right value, and
+that is all the judge counts.
+
+Channel: the fds in FREETOKEN_SANDBOX_CHANNEL ("READ,WRITE"), framing as in `_sandbox_channel.py`.
+This process sends first: {"ready": true} once solution.py ran, or {"error": LINE} when it could
+not (`SyntaxError: MSG (line N)` or the last line of the traceback, the format the embedded model
+was trained on, `recipes/tiny/corpus.py`). Then, per request:
+
+- {"op": "describe", "name": N} -> {"kind": "missing" | "callable" | "opaque", "type": T}
+  | {"kind": "module", "module": M} | {"kind": "value", "value": ENCODED}
+- {"op": "call", "name": N, "args": [ENCODED...], "kwargs": [[K, ENCODED]...]} -> {"value": ENCODED}
+  | {"raised": {"type": T, "line": LINE}} | {"unsupported": T} (a result that is not plain data)
+
+Plain data (`encode` / `decode`, used on both sides): None, bool, int, float and str as JSON, lists
+as arrays, and objects with one key for the rest: {"tuple": [...]}, {"dict": [[k, v], ...]},
+{"set": [...]}, {"frozenset": [...]}, {"bytes": HEX}, {"complex": [re, im]}. Only these exact types
+(no subclasses: they could compare equal to anything) and at most `MAX_DEPTH` levels.
+
+This file is copied into the sandbox and run there as `main.py`; importing it does nothing.
 """
 
-import ast
 import json
+import os
 import sys
+import traceback
+
+MAX_DEPTH = 64
+MAX_INT_BITS = 14_000  # JSON ints go through str(): Python refuses more than 4,300 digits
+_TAGS = ("tuple", "dict", "set", "frozenset", "bytes", "complex")
 
 
-def _describe(test: str, namespace: dict, error: AssertionError) -> str:
-    """`assert CALL == EXPECTED` -> 'AssertionError: CALL returned GOT, expected EXPECTED'."""
-    if error.args:
-        return f"AssertionError: {error.args[0]}"
+class Unsupported(TypeError):
+    """A value that is not plain data (its type name is the message)."""
+
+
+def encode(value, depth=0):
+    """`value` as JSON-ready plain data; Unsupported for anything else."""
+    if depth > MAX_DEPTH:
+        raise Unsupported(f"nesting deeper than {MAX_DEPTH}")
+    kind = type(value)
+    if kind is int and value.bit_length() > MAX_INT_BITS:
+        raise Unsupported(f"int of more than {MAX_INT_BITS} bits")
+    if value is None or kind in (bool, int, float, str):
+        return value
+    if kind is list:
+        return [encode(v, depth + 1) for v in value]
+    if kind is tuple:
+        return {"tuple": [encode(v, depth + 1) for v in value]}
+    if kind is dict:
+        return {"dict": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
+    if kind in (set, frozenset):
+        return {kind.__name__: [encode(v, depth + 1) for v in value]}
+    if kind is bytes:
+        return {"bytes": value.hex()}
+    if kind is complex:
+        return {"complex": [value.real, value.imag]}
+    raise Unsupported(kind.__name__)
+
+
+def decode(data, depth=0):
+    """The value `encode` made `data` from; ValueError for anything `encode` cannot have made."""
+    if depth > MAX_DEPTH:
+        raise ValueError(f"nesting deeper than {MAX_DEPTH}")
+    kind = type(data)
+    if data is None or kind in (bool, int, float, str):
+        return data
+    if kind is list:
+        return [decode(v, depth + 1) for v in data]
+    if kind is not dict or len(data) != 1 or next(iter(data)) not in _TAGS:
+        raise ValueError(f"not plain data: {str(data)[:60]}")
+    tag, body = next(iter(data.items()))
+    if tag == "bytes":
+        if type(body) is not str:
+            raise ValueError("bytes must be hex text")
+        return bytes.fromhex(body)
+    if type(body) is not list:
+        raise ValueError(f"{tag} needs a list")
+    if tag == "complex":
+        if len(body) != 2 or any(type(x) not in (int, float) for x in body):
+            raise ValueError("complex needs [re, im]")
+        return complex(body[0], body[1])
+    items = [decode(v, depth + 1) for v in body]
     try:
-        node = ast.parse(test).body[0]
-    except SyntaxError:
-        return f"AssertionError: {test}"
-    if isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare):
-        compare = node.test
-        if len(compare.ops) == 1 and isinstance(compare.ops[0], ast.Eq):
-            call = ast.unparse(compare.left)
-            got = eval(compile(ast.Expression(compare.left), "<test>", "eval"), namespace)
-            return f"AssertionError: {call} returned {got!r}, expected {ast.unparse(compare.comparators[0])}"
-    return f"AssertionError: {test.removeprefix('assert ').strip()} is false"
+        if tag == "tuple":
+            return tuple(items)
+        if tag == "set":
+            return set(items)
+        if tag == "frozenset":
+            return frozenset(items)
+        if any(type(pair) is not list or len(pair) != 2 for pair in items):
+            raise ValueError("dict needs [key, value] pairs")
+        return {k: v for k, v in items}
+    except TypeError as e:  # an unhashable key or member
+        raise ValueError(str(e)) from None
 
 
-def _fail(line: str) -> None:
-    sys.stderr.write(line + "\n")
-    sys.exit(1)
+def error_line(error):
+    """The last line of the traceback of `error`: 'NameError: name 'a' is not defined'."""
+    return traceback.format_exception_only(type(error), error)[-1].strip()
 
 
-def main(nonce: str) -> None:
+class _Channel:
+    def __init__(self, spec):
+        self.read_fd, self.write_fd = (int(x) for x in spec.split(","))
+
+    def send(self, message):
+        data = json.dumps(message, separators=(",", ":")).encode()
+        data = len(data).to_bytes(4, "big") + data
+        while data:
+            data = data[os.write(self.write_fd, data) :]
+
+    def _read(self, n):
+        chunks = b""
+        while len(chunks) < n:
+            more = os.read(self.read_fd, n - len(chunks))
+            if not more:
+                return None
+            chunks += more
+        return chunks
+
+    def receive(self):
+        head = self._read(4)
+        body = None if head is None else self._read(int.from_bytes(head, "big"))
+        return None if body is None else json.loads(body.decode())
+
+
+def _describe(namespace, name):
+    if name not in namespace:
+        return {"kind": "missing"}
+    value = namespace[name]
+    if type(value).__name__ == "module":
+        return {"kind": "module", "module": value.__name__}
+    if callable(value):
+        return {"kind": "callable"}
+    try:
+        return {"kind": "value", "value": encode(value)}
+    except Unsupported:
+        return {"kind": "opaque", "type": type(value).__name__}
+
+
+def _call(namespace, request):
+    function = namespace.get(request["name"])
+    args = [decode(a) for a in request["args"]]
+    kwargs = {k: decode(v) for k, v in request["kwargs"]}
+    try:
+        result = function(*args, **kwargs)
+    except MemoryError:
+        raise  # ends the run: reported as the memory limit
+    except BaseException as e:  # SystemExit and friends too: a call that does not return failed
+        return {"raised": {"type": type(e).__name__, "line": error_line(e)}}
+    try:
+        return {"value": encode(result)}
+    except Unsupported as e:
+        return {"unsupported": str(e)}
+
+
+def main():
+    channel = _Channel(os.environ["FREETOKEN_SANDBOX_CHANNEL"])
     with open("solution.py") as f:
         source = f.read()
-    with open("tests.json") as f:
-        tests = json.load(f)
     try:
         code = compile(source, "solution.py", "exec")
     except SyntaxError as e:
-        _fail(f"SyntaxError: {e.msg} (line {e.lineno})")
-    namespace: dict = {"__name__": "solution"}
-    exec(code, namespace)  # an exception here ends the run with its traceback
-    for test in tests:
-        try:
-            exec(compile(test, "<test>", "exec"), namespace)
-        except AssertionError as e:
-            _fail(_describe(test, namespace, e))
-    sys.stdout.write(nonce + "\n")
+        channel.send({"error": f"SyntaxError: {e.msg} (line {e.lineno})"})
+        return
+    namespace = {"__name__": "solution"}
+    try:
+        exec(code, namespace)
+    except (SystemExit, MemoryError):
+        raise  # exiting before the tests ran is reported as such
+    except BaseException as e:
+        traceback.print_exc()
+        channel.send({"error": error_line(e)})
+        return
+    channel.send({"ready": True})
+    while True:
+        request = channel.receive()
+        if request is None:
+            return
+        if request.get("op") == "describe":
+            channel.send(_describe(namespace, request["name"]))
+        else:
+            channel.send(_call(namespace, request))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()
+    sys.stdout.flush()

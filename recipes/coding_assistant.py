@@ -15,10 +15,8 @@ sampled (seeded), so a retry can differ from what failed.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
-import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +32,7 @@ from freetoken_agents.anchors import AnchorHandle
 from freetoken_agents.trace import AnchorRecord, RollbackRecord
 
 from . import RECIPES, RecipeError
+from ._code_judge import Judge
 from ._common import Write, add_model_argument, load_model, recipe_main, stdout_write
 from ._printing import CodingPrinter
 from .sandbox import Isolation, SandboxLimits, SandboxResult, run_python
@@ -116,13 +115,15 @@ class CodingEvent:
 def check_code(
     code: str, tests: Sequence[str], *, limits: SandboxLimits | None = None, isolation: Isolation = "auto"
 ) -> SandboxResult:
-    """Run `code` and then each test (an assert statement) in the sandbox. passed: all held."""
-    nonce = secrets.token_hex(8)
-    files = {"solution.py": code, "tests.json": json.dumps(list(tests))}
-    result = run_python(_HARNESS.read_text(), files=files, args=[nonce], limits=limits, isolation=isolation)
-    if result.passed and nonce not in result.stdout.split():
-        return result.model_copy(update={"passed": False, "error": "the program exited before its tests ran"})
-    return result
+    """Run `code` in the sandbox and check each test (an assert statement) against it. passed: all
+    held. The verdict is this process's (`_code_judge.py`): the tests are evaluated here and only
+    calls of the code's functions run in the sandbox, so code that exits early, patches
+    sys.exit/atexit/builtins or prints anything fails. ValueError for a test that is not Python."""
+    judge = Judge(list(tests))
+    result = run_python(
+        _HARNESS.read_text(), files={"solution.py": code}, limits=limits, isolation=isolation, driver=judge
+    )
+    return judge.result(result)
 
 
 def solve(
