@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from operator import itemgetter
 from typing import Any, Literal
@@ -289,17 +290,47 @@ class ChatFreeToken(BaseChatModel):
     async def _aturn(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], state: TurnState
     ) -> AsyncIterator[AIMessageChunk]:
-        """The turn with every engine step (load, prefill, each decode) in a worker thread, so the
-        event loop keeps running between tokens and concurrent calls queue on the engine lock."""
-        gen = await asyncio.to_thread(self._turn, messages, stop, kwargs, state)
+        """The turn in a thread of its own, its chunks handed to the event loop as they come, so
+        the loop keeps running between tokens.
+
+        Its own thread, not the loop's default executor: concurrent calls wait for the shared
+        engine handle (one turn at a time on its session) inside their threads, and with the
+        executor's few workers all waiting, the turn holding the handle never got a worker back
+        for its next step (7 concurrent ainvoke calls hung forever on 2 cores). A consumer that
+        stops early (cancelled, closed) stops the turn after its current step."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
+        stopped = threading.Event()
+
+        def hand_over(item: tuple[Any, BaseException | None]) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                stopped.set()
+
+        def produce() -> None:
+            try:
+                turn = self._turn(messages, stop, kwargs, state)
+                try:
+                    for chunk in turn:
+                        hand_over((chunk, None))
+                        if stopped.is_set():
+                            break
+                finally:
+                    turn.close()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's task
+                hand_over((_END, e))
+                return
+            hand_over((_END, None))
+
+        threading.Thread(target=produce, name="freetoken-turn", daemon=True).start()
         try:
             while True:
-                chunk = await asyncio.to_thread(next, gen, _END)
+                chunk, error = await queue.get()
                 if chunk is _END:
+                    if error is not None:
+                        raise error
                     return
                 yield chunk
         finally:
-            try:
-                await asyncio.to_thread(gen.close)
-            except ValueError:  # still executing in a cancelled worker; it finishes and is collected
-                logger.debug("turn generator still running at close")
+            stopped.set()
