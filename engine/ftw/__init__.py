@@ -3,8 +3,8 @@
 - `codecs`: per-scheme quantization codecs (fp32, bf16, fp8_e4m3 block-scaled, int8 per-channel,
   mxfp4) producing `EncodedTensor` objects, plus wrappers for already-quantized gpt-oss MXFP4 and
   DeepSeek-V3 fp8 weights.
-- `container`: `FTWWriter` / `FTWFile`, one file per model with a JSON manifest, zero-copy dense
-  tensors and 4 KiB-aligned, checksummed, optionally zstd-compressed expert blocks.
+- `container`: `FTWWriter` / `FTWFile`, one file per model with a JSON manifest, dense tensors
+  (read into memory of their own) and 4 KiB-aligned, checksummed, optionally zstd-compressed expert blocks.
 """
 
 from __future__ import annotations

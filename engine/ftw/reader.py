@@ -1,9 +1,13 @@
 """`FTWFile`: open, validate and read an FTW file (layout in `layout.py`).
 
 Opening reads and checks the fixed header and the manifest (checksums, version, every record's
-bounds), so a truncated or foreign file fails at open. Dense tensors are zero-copy views of a
-private (copy-on-write) memory map; expert blocks are read with ``os.pread`` on demand, one block at
-a time, and verified against their checksum before anything is decoded. Reading is thread-safe.
+bounds), so a truncated or foreign file fails at open. Nothing is memory-mapped: dense tensors are
+read with ``os.preadv`` into tensors of their own (a file changed or truncated afterwards cannot
+change them or fault on them: a map of a shrunk file raises SIGBUS, a shared page silently takes
+the new bytes), and expert blocks are read with ``os.pread`` on demand, one block at a time, and
+verified against their checksum before anything is decoded. A read that comes back short raises
+FTWFormatError ("file truncated"), a checksum that no longer matches raises FTWFormatError naming
+the tensor or block. Reading is thread-safe.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ import base64
 import binascii
 import json
 import logging
-import mmap
 import os
 import threading
 import warnings
@@ -72,15 +75,13 @@ class FTWFile:
     Attributes:
         path: the file path.
         bytes_read: number of expert-block bytes (block header + stored bytes) read from the file
-            so far, by any method; dense tensors (memory-mapped) are not counted.
+            so far, by any method; dense tensor reads are not counted.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self.bytes_read = 0
         self._lock = threading.Lock()
-        self._mm: mmap.mmap | None = None
-        self._mm_base = 0
         try:
             self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         except OSError as e:
@@ -171,7 +172,6 @@ class FTWFile:
         for key, x in self._experts.items():
             if x.offset < ALIGNMENT or x.data_offset + x.stored_length > m_off:
                 raise self._err("block lies outside the data region", offset=x.offset, key=key)
-        self._map_dense()
         logger.debug(
             "opened %s: FTW %d.%d, %d dense, %d experts",
             self.path,
@@ -180,16 +180,6 @@ class FTWFile:
             len(self._dense),
             len(self._experts),
         )
-
-    def _map_dense(self) -> None:
-        """Map the span of the file that holds dense tensors (copy-on-write, page aligned)."""
-        if not self._dense or all(d.nbytes == 0 for d in self._dense.values()):
-            return
-        lo = min(d.offset for d in self._dense.values()) // mmap.ALLOCATIONGRANULARITY
-        lo *= mmap.ALLOCATIONGRANULARITY
-        hi = max(d.offset + d.nbytes for d in self._dense.values())
-        self._mm = mmap.mmap(self._fd, hi - lo, access=mmap.ACCESS_COPY, offset=lo)
-        self._mm_base = lo
 
     # -- metadata --------------------------------------------------------------------------------
     @property
@@ -223,24 +213,35 @@ class FTWFile:
             raise self._err(f"no dense tensor named {name!r}") from None
 
     def dense(self, name: str, *, verify: bool = False) -> torch.Tensor:
-        """Zero-copy tensor of dense tensor ``name`` (its stored dtype and shape).
+        """Dense tensor ``name`` (its stored dtype and shape), read from the file into memory it owns.
 
-        The tensor is a view of a private copy-on-write mapping: it never modifies the file, and
-        pages are shared with the page cache until written. Treat it as read-only (in-place writes
-        cost a private page copy and are visible to every view of that tensor in this process);
-        ``clone()`` it to own a copy. ``verify=True`` checks its xxhash64 first (reads it all).
+        Every call reads the file again and returns a new tensor: writing to it never reaches the
+        file or another caller, and a later change to the file never reaches it. FTWFormatError when
+        the file is closed or now shorter than the tensor's bytes ("file truncated"), and with
+        ``verify=True`` when its bytes no longer match the manifest's xxhash64.
         """
         d = self.dense_info(name)
+        tensor = torch.empty(d.shape, dtype=DTYPES[d.dtype])
         if d.nbytes == 0:
-            return torch.empty(d.shape, dtype=DTYPES[d.dtype])
-        if self._mm is None:
+            return tensor
+        if self._fd < 0:
             raise self._err("file is closed")
-        t = _view(self._mm, DTYPES[d.dtype], d.shape, d.offset - self._mm_base)
-        if verify:
-            h = xxhash.xxh64_intdigest(memoryview(self._mm)[d.offset - self._mm_base :][: d.nbytes])
-            if hex64(h) != d.xxhash64:
-                raise self._err(f"dense tensor {name!r}: checksum mismatch", offset=d.offset)
-        return t
+        buf = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        if len(buf) != d.nbytes:
+            raise self._err(f"dense tensor {name!r}: {d.nbytes} bytes cannot hold {list(d.shape)} {d.dtype}")
+        self._pread_into(buf, d.offset)
+        if verify and hex64(xxhash.xxh64_intdigest(buf)) != d.xxhash64:
+            raise self._err(f"dense tensor {name!r}: checksum mismatch", offset=d.offset)
+        return tensor
+
+    def _pread_into(self, buf: memoryview, offset: int) -> None:
+        """Fill `buf` from the file at `offset` (FTWFormatError if the file ends first)."""
+        got = 0
+        while got < len(buf):
+            n = os.preadv(self._fd, [buf[got : got + (1 << 30)]], offset + got)
+            if n == 0:
+                raise self._err(f"file truncated: wanted {len(buf)} bytes, got {got}", offset=offset)
+            got += n
 
     # -- experts ---------------------------------------------------------------------------------
     def expert_keys(self) -> list[tuple[int, int]]:
@@ -419,14 +420,7 @@ class FTWFile:
 
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
-        """Close the file. Idempotent.
-
-        Dense tensors returned earlier stay valid: their mapping lives until the last one is freed.
-        """
-        # Never mmap.close(): torch.frombuffer keeps a reference to the map but no buffer export,
-        # so closing it would unmap memory under live dense tensors. Dropping our reference unmaps
-        # it as soon as the last dense tensor is freed.
-        self._mm = None
+        """Close the file. Idempotent. Dense tensors returned earlier own their memory and stay valid."""
         if getattr(self, "_fd", -1) >= 0:
             os.close(self._fd)
             self._fd = -1
