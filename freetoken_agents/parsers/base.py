@@ -18,6 +18,11 @@ class ParsedToolCall(BaseModel):
     arguments: dict[str, Any] | str
     raw: str = ""
     error: str | None = Field(default=None, description="why the call is malformed, if it is")
+    offset: int = Field(
+        default=0,
+        description="index in the parsed text where the call's text starts (its marker; for a "
+        "list of calls behind one marker, the marker's)",
+    )
 
 
 class ParseResult(BaseModel):
@@ -26,6 +31,7 @@ class ParseResult(BaseModel):
     content: str = Field(description="text outside tool calls")
     calls: list[ParsedToolCall] = Field(default_factory=list)
     partial: str | None = Field(default=None, description="an unterminated call's text, if any")
+    partial_offset: int | None = Field(default=None, description="where the unterminated call starts")
 
     @property
     def malformed(self) -> list[ParsedToolCall]:
@@ -60,9 +66,11 @@ class ToolCallParser(ABC):
         """True when the call's name is part of the prefix (the body holds only arguments)."""
         return False
 
-    def call_started(self, text: str) -> int | None:
-        """Index in `text` where a tool call starts, or None."""
-        i = text.find(self.start)
+    def call_started(self, text: str, since: int = 0) -> int | None:
+        """Index in `text` where a tool call starts, or None. Only a marker ending after index
+        `since` counts, so a streamer that passes the length it searched last time does O(new
+        text) work per call instead of rescanning the whole turn."""
+        i = text.find(self.start, max(0, since - len(self.start) + 1))
         return i if i >= 0 else None
 
     def held_back(self, text: str) -> int:
@@ -84,16 +92,30 @@ def load_arguments(raw: str) -> tuple[dict[str, Any] | str, str | None]:
     return value, None
 
 
-def split_blocks(text: str, start: str, end: str) -> tuple[str, list[str], str | None]:
-    """Text outside `start..end` blocks, the blocks' insides, and an unterminated block's text."""
+class Blocks(BaseModel):
+    """`start..end` blocks found in a text (see `split_blocks`)."""
+
+    rest: str = Field(description="the text outside complete blocks, up to an unterminated one")
+    blocks: list[tuple[int, str]] = Field(description="(offset of the block's start marker, inside)")
+    partial: str | None = Field(default=None, description="an unterminated block's text")
+    partial_offset: int | None = None
+
+
+def split_blocks(text: str, start: str, end: str) -> Blocks:
+    """Split `text` into complete `start..end` blocks, the text outside them and an unterminated
+    block (offsets index `text`)."""
     pattern = re.compile(re.escape(start) + r"(.*?)" + re.escape(end), re.S)
-    blocks = [m.group(1) for m in pattern.finditer(text)]
-    rest = pattern.sub("", text)
-    partial = None
-    i = rest.find(start)
+    blocks, pieces, last = [], [], 0
+    for m in pattern.finditer(text):
+        blocks.append((m.start(), m.group(1)))
+        pieces.append(text[last : m.start()])
+        last = m.end()
+    tail = text[last:]
+    partial = partial_offset = None
+    i = tail.find(start)
     if i >= 0:
-        rest, partial = rest[:i], rest[i:]
-    return rest, blocks, partial
+        tail, partial, partial_offset = tail[:i], tail[i:], last + i
+    return Blocks(rest="".join(pieces) + tail, blocks=blocks, partial=partial, partial_offset=partial_offset)
 
 
 def tools_by_name(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -19,20 +19,25 @@ class DeepSeekParser(ToolCallParser):
     end = CALLS_END
 
     def parse(self, text: str) -> ParseResult:
-        content, groups, partial = split_blocks(text, CALLS_BEGIN, CALLS_END)
+        groups = split_blocks(text, CALLS_BEGIN, CALLS_END)
+        partial, partial_offset = groups.partial, groups.partial_offset
         calls = []
-        for group in groups:
-            inner, blocks, open_call = split_blocks(group, CALL_BEGIN, CALL_END)
-            for raw in blocks:
+        for offset, group in groups.blocks:
+            inner = split_blocks(group, CALL_BEGIN, CALL_END)
+            for _, raw in inner.blocks:
                 m = _CALL.match(raw)
                 if not m:
-                    calls.append(ParsedToolCall(name="", arguments=raw, raw=raw, error="call is malformed"))
+                    error = "call is malformed"
+                    calls.append(ParsedToolCall(name="", arguments=raw, raw=raw, error=error, offset=offset))
                     continue
                 args, error = load_arguments(m.group(2))
-                calls.append(ParsedToolCall(name=m.group(1).strip(), arguments=args, raw=raw, error=error))
-            if open_call:
-                partial = open_call
-        return ParseResult(content=content.strip(), calls=calls, partial=partial)
+                name = m.group(1).strip()
+                calls.append(ParsedToolCall(name=name, arguments=args, raw=raw, error=error, offset=offset))
+            if inner.partial:
+                partial, partial_offset = inner.partial, offset
+        return ParseResult(
+            content=groups.rest.strip(), calls=calls, partial=partial, partial_offset=partial_offset
+        )
 
     def needs_name_in_prefix(self) -> bool:
         return True

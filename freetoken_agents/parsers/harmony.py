@@ -22,18 +22,24 @@ class HarmonyParser(ToolCallParser):
     end = "<|call|>"
 
     def parse(self, text: str) -> ParseResult:
-        calls = []
+        calls, pieces, last = [], [], 0
         for m in _CALL.finditer(text):
             args, error = load_arguments(m.group(2))
-            calls.append(ParsedToolCall(name=m.group(1), arguments=args, raw=m.group(0), error=error))
-        rest = _CALL.sub("", text)
-        partial = None
-        i = rest.find(self.start)
+            raw, offset = m.group(0), m.start()
+            calls.append(ParsedToolCall(name=m.group(1), arguments=args, raw=raw, error=error, offset=offset))
+            pieces.append(text[last : m.start()])
+            last = m.end()
+        tail = text[last:]
+        partial = partial_offset = None
+        i = tail.find(self.start)
         if i >= 0:
-            rest, partial = rest[:i], rest[i:]
+            tail, partial, partial_offset = tail[:i], tail[i:], last + i
+        rest = "".join(pieces) + tail
         final = _FINAL.search(rest)
         content = final.group(1) if final else re.sub(r"<\|[a-z]+\|>", "", rest)
-        return ParseResult(content=content.strip(), calls=calls, partial=partial)
+        return ParseResult(
+            content=content.strip(), calls=calls, partial=partial, partial_offset=partial_offset
+        )
 
     def needs_name_in_prefix(self) -> bool:
         return True

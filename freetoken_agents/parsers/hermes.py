@@ -14,18 +14,18 @@ class HermesParser(ToolCallParser):
     end = "</tool_call>"
 
     def parse(self, text: str) -> ParseResult:
-        content, blocks, partial = split_blocks(text, self.start, self.end)
+        found = split_blocks(text, self.start, self.end)
         calls = []
-        for raw in blocks:
+        for offset, raw in found.blocks:
             try:
                 obj = json.loads(raw)
             except json.JSONDecodeError as e:
-                calls.append(
-                    ParsedToolCall(name="", arguments=raw, raw=raw, error=f"call is not JSON: {e.msg}")
-                )
+                error = f"call is not JSON: {e.msg}"
+                calls.append(ParsedToolCall(name="", arguments=raw, raw=raw, error=error, offset=offset))
                 continue
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                calls.append(ParsedToolCall(name="", arguments=raw, raw=raw, error="call has no 'name'"))
+                error = "call has no 'name'"
+                calls.append(ParsedToolCall(name="", arguments=raw, raw=raw, error=error, offset=offset))
                 continue
             args = obj.get("arguments", obj.get("parameters", {}))
             error = None
@@ -33,8 +33,15 @@ class HermesParser(ToolCallParser):
                 args, error = load_arguments(args)
             elif not isinstance(args, dict):
                 args, error = json.dumps(args), "arguments must be a JSON object"
-            calls.append(ParsedToolCall(name=obj["name"], arguments=args, raw=raw, error=error))
-        return ParseResult(content=content.strip(), calls=calls, partial=partial)
+            calls.append(
+                ParsedToolCall(name=obj["name"], arguments=args, raw=raw, error=error, offset=offset)
+            )
+        return ParseResult(
+            content=found.rest.strip(),
+            calls=calls,
+            partial=found.partial,
+            partial_offset=found.partial_offset,
+        )
 
     def call_prefix(self, name: str | None) -> str:
         return self.start + "\n"

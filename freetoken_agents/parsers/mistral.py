@@ -21,18 +21,19 @@ class MistralParser(ToolCallParser):
         try:
             value, _ = json.JSONDecoder().raw_decode(body)
         except json.JSONDecodeError:
-            return ParseResult(content=content.strip(), partial=text[i:])
+            return ParseResult(content=content.strip(), partial=text[i:], partial_offset=i)
         items = value if isinstance(value, list) else [value]
         calls = []
         for item in items:
             raw = json.dumps(item)
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-                calls.append(ParsedToolCall(name="", arguments=raw, raw=raw, error="call has no 'name'"))
+                error = "call has no 'name'"
+                calls.append(ParsedToolCall(name="", arguments=raw, raw=raw, error=error, offset=i))
                 continue
             args, error = item.get("arguments", {}), None
             if isinstance(args, str):
                 args, error = load_arguments(args)
-            calls.append(ParsedToolCall(name=item["name"], arguments=args, raw=raw, error=error))
+            calls.append(ParsedToolCall(name=item["name"], arguments=args, raw=raw, error=error, offset=i))
         return ParseResult(content=content.strip(), calls=calls)
 
     def call_prefix(self, name: str | None) -> str:
