@@ -1,24 +1,50 @@
-"""Grammar-constrained decoding of tool arguments with xgrammar.
+"""Grammar-constrained JSON decoding: the one path every constrained output takes.
+
+Tool-call arguments in an Agent turn, ChatFreeToken's forced calls and `with_structured_output`,
+and (later) the OpenAI-compatible server all decode through `ConstrainedDecode`:
+
+- the grammar comes from a `GrammarFactory` (xgrammar), compiled from the schema as given:
+  properties keep their declared order (a schema sorted with `sort_keys=True` put "arguments"
+  before "name", an order the model never saw, and it wrote garbage);
+- special and added tokens (`<|im_start|>`, `<tool_call>`, ...) are masked out: inside a JSON
+  string the grammar alone would accept them as literal text;
+- forced stretches (keys, punctuation) are jump-forwarded: prefilled in one batch, not decoded;
+- the value always closes inside its budget of sampled tokens (forced text is the schema's, not
+  the model's, and costs no decode step, so it does not count): near the end of the budget every
+  sampled token is checked against the cost of closing from there (simulated on a fork of the
+  matcher), and a token that would leave too little is replaced by a closing one (a string's
+  quote, a bracket). A budget below the schema's smallest completion is the caller's error
+  (TokenLimitTooSmall).
 
 Why xgrammar: maintained (MLC), CPU bitmask kernels (~20 us/token at a small vocab), JSON-schema
-compile in ~1.5 ms, jump-forward strings (forced text is prefilled in one batch, not decoded),
-and a matcher with rollback. outlines-core would work too but has no jump-forward string API.
+compile in ~1.5 ms, jump-forward tokens and matcher forks. outlines-core has no jump-forward API.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Literal
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, Protocol
 
 import torch
 from pydantic import BaseModel
+
+from freetoken_agents.engine.generate import Sampler
+
+from .detokenize import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
 ToolChoice = Literal["auto", "none", "required"] | str
 """'auto': the model decides (calls it starts are constrained); 'none': no tools; 'required':
 some tool must be called; any other string: that tool must be called."""
+
+CLOSING_SLACK = 8
+"""Start checking each sampled token against the closing cost this many tokens before the
+budget could run out (one token seldom adds more than this to the cost of closing)."""
+
+_SIMULATION_LIMIT = 256  # steps a closing-cost simulation may take before it counts as "too many"
 
 
 class NamedToolChoice(BaseModel):
@@ -29,14 +55,56 @@ def _xgrammar() -> Any:
     try:
         import xgrammar
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("constrained decoding needs xgrammar: pip install 'xgrammar>=0.1'") from e
+        raise ImportError("constrained decoding needs xgrammar: pip install 'xgrammar>=0.2'") from e
     return xgrammar
 
 
-class GrammarFactory:
-    """Compiles JSON-schema grammars for one tokenizer (cached per schema)."""
+class _Vocab:
+    """What the decoder needs to know about each token id, computed once per tokenizer.
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+    banned: special and added tokens, never allowed inside JSON (bool [V]).
+    string_close / bracket_close: preference scores (-inf: not a closer) of tokens that end an
+        open string (a quote, then only brackets or spaces) or close brackets (only `}`/`]`/spaces);
+        higher closes more. shortest: -(byte length), the fallback progress order.
+    """
+
+    def __init__(self, info: Any, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
+        self.size = vocab_size
+        self.stop_ids = frozenset(stop_ids)
+        pieces: list[bytes] = list(info.decoded_vocab)[:vocab_size]
+        pieces += [b""] * (vocab_size - len(pieces))
+        self.pieces = pieces
+        special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        special |= set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        self.banned_ids = frozenset(i for i in special if 0 <= i < vocab_size and i not in self.stop_ids)
+        ninf = float("-inf")
+        string_close, bracket_close, shortest = ([ninf] * vocab_size for _ in range(3))
+        for i, piece in enumerate(pieces):
+            if not piece or i in self.banned_ids or i in self.stop_ids:
+                continue
+            shortest[i] = -len(piece)
+            closing = sum(c in b"}]" for c in piece)
+            if piece[:1] == b'"' and all(c in b" }]" for c in piece[1:]):
+                string_close[i] = 1 + closing
+            if closing and all(c in b" }]" for c in piece):
+                bracket_close[i] = closing
+        self.banned = torch.zeros(vocab_size, dtype=torch.bool)
+        self.banned[list(self.banned_ids)] = True
+        self.string_close = torch.tensor(string_close)
+        self.bracket_close = torch.tensor(bracket_close)
+        self.shortest = torch.tensor(shortest)
+        self._banned_on: dict[torch.device, torch.Tensor] = {}
+
+    def banned_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._banned_on:
+            self._banned_on[device] = self.banned.to(device)
+        return self._banned_on[device]
+
+
+class GrammarFactory:
+    """Compiles JSON-schema grammars for one tokenizer (cached per schema, order kept)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         xgr = _xgrammar()
         # The model's vocab size, not the tokenizer's: padded logits must be masked too.
         self.info = xgr.TokenizerInfo.from_huggingface(
@@ -44,50 +112,274 @@ class GrammarFactory:
         )
         self.compiler = xgr.GrammarCompiler(self.info)
         self.vocab_size = vocab_size
+        self.vocab = _Vocab(self.info, tokenizer, vocab_size, stop_token_ids)
         self._cache: dict[str, Any] = {}
 
     def json_schema(self, schema: dict[str, Any]) -> JsonConstraint:
         # Property order is part of the grammar (xgrammar emits properties in schema order), so
-        # the schema is neither sorted for compiling nor for the cache key: a sorted schema put
-        # "arguments" before "name", an order the model never saw (it then wrote garbage).
+        # the schema is neither sorted for compiling nor for the cache key.
         key = json.dumps(schema)
         if key not in self._cache:
             self._cache[key] = self.compiler.compile_json_schema(key, any_whitespace=False, strict_mode=True)
-        return JsonConstraint(self._cache[key], self.vocab_size)
+        return JsonConstraint(self._cache[key], self.vocab)
+
+
+class _Lexer:
+    """Just enough JSON lexing to tell an open string from structure: (in_string, escaped, depth,
+    last structural byte)."""
+
+    __slots__ = ("depth", "escaped", "in_string", "last")
+
+    def __init__(self) -> None:
+        self.in_string, self.escaped, self.depth, self.last = False, False, 0, 0
+
+    def copy(self) -> _Lexer:
+        twin = _Lexer()
+        twin.in_string, twin.escaped, twin.depth, twin.last = (
+            self.in_string,
+            self.escaped,
+            self.depth,
+            self.last,
+        )
+        return twin
+
+    def feed(self, piece: bytes) -> None:
+        for c in piece:
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == 0x5C:  # backslash
+                    self.escaped = True
+                elif c == 0x22:  # quote
+                    self.in_string, self.last = False, c
+            elif c == 0x22:
+                self.in_string = True
+            elif c in b"{[":
+                self.depth += 1
+            elif c in b"}]":
+                self.depth, self.last = self.depth - 1, c
+            elif c not in b" \n\t\r":
+                self.last = c
+
+    @property
+    def closed(self) -> bool:
+        """The top-level value has ended with a quote or a bracket (nothing may follow it)."""
+        return not self.in_string and self.depth == 0 and self.last in (0x22, 0x5D, 0x7D)
 
 
 class JsonConstraint:
-    """One decode under a compiled grammar: mask logits, accept tokens, jump forward."""
+    """One JSON value under a compiled grammar: mask logits, accept tokens, jump forward, and
+    the cost (in tokens) of closing the value from the current state."""
 
-    def __init__(self, compiled: Any, vocab_size: int) -> None:
+    def __init__(self, compiled: Any, vocab: _Vocab) -> None:
         xgr = _xgrammar()
         self._xgr = xgr
+        self.vocab = vocab
         self.matcher = xgr.GrammarMatcher(compiled)
-        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab.size)
+        self.lexer = _Lexer()
 
+    # ---- state -----------------------------------------------------------------------------------
+    @property
+    def complete(self) -> bool:
+        """The text so far is a complete value (more may still be allowed: digits of a number)."""
+        return self.matcher.is_completed()
+
+    @property
+    def finished(self) -> bool:
+        """Complete and closed: nothing but the end may follow."""
+        return self.complete and self.lexer.closed
+
+    # ---- steps -----------------------------------------------------------------------------------
     def mask_(self, logits: torch.Tensor) -> torch.Tensor:
-        """Set disallowed tokens' logits [V] to -inf, in place."""
+        """Set the logits [V] of tokens the grammar forbids, and of special tokens, to -inf."""
         self.matcher.fill_next_token_bitmask(self.bitmask)
         view = logits.view(1, -1) if logits.dim() == 1 else logits
         self._xgr.apply_token_bitmask_inplace(view, self.bitmask.to(logits.device))
+        flat = logits.view(-1)
+        flat[: self.vocab.size].masked_fill_(
+            self.vocab.banned_on(logits.device)[: flat.numel()], float("-inf")
+        )
+        return logits
+
+    def restrict_to_closing_(self, logits: torch.Tensor) -> torch.Tensor:
+        """Keep only (already masked) logits [V] of tokens on a shortest way to closing the value:
+        the closers of an open string or of brackets when any is allowed, else the shortest
+        allowed tokens."""
+        flat = logits.view(-1)
+        allowed = torch.isfinite(flat)
+        closers = self.vocab.string_close if self.lexer.in_string else self.vocab.bracket_close
+        keep = allowed & torch.isfinite(closers.to(flat.device)[: flat.numel()])
+        if not bool(keep.any()):
+            lengths = self.vocab.shortest.to(flat.device)[: flat.numel()].masked_fill(~allowed, float("-inf"))
+            keep = allowed & (lengths == lengths.max())
+        stop = torch.zeros_like(allowed)
+        for i in self.vocab.stop_ids:
+            if i < flat.numel():
+                stop[i] = bool(allowed[i])  # a complete number may end here
+        flat.masked_fill_(~(keep | stop), float("-inf"))
         return logits
 
     def accept(self, token_id: int) -> None:
         if not self.matcher.accept_token(token_id):
             raise RuntimeError(f"grammar rejected token {token_id} it allowed")
+        self.lexer.feed(self.vocab.pieces[token_id])
 
     def accept_text(self, text: str) -> None:
         if not self.matcher.accept_string(text):
             raise RuntimeError(f"grammar rejected forced text {text!r}")
+        self.lexer.feed(text.encode())
+
+    def jump_forward(self) -> list[int]:
+        """Tokens the grammar allows no alternative to from here (may be empty); not accepted yet."""
+        return _up_to_banned(self.matcher.find_jump_forward_tokens(), self.vocab.banned_ids)
 
     def forced_text(self) -> str:
         """Text the grammar allows no alternative to from here (may be empty)."""
         return self.matcher.find_jump_forward_string()
 
+    def closing_cost(self, after: int | None = None) -> int:
+        """Sampled tokens needed to finish the value from here (after accepting `after`, if
+        given), following the closing policy: jump-forwards (free), then the best-closing allowed
+        token. The state is untouched (the walk runs on a fork of the matcher)."""
+        matcher, lexer = self.matcher.fork(), self.lexer.copy()
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab.size)
+        cost = 0
+        if after is not None:
+            if not matcher.accept_token(after):
+                return _SIMULATION_LIMIT
+            lexer.feed(self.vocab.pieces[after])
+        for _ in range(_SIMULATION_LIMIT):
+            if matcher.is_completed() and (lexer.closed or self._stop_allowed(matcher, bitmask)):
+                return cost
+            forced = _up_to_banned(matcher.find_jump_forward_tokens(), self.vocab.banned_ids)
+            steps = forced or [self._closing_choice(matcher, lexer, bitmask)]
+            for t in steps:
+                if t < 0 or not matcher.accept_token(t):
+                    return _SIMULATION_LIMIT
+                lexer.feed(self.vocab.pieces[t])
+            cost += 0 if forced else 1
+        return _SIMULATION_LIMIT
+
+    def closing_choice(self) -> int:
+        """The closing policy's next token from here (the first step `closing_cost` counts)."""
+        return self._closing_choice(self.matcher, self.lexer, self.bitmask)
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _stop_allowed(self, matcher: Any, bitmask: torch.Tensor) -> bool:
+        matcher.fill_next_token_bitmask(bitmask)
+        return any(self._allowed(bitmask, i) for i in self.vocab.stop_ids)
+
+    @staticmethod
+    def _allowed(bitmask: torch.Tensor, token_id: int) -> bool:
+        return bool((int(bitmask[0, token_id // 32]) >> (token_id % 32)) & 1)
+
+    def _closing_choice(self, matcher: Any, lexer: _Lexer, bitmask: torch.Tensor) -> int:
+        """The closing policy's token (no logits: by preference score), or -1 when stuck."""
+        matcher.fill_next_token_bitmask(bitmask)
+        for table in (
+            self.vocab.string_close if lexer.in_string else self.vocab.bracket_close,
+            self.vocab.shortest,
+        ):
+            scores = table.clone().view(1, -1)
+            self._xgr.apply_token_bitmask_inplace(scores, bitmask)
+            best = int(torch.argmax(scores))
+            if torch.isfinite(scores[0, best]):
+                return best
+        return -1
+
+
+def _up_to_banned(tokens: list[int], banned: frozenset[int]) -> list[int]:
+    """`tokens` up to the first banned one (the grammar's literal text is then sampled instead)."""
+    for i, t in enumerate(tokens):
+        if t in banned:
+            return tokens[:i]
+    return tokens
+
+
+class TokenStepper(Protocol):
+    """What ConstrainedDecode needs of a model: the next-token logits and a way to append tokens."""
+
+    def next_logits(self) -> torch.Tensor: ...
+    def decode(self, token_id: int) -> None: ...
+    def prefill(self, token_ids: Sequence[int]) -> None: ...
+
+
+class ConstrainedDecode:
+    """Decode one JSON value under `constraint` on `model`, sampling at most `budget` tokens
+    (jump-forwarded text does not count) and appending at most `room` tokens in all (the
+    context's limit; None: no limit). Iterate it for text deltas; afterwards `finish_reason` is
+    "stop" (the value is complete) or "length" (a limit ran out first: only when `budget` is
+    below `min_tokens`, or `room` is too small), and `token_ids` holds what was appended.
+
+    The stop token is never appended: ending the turn is the caller's business.
+    """
+
+    def __init__(
+        self,
+        model: TokenStepper,
+        constraint: JsonConstraint,
+        *,
+        budget: int,
+        sampler: Sampler,
+        tokenizer: Any,
+        room: int | None = None,
+    ) -> None:
+        self.model, self.constraint, self.budget, self.sampler = model, constraint, budget, sampler
+        self.room = room
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.min_tokens = constraint.closing_cost()
+        self.sampled = 0
+        self.finish_reason: Literal["stop", "length"] | None = None
+
     @property
-    def complete(self) -> bool:
-        """The JSON value is complete (the next allowed token is a stop token)."""
-        return self.matcher.is_completed()
+    def token_ids(self) -> list[int]:
+        return self.detok.ids
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    def __iter__(self) -> Iterator[str]:
+        c, stops = self.constraint, self.constraint.vocab.stop_ids
+        room = self.room if self.room is not None else float("inf")
+        need = self.min_tokens
+        self.finish_reason = "length"
+        while True:
+            if c.finished:
+                self.finish_reason = "stop"
+                break
+            if len(self.detok) >= room:
+                break
+            forced = c.jump_forward()  # free: it costs no sampled token
+            if forced:
+                forced = forced[: int(min(len(forced), room - len(self.detok)))]
+                for t in forced:
+                    c.accept(t)
+                self.model.prefill(forced)
+                yield self.detok.extend(forced)
+                continue
+            remaining = self.budget - self.sampled
+            if remaining <= 0:
+                break
+            logits = c.mask_(self.model.next_logits().clone())
+            token = self.sampler(logits)
+            if remaining <= need + CLOSING_SLACK and token not in stops:
+                need = c.closing_cost(after=token)
+                if 1 + need > remaining:  # this token would leave too little: close instead,
+                    token = self.sampler(c.restrict_to_closing_(logits))  # the model's way,
+                    need = c.closing_cost(after=token) if token not in stops else 0
+                    if 1 + need > remaining:  # or the policy's, which costs what was planned
+                        token = c.closing_choice()
+                        need = c.closing_cost(after=token)
+            if token in stops:  # allowed only once the value is complete (a number's end)
+                self.finish_reason = "stop"
+                break
+            c.accept(token)
+            self.model.decode(token)
+            self.sampled += 1
+            yield self.detok.push(token)
+        yield self.detok.flush()
 
 
 def resolve_tool_choice(choice: ToolChoice, tool_names: list[str]) -> str | None:

@@ -13,6 +13,7 @@ AgentError
 ├── ToolExecutionError        a bug in the tool or our code: propagates, naming tool and arguments
 ├── ToolRetryExhausted        retries ran out; carries every attempt
 ├── UnexpectedModelBehavior   the model broke the protocol in a way retries cannot fix
+├── TokenLimitTooSmall        a forced call or structured output cannot close its JSON in its budget
 └── MaxStepsExceeded          the run used `max_steps` model turns without a final answer
 """
 
@@ -98,6 +99,17 @@ class ToolRetryExhausted(AgentError):
 class UnexpectedModelBehavior(AgentError):
     """Raised when the model breaks the protocol irrecoverably (e.g. tool_choice='required' with
     no tools). Propagates."""
+
+
+class TokenLimitTooSmall(AgentError, ValueError):
+    """Raised before decoding when a forced tool call (or a structured output) cannot be completed
+    within its token limit: even the shortest JSON its schema allows needs more tokens. The message
+    names the limit (`limit`, e.g. "max_call_tokens"), its value and the smallest that would do
+    (`needed`). Propagates: raise the limit (a retry would fail the same way)."""
+
+    def __init__(self, message: str, *, limit: str, value: int, needed: int) -> None:
+        super().__init__(message)
+        self.limit, self.value, self.needed = limit, value, needed
 
 
 class MaxStepsExceeded(AgentError):
