@@ -129,7 +129,7 @@ class ResendModel(FreeTokenModel):
     def generate(self, request: GenerateRequest) -> Iterator[GenEvent]:
         self.session.close()
         self.session = self.engine.new_session()
-        self._prefill(self._history)  # the whole history, every turn
+        self.prefill(self._history)  # the whole history, every turn
         self._in_turn = True
         try:
             yield from super().generate(request)

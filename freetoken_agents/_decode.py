@@ -1,10 +1,16 @@
 """One assistant turn on FreeTokenModel: free decoding with anchors placed before tool calls and
-fenced code blocks, and tool calls whose arguments decode under the tools' JSON schema."""
+fenced code blocks, and tool calls whose arguments decode under the tools' JSON schema.
+
+Linear in the turn's length: text is detokenised incrementally (`IncrementalDetokenizer`), call
+markers are searched only in new text and fences are tracked by a small per-character state
+machine (`FenceDetector`), so each token costs the same at token 2,000 as at token 20.
+"""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +18,9 @@ import torch
 from freetoken_agents.engine import SamplingParams
 from freetoken_agents.engine.generate import Sampler
 
+from .constrained import ConstrainedDecode
+from .detokenize import IncrementalDetokenizer
+from .errors import TokenLimitTooSmall
 from .model import GenerateRequest, GenEvent
 
 if TYPE_CHECKING:
@@ -25,8 +34,8 @@ def opening_fences(text: str) -> list[int]:
     """Char indices of the first backtick of every fence in `text` that opens a code block.
 
     A fence opens a block when no block is open; a line-start run of at least as many backticks
-    closes it. Inline triple backticks (not at a line start) are code spans, not blocks. Stateless,
-    so it can run on the whole text after every streamed token, however the tokens split the fence.
+    closes it. Inline triple backticks (not at a line start) are code spans, not blocks. Stateless
+    (a whole text at once); a stream uses `FenceDetector`, which gives the same answer.
     """
     opens: list[int] = []
     open_len = 0
@@ -40,81 +49,156 @@ def opening_fences(text: str) -> list[int]:
     return opens
 
 
-_PARTIAL_FENCE = re.compile(r"(?:^|\n) {0,3}(`{1,2})$")
-
-
 def fence_held_back(text: str) -> int:
     """Length of a line-start run of one or two backticks ending `text` (a fence may be coming:
-    hold it back from the stream so the anchor event comes before the fence's text)."""
-    m = _PARTIAL_FENCE.search(text)
-    return len(m.group(1)) if m else 0
+    hold it back from the stream so the anchor event comes before the fence's text). Looks at the
+    last few characters only."""
+    run = len(text) - len(text.rstrip("`"))
+    if run not in (1, 2):
+        return 0
+    head = text[: len(text) - run]
+    indent = len(head) - len(head.rstrip(" "))
+    if indent > 3:
+        return 0
+    before = head[: len(head) - indent]
+    return run if not before or before.endswith("\n") else 0
 
 
+# Line phases of the fence detector.
+_INDENT, _RUN, _TAIL, _REST = range(4)
+
+
+@dataclass
 class FenceDetector:
-    """Reports each newly opened code fence once while a turn streams."""
+    """Reports each code fence that opens while a turn streams, one character at a time.
 
-    def __init__(self) -> None:
-        self.seen = 0  # opening fences already reported
+    `feed(new_text)` takes the text added since the last call and returns the absolute char
+    indices of fences it opened (an opening is reported as soon as its third backtick arrives).
+    A closing fence (a run at least as long as the opening one, nothing but spaces after it on
+    its line) is decided at its line's end. O(1) per character.
+    """
 
-    def feed(self, text: str) -> int | None:
-        """`text`: the whole turn so far. The char index of a fence opened since the last call
-        that returned one, else None."""
-        opens = opening_fences(text)
-        if len(opens) > self.seen:
-            self.seen += 1
-            return opens[self.seen - 1]
-        return None
+    pos: int = 0  # characters consumed
+    open_len: int = 0  # backticks of the open block's fence (0: no block open)
+    phase: int = _INDENT
+    indent: int = 0
+    run: int = 0
+    run_start: int = 0
+    opened_here: bool = False  # this line's run opened the current block
+
+    def feed(self, new_text: str) -> list[int]:
+        opens: list[int] = []
+        for c in new_text:
+            if c == "\n":
+                if self._closes() or self.phase == _TAIL:
+                    self.open_len = 0
+                self.phase, self.indent, self.run, self.opened_here = _INDENT, 0, 0, False
+            elif self.phase == _INDENT:
+                if c == "`":
+                    self.phase, self.run, self.run_start = _RUN, 1, self.pos
+                elif c == " " and self.indent < 3:
+                    self.indent += 1
+                else:
+                    self.phase = _REST
+            elif self.phase == _RUN:
+                if c == "`":
+                    self.run += 1
+                    if self.run == 3 and self.open_len == 0:
+                        opens.append(self.run_start)
+                        self.opened_here = True
+                    if self.opened_here:
+                        self.open_len = self.run
+                else:
+                    self.phase = _TAIL if self._closes() and c.isspace() else _REST
+            elif self.phase == _TAIL and not c.isspace():
+                self.phase = _REST
+            self.pos += 1
+        return opens
+
+    def _closes(self) -> bool:
+        """This line's run (so far) would close the open block."""
+        return self.phase == _RUN and not self.opened_here and 0 < self.open_len <= self.run
+
+    @property
+    def held_back(self) -> int:
+        """A line-start run of one or two backticks at the end: a fence may be coming."""
+        return self.run if self.phase == _RUN and self.run < 3 else 0
 
 
 class TurnDecoder:
-    """Decodes one turn on `model` for `request`, yielding GenEvents (text deltas, anchors, done)."""
+    """Decodes one turn on `model` for `request`, yielding GenEvents (text deltas, anchors, done).
+
+    The turn is a series of segments: free text, a tool call, free text again (with
+    tool_choice "auto" the model may call several tools in one turn), ... A forced call is the
+    whole turn. Raises TokenLimitTooSmall when a forced call cannot fit `max_call_tokens`.
+    """
 
     def __init__(self, model: FreeTokenModel, request: GenerateRequest) -> None:
         self.m, self.req = model, request
         self.sample = Sampler(SamplingParams(temperature=request.temperature, seed=request.seed))
-        self.base = model.position  # context length at the start of the turn
-        self.ids: list[int] = []  # tokens generated (or forced) in this turn
-        self.emitted = 0  # characters of the turn's text already yielded
+        self.tools_on = bool(request.tools)
+        self.free_used = 0  # free tokens sampled in the turn
+        self._bias = _bias_tensor(request.logit_bias, model.vocab_size)
+        self._new_segment()
+
+    def _new_segment(self) -> None:
+        """Start a free-text segment at the current end of the context."""
+        self.base = self.m.position  # context length at the segment's start
+        self.detok = IncrementalDetokenizer(self.m.tokenizer)
         self.fences = FenceDetector()
-        self._pending_replay: list[int] = []
-        self._bias = _bias_tensor(request.logit_bias, model.engine.spec.vocab_size)
+        self.searched = 0  # chars of the segment's text already searched for a call marker
+        self.emitted = 0  # chars of the segment's text already yielded
 
-    def text(self, ids: list[int] | None = None) -> str:
-        return self.m.tokenizer.decode(self.ids if ids is None else ids, skip_special_tokens=False)
-
+    # ---- the turn -------------------------------------------------------------------------------
     def run(self) -> Iterator[GenEvent]:
-        if self.req.force is not None and self.req.tools:
-            yield from self._call(self.req.force)
+        if self.req.force is not None and self.tools_on:
+            finish = yield from self._call(self.req.force, forced=True)
+            yield from self._end(finish)
             return
-        parser, tools_on = self.m.parser, bool(self.req.tools) and self.req.constrain
-        forced = self.m.tokenizer.encode(self.req.prefix, add_special_tokens=False) if self.req.prefix else []
-        for _ in range(self.req.max_new_tokens + len(forced)):
-            token = forced.pop(0) if forced else self._sample_free()
-            if token in self.m.stop_ids:
-                self.m.session.append_unprocessed(token)
-                yield GenEvent("text", self.text()[self.emitted :])
+        parser, m = self.m.parser, self.m
+        prefix = self.req.prefix
+        forced = m.tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
+        while True:
+            if forced:
+                token = forced.pop(0)
+            elif self.free_used >= self.req.max_new_tokens or m.position + 2 > m.max_context:
+                yield from self._flush()
+                yield from self._end("length", stop_token=False)
+                return
+            else:
+                token = self._sample_free()
+                self.free_used += 1
+            if token in m.stop_ids:
+                m.append_pending(token)
+                yield from self._flush()
                 yield GenEvent("done", finish_reason="stop")
                 return
-            text = self.text([*self.ids, token])
-            start = parser.call_started(text) if tools_on else None
-            if start is not None:
-                yield from self._cut_to(start)
-                yield from self._call("*")
-                return
-            opened = self.fences.feed(text)
-            if opened is not None:
-                yield from self._cut_to(opened)
-                yield GenEvent("anchor", anchor=self.m.anchor("code_block"))
-                self._replay(token)
+            self.detok.push(token)
+            text = self.detok.text
+            if self.tools_on:
+                start = parser.call_started(text, self.searched)
+                self.searched = len(text)
+                if start is not None and self.req.constrain:
+                    yield from self._cut_to(start, keep_text=False)
+                    finish = yield from self._call("*", forced=False)
+                    if finish != "stop":
+                        yield from self._end(finish)
+                        return
+                    self._new_segment()  # the model may write more text or another call
+                    continue
+                if start is not None:  # unconstrained: anchor before the call, decode on freely
+                    yield from self._cut_to(start, keep_text=True)
+                    yield GenEvent("anchor", anchor=m.anchor("tool_call"))
+                    self._replay()
+                    continue
+            opened = self.fences.feed(text[self.fences.pos :])
+            if opened:
+                yield from self._cut_to(opened[0], keep_text=True)
+                yield GenEvent("anchor", anchor=m.anchor("code_block"))
+                self._replay()
                 continue
-            self.ids.append(token)
-            self.m._decode(token)
-            hold = max(parser.held_back(text) if tools_on else 0, fence_held_back(text))
-            if len(text) - hold > self.emitted:
-                yield GenEvent("text", text[self.emitted : len(text) - hold])
-                self.emitted = len(text) - hold
-        yield GenEvent("text", self.text()[self.emitted :])
-        yield GenEvent("done", finish_reason="length")
+            m.decode(token)
+            yield from self._emit()
 
     def _sample_free(self) -> int:
         logits = self.m.next_logits()
@@ -123,32 +207,52 @@ class TurnDecoder:
             logits = logits + self._bias
         return self.sample(logits)
 
-    # ---- anchors mid-turn -------------------------------------------------------------------------
-    def _cut_to(self, char_index: int) -> Iterator[GenEvent]:
-        """Truncate the turn to the last token boundary at or before `char_index` (the sampled
-        token is not in the context yet), so an anchor can go before the token that starts there."""
-        keep = len(self.ids)
-        while keep > 0 and len(self.text(self.ids[:keep])) > char_index:
-            keep -= 1
-        self._pending_replay = self.ids[keep:]
-        if keep < len(self.ids):
-            self.m.session.truncate(self.base + keep)
-            self.m._logits = None
-            self.ids = self.ids[:keep]
-        before = self.text()
-        if len(before) > self.emitted:
-            yield GenEvent("text", before[self.emitted :])
-            self.emitted = len(before)
+    def _emit(self) -> Iterator[GenEvent]:
+        """Yield the segment's new text, holding back what may start a call marker or a fence."""
+        text = self.detok.text
+        hold = self.fences.held_back
+        if self.tools_on:
+            hold = max(hold, self.m.parser.held_back(text[-len(self.m.parser.start) :]))
+        if len(text) - hold > self.emitted:
+            yield GenEvent("text", text[self.emitted : len(text) - hold])
+            self.emitted = len(text) - hold
 
-    def _replay(self, token: int) -> None:
-        """Re-append the tokens cut for an anchor, then the sampled token (same ids, same KV)."""
-        replay = [*self._pending_replay, token]
-        self._pending_replay = []
-        self.m._prefill(replay)
-        self.ids.extend(replay)
+    def _flush(self) -> Iterator[GenEvent]:
+        self.detok.flush()
+        if len(self.detok.text) > self.emitted:
+            yield GenEvent("text", self.detok.text[self.emitted :])
+            self.emitted = len(self.detok.text)
+
+    def _end(self, finish: str, *, stop_token: bool = True) -> Iterator[GenEvent]:
+        if stop_token and self.m.stop_ids:
+            self.m.append_pending(self.m.stop_ids[0])
+        yield GenEvent("done", finish_reason=finish)
+
+    # ---- anchors mid-turn -------------------------------------------------------------------------
+    def _cut_to(self, char_index: int, *, keep_text: bool) -> Iterator[GenEvent]:
+        """Cut the context back to the last token boundary at or before `char_index` of the
+        segment's text (the token just pushed is not in the context yet), so an anchor can go
+        before the token that starts there. `keep_text`: the cut tokens will be replayed (same
+        tokens, same text), so the text state stays; else it is cut too."""
+        pushed = len(self.detok)
+        keep = min(self.detok.tokens_within(char_index), pushed - 1)
+        self._replay_ids = self.detok.ids[keep:]
+        self.m.truncate(self.base + keep)
+        if not keep_text:
+            self.detok.truncate(keep)
+        before = self.detok.text_length_after(keep)
+        if before > self.emitted:
+            yield GenEvent("text", self.detok.text[self.emitted : before])
+            self.emitted = before
+
+    def _replay(self) -> None:
+        """Re-append the tokens cut for an anchor, the sampled one included (same ids, same KV)."""
+        self.m.prefill(self._replay_ids)
 
     # ---- tool calls -------------------------------------------------------------------------------
-    def _call(self, force: str) -> Iterator[GenEvent]:
+    def _call(self, force: str, *, forced: bool) -> Iterator[GenEvent]:
+        """One tool call: anchor, marker, JSON arguments under the schema, end marker. Returns the
+        finish reason: "stop" when the call is complete, "length" when its budget ran out."""
         m, parser = self.m, self.m.parser
         tools = self.req.tools
         if force != "*":
@@ -160,46 +264,54 @@ class TurnDecoder:
                     f"{parser.family} calls with several candidate tools are not constrained yet; name one"
                 )
             name = tools[0].get("function", tools[0])["name"]
+        prefix, suffix = parser.call_prefix(name), parser.call_suffix()
+        prefix_ids = m.tokenizer.encode(prefix, add_special_tokens=False)
+        suffix_ids = m.tokenizer.encode(suffix, add_special_tokens=False) if suffix else []
+        limit = self.req.max_call_tokens
+        room = m.max_context - m.position - len(prefix_ids) - len(suffix_ids) - 1
+        decode = None
+        if self.req.constrain:
+            constraint = m.grammars().json_schema(parser.body_schema(tools))
+            decode = ConstrainedDecode(
+                m, constraint, budget=limit, room=room, sampler=self.sample, tokenizer=m.tokenizer
+            )
+            if forced and decode.min_tokens > limit:
+                raise TokenLimitTooSmall(
+                    f"max_call_tokens={limit} is too small for a call to {force!r}: its shortest "
+                    f"arguments take {decode.min_tokens} sampled tokens",
+                    limit="max_call_tokens",
+                    value=limit,
+                    needed=decode.min_tokens,
+                )
         yield GenEvent("anchor", anchor=m.anchor("tool_call", label=name))
-        self._force(parser.call_prefix(name))
-        constraint = m.grammars().json_schema(parser.body_schema(tools)) if self.req.constrain else None
-        budget = self.req.max_call_tokens
-        while budget > 0:
-            if constraint is not None:
-                if constraint.complete:
-                    break
-                forced = constraint.forced_text()
-                if forced:
-                    constraint.accept_text(forced)
-                    self._force(forced)
-                    budget -= 1
-                    continue
-            logits = m.next_logits().clone()
-            if constraint is not None:
-                constraint.mask_(logits)
-            token = self.sample(logits)
-            if token in m.stop_ids:
-                break
-            if constraint is not None:
-                constraint.accept(token)
-            self.ids.append(token)
-            m._decode(token)
-            budget -= 1
-        finish = "stop"
-        if constraint is not None and not constraint.complete:
-            finish = "length"  # an unterminated call: the parser reports it as partial
-        else:
-            self._force(parser.call_suffix())
-        if m.stop_ids:
-            m.session.append_unprocessed(m.stop_ids[0])
-        yield GenEvent("text", self.text()[self.emitted :])
-        yield GenEvent("done", finish_reason=finish)
+        m.prefill(prefix_ids)
+        yield GenEvent("text", prefix)
+        if decode is None:  # unconstrained: the model writes the arguments and the end marker
+            return (yield from self._free_body(min(limit, room)))
+        for delta in decode:
+            if delta:
+                yield GenEvent("text", delta)
+        if decode.finish_reason != "stop":
+            return "length"  # an unterminated call: the parser reports it as partial
+        m.prefill(suffix_ids)
+        if suffix:
+            yield GenEvent("text", suffix)
+        return "stop"
 
-    def _force(self, text: str) -> None:
-        if text:
-            ids = self.m.tokenizer.encode(text, add_special_tokens=False)
-            self.m._prefill(ids)
-            self.ids.extend(ids)
+    def _free_body(self, limit: int) -> Iterator[GenEvent]:
+        """An unconstrained forced call's body: free tokens up to the stop token (not appended:
+        the turn's end adds it) or `limit`. Returns the finish reason."""
+        self._new_segment()
+        for _ in range(max(0, limit)):
+            token = self._sample_free()
+            if token in self.m.stop_ids:
+                yield from self._flush()
+                return "stop"
+            self.detok.push(token)
+            self.m.decode(token)
+            yield from self._emit()
+        yield from self._flush()
+        return "length"
 
 
 def _bias_tensor(bias: dict[int, float], vocab_size: int) -> torch.Tensor | None:

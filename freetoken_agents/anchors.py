@@ -110,15 +110,21 @@ class AnchorBook:
     def __contains__(self, handle: AnchorHandle) -> bool:
         return handle.id in self._anchors
 
-    def rollback(self, session: Any, handle: AnchorHandle, validate: str = "signature") -> bool:
+    def rollback(self, session: Any, handle: AnchorHandle, validate: str | None = None) -> bool:
         """Roll `session` back to `handle`. Returns False on success; True when validation failed
-        and the caller must rebuild from `handle.prefix` (the session is left unchanged then)."""
+        and the caller must rebuild from `handle.prefix` (the session is left unchanged then).
+
+        `validate` goes to the native `session.rollback(anchor, validate=...)` unchanged (the
+        engine's modes); None leaves the engine's default. Non-native sessions compare token ids."""
         held = self._anchors.get(handle.id)
         if held is None:
             raise AnchorNotFoundError(f"anchor {handle.id} is not held (forgotten or past a truncation)")
         if held.native is not None and self.native(session):
             try:
-                session.rollback(held.native, validate=validate)
+                if validate is None:
+                    session.rollback(held.native)
+                else:
+                    session.rollback(held.native, validate=validate)
             except (AnchorValidationError, AnchorNotFoundError) as e:
                 logger.warning("anchor %s failed validation (%s); rebuilding by prefill", held.id, e)
                 return True

@@ -4,6 +4,7 @@ tool_choice='auto' switch to constrained arguments, and decoding off the event l
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from typing import Literal
 
@@ -39,12 +40,27 @@ def test_fence_detector_on_split_tokens(size: int) -> None:
     detector, found, text = FenceDetector(), [], ""
     for i in range(0, len(TEXT), size):
         text += TEXT[i : i + size]
-        while (j := detector.feed(text)) is not None:
-            found.append((j, len(text)))
+        found += [(j, len(text)) for j in detector.feed(TEXT[i : i + size])]
+        assert detector.held_back == fence_held_back(text)
     assert [j for j, _ in found] == FENCES
     # Each fence is reported by the first piece that completes its third backtick.
     assert all(seen - j <= 2 + size for j, seen in found)
     assert fence_held_back("a\n``") == 2 and fence_held_back("a ``") == 0 and fence_held_back("a\n```") == 0
+    assert fence_held_back("``") == 2 and fence_held_back("a\n    `") == 0 and fence_held_back("\n   `") == 1
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_fence_detector_agrees_with_the_stateless_scan(seed: int) -> None:
+    """Random texts of backticks, spaces, newlines and letters, fed in random pieces: the stream
+    reports exactly the fences a whole-text scan finds."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice("```` \n\nab") for _ in range(rng.randint(20, 200)))
+    detector, found, i = FenceDetector(), [], 0
+    while i < len(text):
+        step = rng.randint(1, 6)
+        found += detector.feed(text[i : i + step])
+        i += step
+    assert found == opening_fences(text), repr(text)
 
 
 # ---- code-block anchors on the engine ---------------------------------------------------------------
@@ -121,27 +137,30 @@ def test_auto_call_start_switches_to_constrained_arguments(
 def test_other_coroutines_run_while_the_agent_decodes(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each decode step waits until a coroutine on the event loop has run: if steps ran on the
+    loop's thread (or blocked it) the first wait would never end. No timing is measured; the
+    timeout only bounds how long a broken build takes to fail."""
     model = FreeTokenModel(engine)
-    ticks = {"n": 0}
-    during: list[int] = []  # ticks that happened while each decode step ran
     threads: set[int] = set()
-    decode = model._decode
+    loop_ran = threading.Event()
+    waits: list[bool] = []
+    decode = model.decode
 
     def watched_decode(token_id: int) -> None:
         threads.add(threading.get_ident())
-        before = ticks["n"]
+        loop_ran.clear()
+        waits.append(loop_ran.wait(timeout=60))  # the loop must run while this step is in progress
         decode(token_id)
-        during.append(ticks["n"] - before)
 
-    monkeypatch.setattr(model, "_decode", watched_decode)
-    agent = Agent(model, system_prompt="Be brief.", max_new_tokens=32)
+    monkeypatch.setattr(model, "decode", watched_decode)
+    agent = Agent(model, system_prompt="Be brief.", max_new_tokens=12)
 
     async def main() -> None:
         stop = asyncio.Event()
 
         async def ticker() -> None:
             while not stop.is_set():
-                ticks["n"] += 1
+                loop_ran.set()
                 await asyncio.sleep(0)
 
         task = asyncio.create_task(ticker())
@@ -153,6 +172,27 @@ def test_other_coroutines_run_while_the_agent_decodes(
 
     asyncio.run(main())
     assert threading.get_ident() not in threads and len(threads) == 1
-    # On the loop thread no tick could ever land inside a step; off it, they do (how many depends
-    # on the machine's load, so the bound is loose).
-    assert len(during) >= 10 and sum(1 for n in during if n > 0) >= 2
+    assert len(waits) >= 5 and all(waits)
+
+
+# ---- linear-time turns --------------------------------------------------------------------------------
+def test_detokenizer_work_per_token_does_not_grow_with_the_turn(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn decoder decodes a short window per token, not the whole turn (which made a turn
+    quadratic): the ids handed to the tokenizer stay proportional to the tokens generated."""
+    model = FreeTokenModel(engine)
+    decoded = {"ids": 0}
+    decode = model.tokenizer.decode
+
+    def counting(ids, **kwargs):
+        decoded["ids"] += len(ids)
+        return decode(ids, **kwargs)
+
+    monkeypatch.setattr(model.tokenizer, "decode", counting)
+    model.sync(model.render([{"role": "user", "content": "Tell me a long story"}], None))
+    no_stop = {t: -1e4 for t in model.stop_ids}
+    request = GenerateRequest(max_new_tokens=400, logit_bias=no_stop)
+    events = list(model.generate(request))
+    assert events[-1].finish_reason == "length"
+    assert decoded["ids"] <= 16 * 400  # re-decoding the turn each token: ~400 * 400 / 2

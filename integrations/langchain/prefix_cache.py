@@ -92,7 +92,7 @@ def prepare_context(backend: LangChainBackend, cache: PrefixCache, ids: list[int
     source = "live session"
     if entry is not None and entry.position > live:
         try:
-            backend.restore(entry.anchor)
+            backend.restore(entry.anchor)  # checked with the backend's `validate`
             source = f"anchor {entry.anchor.id}"
         except Exception as e:  # evicted by the engine's anchor budget, or failed validation
             logger.debug("prefix cache: anchor %s unusable (%s); dropping it", entry.anchor.id, e)
@@ -102,8 +102,8 @@ def prepare_context(backend: LangChainBackend, cache: PrefixCache, ids: list[int
     backend.next_logits()
     prefilled = backend.usage().prefilled - before
     reused = max(0, len(ids) - prefilled)
-    if backend.session.position == len(ids):
-        cache.add(ids, backend.session.anchor("manual", label="langchain-prompt"), backend.engine.anchors)
+    if backend.position == len(ids):
+        cache.add(ids, backend.pin("manual", label="langchain-prompt"), backend.engine.anchors)
     logger.debug(
         "prefix cache: reused %d of %d prompt tokens from %s, prefilled %d",
         reused,

@@ -20,6 +20,7 @@ from langchain_core.messages import AIMessageChunk
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 
 from freetoken_agents.constrained import resolve_tool_choice
+from freetoken_agents.engine import SamplingParams
 from freetoken_agents.model import GenerateRequest
 
 from .engines import EngineHandle
@@ -79,19 +80,15 @@ def run_turn(
     backend = handle.backend
     handle.lock.acquire()
     try:
-        backend.set_call_budget(opts.max_call_tokens)
         cache_read = prepare_context(backend, handle.cache, ids, reuse=opts.reuse)
         parser = backend.parser
         tools_on = bool(opts.tools) and opts.tool_choice != "none" and opts.json_schema is None
-        if opts.json_schema is not None:
-            deltas: Iterator[Any] = (
-                ("text", d)
-                for d in backend.generate_json(
-                    opts.json_schema,
-                    max_tokens=opts.max_call_tokens,
-                    temperature=opts.temperature,
-                    seed=opts.seed,
-                )
+        if opts.json_schema is not None:  # the SDK's constrained decoder, as for forced calls
+            events = backend.decode_json(
+                opts.json_schema,
+                max_tokens=opts.max_call_tokens,
+                sampling=SamplingParams(temperature=opts.temperature, seed=opts.seed),
+                limit_name="max_call_tokens",
             )
         else:
             names = [t["function"]["name"] for t in opts.tools]
@@ -104,7 +101,8 @@ def run_turn(
                 temperature=opts.temperature,
                 seed=opts.seed,
             )
-            deltas = ((e.kind, e.text or e.finish_reason) for e in backend.generate(request))
+            events = backend.generate(request)
+        deltas: Iterator[Any] = ((e.kind, e.text or e.finish_reason) for e in events)
         full, emitted, finish = "", 0, "length"
         stops = opts.stop if opts.json_schema is None else ()
         for kind, value in deltas:
