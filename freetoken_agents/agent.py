@@ -1,5 +1,6 @@
-"""Agent: the tool loop. Model-caused failures roll back to the anchor before the call, append a
-failure note and regenerate; transient tool failures retry the tool; both under tenacity."""
+"""Agent: the tool loop. Model-caused failures roll back to the anchor before the failed call
+(earlier calls of the turn and their results stay), append a failure note and regenerate;
+transient tool failures retry the tool; both under tenacity."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from .parsers import ParsedToolCall
 from .retry import RetryPolicy
 from .tools import Tool
 from .trace import AnchorRecord, Attempt, RollbackRecord, Step, ToolCallRecord, Trace
+from .turn_progress import TurnProgress
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +72,8 @@ class _Run:
     messages: list[dict[str, Any]]
     emit: Callable[[AgentEvent], None]  # hands an event to the astream consumer, at once
     step: int = 0
-    # The first tool-call anchor of the latest attempt that reached a call: a retry rolls back to
-    # it, so the failure notes written before that attempt stay in the cache (as in the step text).
-    call_anchor: AnchorHandle | None = None
+    turn: TurnProgress = field(default_factory=TurnProgress)  # the current model turn's retries
     last_error: ModelCausedError | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 class Agent:
@@ -85,6 +84,8 @@ class Agent:
     `result_validator(tool_name, result)` returning False makes the result a model-caused failure.
     `model_settings`: more GenerateRequest fields for every turn (e.g. `logit_bias`, `prefix`,
     `max_call_tokens`); they override `max_new_tokens`, `temperature` and `seed`.
+    `validate`: how each rollback checks its anchor, passed to `model.rollback(validate=...)`
+    unchanged (the engine's modes, e.g. "signature" or "full"); None: the model's own setting.
 
     Model steps (prefill, decode, rollback) run on the agent's own worker thread, one at a time,
     so `arun` / `astream` leave the event loop free for other tasks while the model works. One
@@ -105,8 +106,10 @@ class Agent:
         temperature: float = 0.0,
         seed: int | None = None,
         model_settings: Mapping[str, Any] | None = None,
+        validate: str | None = None,
     ) -> None:
         self.model, self.system_prompt = model, system_prompt
+        self.validate = validate
         self.tools = {t.name: t for t in tools}
         self.retry = retry or RetryPolicy()
         self.max_steps, self.tool_choice = max_steps, tool_choice
@@ -149,21 +152,30 @@ class Agent:
         return result
 
     def run(self, task: str) -> AgentResult:
-        """Synchronous `arun` (not from inside a running event loop: use `arun` there)."""
-        return asyncio.run(self.arun(task))
+        """Synchronous `arun`. Inside a running event loop (Jupyter, an async framework) the run
+        gets its own loop on a worker thread and this call blocks until it ends; from async code
+        `await agent.arun(task)` keeps the caller's loop free instead."""
+        if not _loop_running():
+            return asyncio.run(self.arun(task))
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="freetoken-run") as pool:
+            return pool.submit(asyncio.run, self.arun(task)).result()
 
     def stream(self, task: str) -> Iterator[AgentEvent]:
-        """Synchronous `astream`, driven on a private event loop."""
+        """Synchronous `astream`, driven on a private event loop (on a worker thread when the
+        calling thread already runs one)."""
         loop = asyncio.new_event_loop()
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="freetoken-stream")
+        drive = loop.run_until_complete if not _loop_running() else _on_thread(pool, loop)
         agen = self.astream(task)
         try:
             while True:
                 try:
-                    yield loop.run_until_complete(agen.__anext__())
+                    yield drive(agen.__anext__())
                 except StopAsyncIteration:
                     return
         finally:
-            loop.run_until_complete(agen.aclose())
+            drive(agen.aclose())
+            pool.shutdown()
             loop.close()
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -205,7 +217,7 @@ class Agent:
             run.emit(self._anchor(run, await self._step(m.anchor, "system_prompt")))
         run.messages.append({"role": "user", "content": task})
         for step in range(1, self.max_steps + 1):
-            run.step, run.notes, run.call_anchor = step, [], None
+            run.step, run.turn = step, TurnProgress()
             choice = self._choice(step)
             usage0 = m.usage()
             await self._sync(run.messages)
@@ -255,33 +267,49 @@ class Agent:
         return None  # pragma: no cover - tenacity returns or raises
 
     async def _attempt(self, run: _Run, record: Step, force: str | None, choice: ToolChoice) -> list | None:
-        m = self.model
+        m, turn = self.model, run.turn
+        turn.start_attempt()
+        head = turn.kept_text  # what the model wrote in this turn before the rollback point
         events = m.generate(self._request(force, choice))
-        text, first_call = "", True
+        parts: list[str] = []
+        written = 0
         try:
             while (event := await self._step(next, events, None)) is not None:
                 if event.kind == "text":
-                    text += event.text
+                    parts.append(event.text)
+                    written += len(event.text)
                     run.emit(AgentEvent("text", run.step, event.text))
                 elif event.kind == "anchor" and event.anchor is not None:
                     run.emit(self._anchor(run, event.anchor))
-                    if event.anchor.kind == "tool_call" and first_call:
-                        run.call_anchor, first_call = event.anchor, False
+                    if event.anchor.kind == "tool_call":
+                        turn.anchors.append((len(head) + written, event.anchor))
         finally:
             close = getattr(events, "close", None)
             if close is not None:
                 await self._step(close)
-        parsed = m.parser.parse(text)
-        kept_notes = "".join(run.notes) if self.retry.keep_failure_notes else ""
-        record.text = (kept_notes + parsed.content).strip()
+        full = head + "".join(parts)
+        turn.full_text = full
+        parsed = m.parser.parse(full)
+        notes = "".join(turn.all_notes) if self.retry.keep_failure_notes else ""
+        record.text = (notes + parsed.content).strip()
         if parsed.partial is not None:
+            turn.failed_at = parsed.partial_offset
             raise ToolCallMalformed(f"the tool call was not finished: {parsed.partial[:80]!r}")
-        if not parsed.calls:
+        record.tool_calls = list(turn.kept_calls)
+        new_calls = parsed.calls[len(turn.kept_calls) :]
+        if not record.tool_calls and not new_calls:
             return None
-        record.tool_calls = []
-        for i, call in enumerate(parsed.calls):
-            record.tool_calls.append(await self._execute(run, call, f"call_{run.step}_{i}"))
-            run.emit(AgentEvent("tool_result", run.step, record.tool_calls[-1]))
+        for call in new_calls:
+            turn.failed_at = call.offset
+            done = turn.take_redo(call.name, call.arguments)
+            if done is None:
+                done = await self._execute(run, call, f"call_{run.step}_{len(record.tool_calls)}")
+                run.emit(AgentEvent("tool_result", run.step, done))
+            else:
+                logger.debug("%s(%s) already ran in this turn: result reused", done.tool, done.arguments)
+            record.tool_calls.append(done)
+            turn.done.append((call.offset, done))
+        turn.failed_at = None
         return record.tool_calls
 
     async def _execute(self, run: _Run, call: ParsedToolCall, call_id: str) -> ToolCallRecord:
@@ -338,15 +366,19 @@ class Agent:
 
     # ---- rollback, anchors, totals --------------------------------------------------------------
     async def _rollback_and_note(self, run: _Run, failed_attempt: int) -> None:
-        m, error = self.model, run.last_error
+        """Back to the anchor before the call that failed (earlier calls of the turn stay), or to
+        the turn's start when the attempt placed none before it; then the failure note."""
+        m, error, turn = self.model, run.last_error, run.turn
         assert error is not None
+        plan = turn.plan_rollback()
         start = m.position
-        if run.call_anchor is not None:
-            outcome = await self._step(m.rollback, run.call_anchor)
-            saved = 0 if outcome.rebuilt else run.call_anchor.position
+        if plan.anchor is not None:
+            kwargs = {"validate": self.validate} if self.validate is not None else {}
+            outcome = await self._step(m.rollback, plan.anchor, **kwargs)
+            saved = 0 if outcome.rebuilt else plan.anchor.position
             run.trace.rollbacks.append(
                 RollbackRecord(
-                    anchor_id=run.call_anchor.id,
+                    anchor_id=plan.anchor.id,
                     from_position=start,
                     to_position=outcome.to_position,
                     tokens_discarded=start - outcome.to_position,
@@ -357,12 +389,14 @@ class Agent:
             )
             run.trace.tokens_saved_by_rollback += saved
             run.emit(AgentEvent("rollback", run.step, run.trace.rollbacks[-1]))
-        else:  # no call was started: regenerate the turn from its start
+        else:  # no anchor to go back to: regenerate the turn from its start
             await self._sync(run.messages)
         note = self.retry.note(
             attempt=failed_attempt, tool=error.tool, arguments=error.arguments, error=error
         )
-        run.notes.append(note)
+        if plan.renote and turn.notes:
+            await self._step(m.append_text, "".join(turn.notes))
+        turn.rolled_back(plan, note)
         await self._step(m.append_text, note)
 
     def _anchor(self, run: _Run, handle: AnchorHandle) -> AgentEvent:
@@ -376,6 +410,19 @@ class Agent:
         usage = self.model.usage()
         run.trace.tokens_prefilled, run.trace.tokens_decoded = usage.prefilled, usage.decoded
         run.trace.tokens_reused = usage.reused
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _on_thread(pool: concurrent.futures.Executor, loop: asyncio.AbstractEventLoop) -> Callable[[Any], Any]:
+    """`loop.run_until_complete`, run on `pool`'s thread (the caller's thread runs another loop)."""
+    return lambda coro: pool.submit(loop.run_until_complete, coro).result()
 
 
 def _attempt_record(

@@ -92,6 +92,7 @@ class ScriptedModel:
         self.anchors = AnchorBook(max_anchors)
         self.requests: list[GenerateRequest] = []  # every request, in order
         self.contexts: list[str] = []  # the context text each turn was generated from
+        self.validations: list[str | None] = []  # the `validate` of every rollback, in order
         self._session = _TextSession()
         self._usage = Usage()
         self._played = 0
@@ -152,8 +153,11 @@ class ScriptedModel:
     def anchor(self, kind: AnchorKind, label: str | None = None) -> AnchorHandle:
         return self.anchors.place(self._session, kind, label)
 
-    def rollback(self, anchor: AnchorHandle) -> RollbackOutcome:
-        """Back to `anchor`; a changed prefix is rebuilt from the anchor's record (rebuilt=True)."""
+    def rollback(self, anchor: AnchorHandle, *, validate: str | None = None) -> RollbackOutcome:
+        """Back to `anchor`; a changed prefix is rebuilt from the anchor's record (rebuilt=True).
+        `validate` is accepted and recorded in `validations`: a text context is always checked by
+        comparing its characters with the anchor's."""
+        self.validations.append(validate)
         start = self.position
         rebuilt = self.anchors.rollback(self._session, anchor)
         if rebuilt:
