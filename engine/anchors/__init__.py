@@ -4,9 +4,9 @@
         s.prefill(system_prompt_ids)
         a = s.anchor("system_prompt")          # O(1) amortised: no pass over the cache
         s.prefill(more_ids)
-        s.rollback(a)                          # pointer work: verify the signature, then swap
-        s.rollback(a.id, validate="full")      # rehash every block first
-    engine.anchors.save("anchors/")            # safetensors + JSON; load() in a new process
+        s.rollback(a)                          # rehash the covered KV blocks (xxh3), then swap
+        s.rollback(a.id, validate="signature") # opt-in: only the first/last 512 KV bytes
+    engine.anchors.save("anchors/")            # safetensors + JSON + HMAC; load() in a new process
 
 What an anchor captures (and so what rollback restores): the token ids [0, position), pending ones
 included; a read-only pin of the KV blocks that cover the processed ones (refcounted, shared with
@@ -17,23 +17,41 @@ attention mask computed from positions, see `layers.StepContext.mask`), so an an
 session already holds everything a rollback needs, for windowed and full layers alike. MLA
 (DeepSeek-V3) layers cache the compressed latent and rotary key, which the anchor pins the same way.
 
-Modules: `anchor` (the record, expert-state snapshots, validation), `digest` (ids, KV digests,
-signature, model fingerprint), `store` (AnchorStore: LRU byte budget, pins), `persist` (save/load).
+Modules: `anchor` (the record, expert-state snapshots, validation: `verify_anchor` documents the
+`validate` modes), `digest` (ids, KV digests, signature, model fingerprint), `weights` (digests of
+weight files), `store` (AnchorStore: LRU byte budget, pins), `persist` (authenticated save/load),
+`keys` (the per-user key that authenticates saved anchors).
 """
 
-from .anchor import ANCHOR_KINDS, Anchor, AnchorKind, AnchorSignature, ExpertState, Validation
+from .anchor import (
+    ANCHOR_KINDS,
+    DEFAULT_VALIDATION,
+    VALIDATIONS,
+    Anchor,
+    AnchorKind,
+    AnchorSignature,
+    ExpertState,
+    Validation,
+    check_validation,
+)
 from .digest import FORMAT_VERSION, SIGNATURE_SPAN, model_fingerprint
+from .keys import KEY_FILE_ENV, key_path
 from .store import AnchorStore
 
 __all__ = [
     "ANCHOR_KINDS",
+    "DEFAULT_VALIDATION",
     "FORMAT_VERSION",
+    "KEY_FILE_ENV",
     "SIGNATURE_SPAN",
+    "VALIDATIONS",
     "Anchor",
     "AnchorKind",
     "AnchorSignature",
     "AnchorStore",
     "ExpertState",
     "Validation",
+    "check_validation",
+    "key_path",
     "model_fingerprint",
 ]

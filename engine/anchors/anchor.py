@@ -41,13 +41,16 @@ logger = logging.getLogger(__name__)
 
 AnchorKind = Literal["system_prompt", "tool_call", "tool_result", "code_block", "manual"]
 ANCHOR_KINDS: tuple[str, ...] = get_args(AnchorKind)
-Validation = Literal["signature", "full"]
+Validation = Literal["blocks", "signature", "full"]
+VALIDATIONS: tuple[str, ...] = get_args(Validation)
+DEFAULT_VALIDATION: Validation = "blocks"
 ExpertState = tuple[tuple[str, tuple[ExpertKey, ...]], ...]
 
 
 @dataclass(frozen=True)
 class AnchorSignature:
-    """What a default (`validate="signature"`) rollback checks, in O(1) of the context length."""
+    """What a `validate="signature"` rollback checks, in O(1) of the context length (opt-in: it
+    misses a change between the first and last `span` bytes)."""
 
     edges: str  # sha256 hex of the first and last `span` bytes of the KV byte stream (digest.py)
     token_hash: str  # sha256 hex of the token ids (fixed-width little-endian int64)
@@ -196,16 +199,34 @@ def check_fingerprint(anchor: Anchor, fingerprint: str) -> None:
         )
 
 
-def verify_anchor(anchor: Anchor, view: BlockTable, fingerprint: str, validate: Validation) -> None:
+def check_validation(validate: str | None) -> Validation:
+    """`validate` as a validation mode (None: `DEFAULT_VALIDATION`); AnchorError for any other value."""
+    if validate is None:
+        return DEFAULT_VALIDATION
+    if validate not in VALIDATIONS:
+        raise AnchorError(
+            f"validate must be one of {', '.join(map(repr, VALIDATIONS))} or None, got {validate!r}"
+        )
+    return validate  # type: ignore[return-value]
+
+
+def verify_anchor(anchor: Anchor, view: BlockTable, fingerprint: str, validate: str | None = None) -> None:
     """Check `view` (a table over the anchor's blocks) against the anchor; raise on any mismatch.
 
-    "signature": token-prefix hash and the first/last `span` bytes of the KV (cheap: O(1) KV
-    bytes, O(tokens) integer hashing). "full": also rehash every KV block and the identity.
+    What `Session.rollback(anchor, validate=...)` runs before it swaps. `validate`:
+
+    - None or "blocks" (the default): the token-prefix hash, then every KV block the anchor
+      covers rehashed (xxh3-128, as when the blocks filled) against the anchor's kv digest, so any
+      change of any KV byte under the anchor is caught. Cost O(context): xxh3 at memory speed,
+      a small fraction of a re-prefill of the same prefix (bench/rollback.py measures both).
+    - "signature" (opt-in, cheapest): the token-prefix hash and the first/last `span` bytes of the
+      KV only: O(1) KV bytes, but a change in between goes unnoticed.
+    - "full": "signature" and "blocks" both, and the anchor id recomputed from its parts.
+
     Raises AnchorValidationError (naming what differs), AnchorFingerprintError (another model),
-    AnchorError (unknown `validate`).
+    AnchorError (a `validate` value not listed above).
     """
-    if validate not in ("signature", "full"):
-        raise AnchorError(f"validate must be 'signature' or 'full', got {validate!r}")
+    mode = check_validation(validate)
     check_fingerprint(anchor, fingerprint)
     if view.length != anchor.kv_length or len(anchor.token_ids) != anchor.position:
         raise AnchorValidationError(
@@ -214,12 +235,15 @@ def verify_anchor(anchor: Anchor, view: BlockTable, fingerprint: str, validate: 
         )
     if token_hash(anchor.token_ids) != anchor.signature.token_hash:
         raise AnchorValidationError(f"anchor {anchor.id}: its token ids do not match the token-prefix hash")
-    if signature_edges(view, anchor.signature.span) != anchor.signature.edges:
+    if (
+        mode in ("signature", "full")
+        and signature_edges(view, anchor.signature.span) != anchor.signature.edges
+    ):
         raise AnchorValidationError(
             f"anchor {anchor.id}: the first/last {anchor.signature.span} bytes of its KV changed "
             f"(corrupted KV cache)"
         )
-    if validate == "full":
+    if mode in ("blocks", "full"):
         digest, first_bad = rehash_kv(view)
         if digest != anchor.kv_digest:
             bs = view.pool.block_size
@@ -229,5 +253,5 @@ def verify_anchor(anchor: Anchor, view: BlockTable, fingerprint: str, validate: 
                 else f"the partial last block (positions {view.length // bs * bs}..{view.length - 1})"
             )
             raise AnchorValidationError(f"anchor {anchor.id}: KV data differs from its digest in {where}")
-        if identity_of(anchor) != anchor.id:
-            raise AnchorValidationError(f"anchor {anchor.id}: its recorded parts hash to another id")
+    if mode == "full" and identity_of(anchor) != anchor.id:
+        raise AnchorValidationError(f"anchor {anchor.id}: its recorded parts hash to another id")

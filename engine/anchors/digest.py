@@ -8,36 +8,39 @@ fingerprint and into every anchor id (so a format change can never alias an old 
   `chain` is the table's chained digest of its full blocks (computed once per block when it
   fills, see `engine.kv`) and `partial` the xxh3-128 of the filled positions of the partial last
   block (at most `block_size` tokens). Cost: O(block_size), independent of the context length.
-- `rehash_kv(table)`: the same digest recomputed from the KV bytes of every block (O(context)).
+- `rehash_kv(table)`: the same digest recomputed from the KV bytes of every block the table
+  covers (O(context), xxh3 over zero-copy row views of the pool: ~memory bandwidth on CPU; on
+  another device the covered blocks are first gathered to the host, one copy per stream).
 - `signature_edges(table)`: sha256 of the first and the last `SIGNATURE_SPAN` bytes of the
   table's *KV byte stream*: layer 0's first stream for positions 0, 1, ... then its next stream,
   ..., up to the last layer's last stream ending at the last position; each position's vector
   in C order. Head and tail are read with one small gather per stream touched.
-- `model_fingerprint(engine)`: see its docstring.
+- `model_fingerprint(engine)`: see its docstring (every byte of the weights, `weights.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
+import xxhash
 
-from ..kv import CHAIN_SEED, BlockTable, tensor_bytes
+from ..kv import CHAIN_SEED, BlockPool, BlockTable, tensor_bytes
+from .weights import weights_digest
 
 if TYPE_CHECKING:
     from ..engine import Engine
 
-FORMAT_VERSION = 1  # engine anchor format: fingerprint, id and save-file layout
+FORMAT_VERSION = 2  # engine anchor format: fingerprint, id and save-file layout (2: full-weight
+# fingerprint, authenticated save files)
 SIGNATURE_SPAN = 512  # bytes taken from each end of the KV byte stream
-FULL_FILE_LIMIT = 1 << 20  # safetensors data sections up to this size are hashed whole
-SAMPLE_WINDOWS = 64  # otherwise: this many evenly spaced windows (first and last included) ...
-SAMPLE_BYTES = 4096  # ... of this many bytes each
-OTHER_FILE_HEAD = 1 << 16  # a single weights file (FTW): header and manifest hashed whole up to this
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -102,15 +105,50 @@ def kv_digest(table: BlockTable) -> str:
 
 
 def rehash_kv(table: BlockTable) -> tuple[str, int | None]:
-    """(`kv_digest` recomputed from every block's bytes, index of the first full block whose
-    recomputed chain differs from the table's stored `chain`, or None)."""
-    pool, full = table.pool, table.length // table.pool.block_size
+    """(`kv_digest` recomputed from the KV bytes of every block the table covers, index of the first
+    full block whose recomputed chain differs from the table's stored `chain`, or None).
+
+    Computes exactly what `BlockPool.digest_block` and the chain compute, from row views of the
+    pool (no per-block tensor slicing): one xxh3-128 per block over its rows, layer by layer,
+    stream by stream, in storage order."""
+    pool, bs = table.pool, table.pool.block_size
+    full, rem = divmod(table.length, bs)
+    covered = table.blocks[: full + (1 if rem else 0)]
+    rows = _block_rows(pool, covered)
     value, first_bad = CHAIN_SEED, None
     for i in range(full):
-        value = hashlib.sha256(value + pool.digest_block(table.blocks[i])).digest()
+        h = xxhash.xxh3_128()
+        for array, ids in rows:
+            h.update(array[ids[i]])
+        value = hashlib.sha256(value + h.digest()).digest()
         if first_bad is None and (i >= len(table.chain) or table.chain[i] != value):
             first_bad = i
-    return _finish(table, value), first_bad
+    partial = b""
+    if rem:
+        h = xxhash.xxh3_128()
+        for array, ids in rows:
+            h.update(array[ids[full]][: array.shape[1] // bs * rem])
+        partial = h.digest()
+    return hashlib.sha256(b"ftkv" + value + le64(table.length) + partial).hexdigest(), first_bad
+
+
+def _block_rows(pool: BlockPool, blocks: Sequence[int]) -> list[tuple[np.ndarray, Sequence[int]]]:
+    """Per layer and stream (storage order): (uint8 array with one row per block, the row of each of
+    `blocks`). On the CPU the array is a view of the pool's storage (the rows are the block ids);
+    elsewhere it is one host copy of the gathered blocks (the rows are 0, 1, ...)."""
+    out: list[tuple[np.ndarray, Sequence[int]]] = []
+    if not blocks:
+        return out
+    ids = list(blocks)
+    for layer_storage in pool.storage:
+        for tensor in layer_storage.values():
+            if tensor.device.type == "cpu" and tensor.is_contiguous():
+                out.append((tensor.view(tensor.shape[0], -1).view(torch.uint8).numpy(), ids))
+            else:
+                gathered = tensor.index_select(0, torch.tensor(ids, device=tensor.device))
+                host = gathered.reshape(len(ids), -1).contiguous().cpu().view(torch.uint8).numpy()
+                out.append((host, range(len(ids))))
+    return out
 
 
 def _edge(table: BlockTable, span: int, *, from_end: bool) -> bytes:
@@ -147,17 +185,20 @@ def model_fingerprint(engine: Engine) -> str:
     """sha256 hex identifying what produced a KV cache, so anchors never cross models.
 
     Covers, in order: `FORMAT_VERSION`; the KV layout (dtype, block size, every layer's stream
-    names and per-token shapes); the weights; config.json; the tokenizer. Weights: each
-    `*.safetensors` file of `engine.source` contributes its name, size and full header (tensor
-    names, dtypes, shapes, offsets) plus its data section, hashed whole up to 1 MiB and otherwise
-    as 64 evenly spaced 4 KiB windows (first and last included): a few hundred KiB of reads per
-    file, stable across processes, and any retrained or re-initialised model differs in the
-    sampled bytes. (It is a fingerprint, not an integrity check of the weights: FTW blocks carry
-    their own checksums.) An FTW source file is hashed the same way, its first 64 KiB (header
-    and manifest) whole. An engine built in memory without a source hashes its spec,
-    the first 4 KiB of every dense parameter and its expert keys instead. Tokenizer: the bytes of
-    the tokenizer files in the source folder, or the in-memory tokenizer's sorted vocabulary.
-    The device is not covered: KV data means the same on any device.
+    names and per-token shapes); every byte of the weights; config.json; the tokenizer. Weights:
+    an FTW source file is hashed whole (config and tokenizer are inside it), through the engine's
+    own open file when it holds one (so it is the file the engine reads, even if the path was
+    replaced meanwhile); an HF folder's `*.safetensors` files are each hashed whole, with their
+    names. `weights.weights_digest` hashes each file version once (cached by path, device,
+    inode, size, mtime and ctime; large files also across processes). An engine built in memory
+    without a source hashes its spec and every byte of its dense tensors and of every expert
+    its provider lists. Tokenizer: the bytes of the tokenizer files in the source folder, or the
+    in-memory tokenizer's sorted vocabulary. The device is not covered: KV data means the same
+    on any device.
+
+    The engine calls this once, when it is built (`Engine.model_fingerprint`): replacing the
+    weights file later never changes an engine's fingerprint. CheckpointError when a weights file
+    cannot be read or changes while it is hashed.
     """
     h = hashlib.sha256(b"freetoken-model-fingerprint\0" + le64(FORMAT_VERSION))
     pool = engine.kv_pool
@@ -171,12 +212,10 @@ def model_fingerprint(engine: Engine) -> str:
     folder = source if source is not None and source.is_dir() else None
     files = sorted(folder.glob("*.safetensors")) if folder is not None else []
     if source is not None and source.is_file():  # one weights file (FTW), config and tokenizer inside
-        _hash_file(h, source, head=min(source.stat().st_size, OTHER_FILE_HEAD))
+        _section(h, "weights-file", bytes.fromhex(weights_digest(source, _open_fd(engine, source))))
     elif files:
         for path in files:
-            with path.open("rb") as f:
-                header_len = int.from_bytes(f.read(8), "little")
-            _hash_file(h, path, head=8 + header_len)
+            _section(h, f"weights:{path.name}", bytes.fromhex(weights_digest(path)))
     else:
         _hash_in_memory_weights(h, engine)
     if folder is not None and (folder / "config.json").is_file():
@@ -190,38 +229,40 @@ def model_fingerprint(engine: Engine) -> str:
     return h.hexdigest()
 
 
-def _section(h: hashlib._Hash, name: str, data: bytes) -> None:
+def _section(h: Any, name: str, data: bytes) -> None:
     tag = name.encode()
     h.update(le64(len(tag)) + tag + le64(len(data)))
     h.update(data)
 
 
-def _hash_file(h: hashlib._Hash, path: Path, *, head: int) -> None:
-    """Name, size and the first `head` bytes of `path`, plus its data after them (whole up to
-    FULL_FILE_LIMIT, else SAMPLE_WINDOWS evenly spaced windows of SAMPLE_BYTES)."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        header = f.read(head)
-        start = len(header)
-        data_len = max(0, size - start)
-        if data_len <= FULL_FILE_LIMIT:
-            windows = [(start, data_len)]
-        else:
-            step = (data_len - SAMPLE_BYTES) // (SAMPLE_WINDOWS - 1)
-            windows = [(start + i * step, SAMPLE_BYTES) for i in range(SAMPLE_WINDOWS)]
-        samples = []
-        for offset, length in windows:
-            f.seek(offset)
-            samples.append(f.read(length))
-    _section(h, f"{path.name}:{size}", header)
-    _section(h, f"{path.name}:data", b"".join(samples))
+def _open_fd(engine: Engine, source: Path) -> int | None:
+    """The descriptor of the engine's own open FTW file for `source`, if its provider holds one."""
+    from ..ftw.reader import FTWFile
+
+    ftw = getattr(engine.experts, "ftw", None)
+    if isinstance(ftw, FTWFile) and ftw.fileno() >= 0 and Path(ftw.path) == source:
+        return ftw.fileno()
+    return None
 
 
-def _hash_in_memory_weights(h: hashlib._Hash, engine: Engine) -> None:
+def _tensor_section(h: Any, name: str, tensor: torch.Tensor) -> None:
+    data = tensor_bytes(tensor)
+    h.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode() + le64(len(data)))
+    h.update(data)
+
+
+def _hash_in_memory_weights(h: Any, engine: Engine) -> None:
     _section(h, "spec", repr(engine.spec).encode())
     for name, tensor in sorted(engine.model.state_dict().items()):
-        head = bytes(tensor_bytes(tensor.reshape(-1)[: max(1, SAMPLE_BYTES // tensor.element_size())]))
-        _section(h, f"{name}:{tensor.dtype}:{list(tensor.shape)}", head)
+        _tensor_section(h, name, tensor)
     keys = getattr(engine.experts, "keys", None)
-    if callable(keys):
-        _section(h, "expert-keys", json.dumps([list(k) for k in keys()]).encode())
+    get = getattr(engine.experts, "get", None)
+    if not callable(keys):
+        return
+    for layer, expert in sorted(keys()):
+        _section(h, "expert", json.dumps([layer, expert]).encode())
+        weights = get(layer, expert) if callable(get) else None
+        for field in dataclasses.fields(weights) if dataclasses.is_dataclass(weights) else ():
+            value = getattr(weights, field.name)
+            if isinstance(value, torch.Tensor) and field.name != "storage":
+                _tensor_section(h, field.name, value)

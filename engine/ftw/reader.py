@@ -419,6 +419,11 @@ class FTWFile:
             self._encoded(info, self._raw(info, self.read_expert_bytes(layer, expert)))
 
     # -- lifetime --------------------------------------------------------------------------------
+    def fileno(self) -> int:
+        """The open file's descriptor (-1 once closed): the inode this reader reads, even if the
+        path has been replaced since (the model fingerprint hashes through it)."""
+        return self._fd
+
     def close(self) -> None:
         """Close the file. Idempotent. Dense tensors returned earlier own their memory and stay valid."""
         if getattr(self, "_fd", -1) >= 0:
