@@ -26,6 +26,14 @@ from freetoken_agents.engine import (
 ATOL = 1e-5
 
 
+@pytest.fixture(autouse=True)
+def anchor_key(tmp_path_factory, monkeypatch) -> Path:
+    """Saved anchors are authenticated with a per-user key: tests use their own, never the home's."""
+    path = tmp_path_factory.getbasetemp() / "anchor.key"
+    monkeypatch.setenv("FREETOKEN_ANCHOR_KEY_FILE", str(path))
+    return path
+
+
 def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 480, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -162,7 +170,9 @@ def test_full_validation_catches_mid_cache_corruption_the_signature_misses(engin
         with pytest.raises(AnchorValidationError, match=r"block 1 \(positions 16\.\.31\)"):
             s.rollback(anchor, validate="full")
         assert _state(s) == before
-        s.rollback(anchor)  # the signature alone does not see it: that is what "full" is for
+        with pytest.raises(AnchorValidationError, match=r"block 1 \(positions 16\.\.31\)"):
+            s.rollback(anchor, validate="blocks")  # what the engine's default runs
+        s.rollback(anchor, validate="signature")  # the opt-in signature alone does not see it
         assert s.token_ids == list(anchor.token_ids)
 
 
@@ -291,7 +301,7 @@ def test_anchor_creation_does_not_hash_the_cache(engine_for):
                 (pool.digest_calls - calls, pool.digested_bytes - hashed, pool.copied_bytes - copied)
             )
             calls = pool.digest_calls
-            s.rollback(anchor)
+            s.rollback(anchor, validate="signature")
             assert pool.digest_calls == calls  # a signature rollback hashes no block
     assert costs[0] == costs[1] == costs[2] == (1, 4 * pool.bytes_per_block // bs, 0)
 
@@ -430,7 +440,7 @@ def test_load_refuses_truncated_or_tampered_files(engine_for, tmp_path):
     doc = json.loads(meta)
     doc["anchors"][1]["token_ids"][3] += 1
     (folder / "anchors.json").write_text(json.dumps(doc))
-    with pytest.raises(AnchorValidationError, match="token ids"):
+    with pytest.raises(AnchorFileError, match="changed after it was saved"):
         engine.anchors.load(folder)
     assert len(engine.anchors) == 0 and engine.kv_pool.blocks_in_use == 0
     (folder / "anchors.json").write_text(meta)

@@ -17,6 +17,7 @@ count towards `used_bytes`.
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -35,8 +36,18 @@ logger = logging.getLogger(__name__)
 class AnchorStore:
     """All anchors of one engine. Created by the Engine (`engine.anchors`); not thread-safe."""
 
-    def __init__(self, engine: Engine, *, byte_budget: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        byte_budget: int | None = None,
+        key_file: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """`key_file`: the anchor key that authenticates saved anchors (`keys.key_path`: default
+        $FREETOKEN_ANCHOR_KEY_FILE, $FREETOKEN_CONFIG_DIR/anchor.key, else the user config dir);
+        read (and on first save created) only when anchors are saved or loaded."""
         self.engine = engine
+        self.key_file = key_file
         self._anchors: OrderedDict[str, Anchor] = OrderedDict()  # LRU order: oldest first
         self._pinned: set[str] = set()
         self._byte_budget = byte_budget
@@ -194,21 +205,23 @@ class AnchorStore:
 
     # ---- persistence --------------------------------------------------------------------------
     def save(self, path: str | Path, ids: Sequence[str] | None = None) -> Path:
-        """Write the anchors (all, or `ids`) to folder `path`; see `persist.save_anchors`."""
+        """Write the anchors (all, or `ids`) to folder `path`, authenticated with this user's anchor
+        key; see `persist.save_anchors`."""
         from .persist import save_anchors
 
         anchors = [self._require(i) for i in ids] if ids is not None else list(self._anchors.values())
-        return save_anchors(self.engine, anchors, Path(path), pinned=self._pinned)
+        return save_anchors(self.engine, anchors, Path(path), pinned=self._pinned, key_file=self.key_file)
 
     def load(self, path: str | Path) -> list[Anchor]:
         """Read anchors saved by `save` into this engine's store; see `persist.load_anchors`.
 
         Returns the loaded anchors (ones already stored are returned as stored). Raises
-        AnchorFileError, AnchorFingerprintError or AnchorValidationError; then nothing is loaded.
+        AnchorFileError (also for a folder not authenticated with this user's anchor key),
+        AnchorFingerprintError or AnchorValidationError; then nothing is loaded.
         """
         from .persist import load_anchors
 
-        loaded, pinned = load_anchors(self.engine, Path(path))
+        loaded, pinned = load_anchors(self.engine, Path(path), key_file=self.key_file)
         out: list[Anchor] = []
         for anchor in loaded:
             existing = self._anchors.get(anchor.id)
