@@ -7,9 +7,11 @@ Builds a small Mixtral-shaped model with random weights (6 layers, hidden 256, 8
 
 - places 20 anchors along one branch while prefilling the context in 20 chunks, and reports the
   KV blocks in use against one KV cache of the context (the target is <= 1.1x);
-- times `Session.rollback` (signature and full validation) to the anchor at the end of the
-  context after a detour, against a fresh prefill of the same prefix (the baseline), and
-  prints the medians and their ratio (the target is >= 100x);
+- times `Session.rollback` to the anchor at the end of the context after a detour, with each
+  validation mode ("blocks", the engine's default: every covered KV block rehashed; the opt-in
+  "signature"; "full"), and the default validation alone (`verify_anchor`), against a fresh
+  prefill of the same prefix (the baseline), and prints the medians and their ratios (the target
+  is >= 100x);
 - reports the KV bytes copied by a rollback and by the first decode after it (the partial
   last block, copied on write), and the bytes an anchor alone keeps alive after the session
   diverged, against a full copy of the KV cache.
@@ -27,6 +29,8 @@ import torch
 import transformers
 
 from freetoken_agents.engine import Engine
+from freetoken_agents.engine.anchors import DEFAULT_VALIDATION
+from freetoken_agents.engine.anchors.anchor import verify_anchor
 
 N_ANCHORS = 20
 
@@ -97,33 +101,42 @@ def main() -> None:
     )
 
     target = anchors[-1]
-    rollback_s: list[float] = []
-    rollback_full_s: list[float] = []
+    modes = (DEFAULT_VALIDATION, "signature", "full")
+    rollback_s: dict[str, list[float]] = {mode: [] for mode in modes}
+    validation_s: list[float] = []  # the default validation alone, on a scratch view
     prefill_s: list[float] = []
     copied_by_rollback = 0
     for _ in range(args.reps):  # side by side: one re-prefill, then rollbacks, per repetition
         with engine.new_session() as fresh:
             prefill_s.append(timed(lambda fresh=fresh: fresh.prefill(context, last_only=True)))
-        for validate, times in (("signature", rollback_s), ("full", rollback_full_s)):
+        for mode in modes:
             for _ in range(5):
                 session.prefill(other[:8], last_only=True)  # a detour past the anchor
                 before = pool.copied_bytes
-                times.append(timed(lambda v=validate: session.rollback(target, validate=v)))
+                rollback_s[mode].append(timed(lambda v=mode: session.rollback(target, validate=v)))
                 copied_by_rollback += pool.copied_bytes - before
-    roll, roll_full, pre = (statistics.median(x) for x in (rollback_s, rollback_full_s, prefill_s))
+        view = target.table.fork()
+        for _ in range(5):
+            validation_s.append(timed(lambda v=view: verify_anchor(target, v, engine.model_fingerprint)))
+        view.release()
+    roll = {mode: statistics.median(times) for mode, times in rollback_s.items()}
+    check, pre = statistics.median(validation_s), statistics.median(prefill_s)
+    kv_mib = target.kv_length * per_token / 2**20
     print(
-        f"rollback to the {target.position}-token anchor: median {roll * 1e6:.0f} us (signature), "
-        f"{roll_full * 1e6:.0f} us (full rehash) | re-prefill of the same prefix: median "
-        f"{pre * 1e3:.1f} ms"
+        f"default validation ({DEFAULT_VALIDATION!r}: rehash the {kv_mib:.2f} MiB of KV under the "
+        f"{target.position}-token anchor): median {check * 1e3:.2f} ms | re-prefill of the same prefix: "
+        f"median {pre * 1e3:.1f} ms | validation / re-prefill = {check / pre:.4f} "
+        f"({pre / check:.0f}x cheaper)"
     )
-    print(f"speedup vs re-prefill: {pre / roll:.0f}x (signature), {pre / roll_full:.0f}x (full)")
+    each = [f"{mode} {roll[mode] * 1e3:.2f} ms ({pre / roll[mode]:.0f}x vs re-prefill)" for mode in modes]
+    print("rollback medians: " + ", ".join(each))
 
     mid = next((a for a in reversed(anchors) if a.kv_length % pool.block_size), anchors[0])
     session.rollback(mid)
     before = pool.copied_bytes
     session.decode(other[0])
     print(
-        f"bytes copied: by {len(rollback_s) + len(rollback_full_s)} rollbacks {copied_by_rollback}; "
+        f"bytes copied: by {sum(len(t) for t in rollback_s.values())} rollbacks {copied_by_rollback}; "
         f"by the first decode after a rollback to the {mid.position}-token anchor (mid-block) "
         f"{pool.copied_bytes - before} (= one block of {pool.bytes_per_block}: the partial block) "
         f"| a full KV copy is {full_copy}"
