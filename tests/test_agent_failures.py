@@ -15,6 +15,7 @@ from freetoken_agents import (
     FreeTokenModel,
     RetryableToolError,
     RetryPolicy,
+    TokenLimitTooSmall,
     Tool,
     ToolExecutionError,
     ToolRetryExhausted,
@@ -192,3 +193,26 @@ def test_a_second_retry_keeps_the_first_failure_note_in_the_cache(model: FreeTok
     assert second.to_position > first.to_position  # the first note was kept, not rolled back over
     kept = model.tokenizer.decode(model.token_ids[first.to_position : second.to_position])
     assert "first failure" in kept
+
+
+def test_a_forced_call_that_cannot_fit_its_budget_raises_a_named_error(model: FreeTokenModel) -> None:
+    @tool
+    def pair(a: int, b: int, label: str) -> str:
+        "Pair two numbers."
+        return f"{label}: {a}, {b}"
+
+    def agent(budget: int) -> Agent:
+        settings = {"max_call_tokens": budget}
+        return Agent(model, [pair], tool_choice="pair", retry=FAST, max_steps=2, model_settings=settings)
+
+    with pytest.raises(
+        TokenLimitTooSmall, match=r"max_call_tokens=1 is too small for a call to 'pair'"
+    ) as info:
+        agent(1).run("pair 1 and 2")
+    needed = info.value.needed
+    assert (info.value.limit, info.value.value) == ("max_call_tokens", 1) and needed > 1
+    for budget in range(needed, needed + 4):  # from the smallest budget that works, the call closes
+        result = agent(budget).run("pair 1 and 2")
+        call = result.trace.tool_calls[0]
+        assert result.trace.retries == [] and set(call.arguments) == {"a", "b", "label"}
+        assert result.trace.steps[0].tokens_decoded <= budget

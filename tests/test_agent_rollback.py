@@ -157,3 +157,59 @@ def test_rebuilt_anchor_stays_usable_and_old_record_is_discarded(engine: Engine)
     assert not outcome.rebuilt and model.token_ids == ids and model.usage().prefilled == prefilled
     model.reset()
     assert held.native.id not in engine.anchors  # reset discards the model's anchors
+
+
+# ---- validate: set on the model or the agent, honoured by every rollback -----------------------------
+def corrupt_middle_block(engine: Engine, native_anchor) -> None:
+    """Flip KV bytes in a block the signature does not read (neither the first nor the last)."""
+    blocks = native_anchor.blocks
+    assert len(blocks) >= 3
+    with torch.inference_mode():
+        for tensor in engine.kv_pool.storage[0].values():
+            tensor[blocks[len(blocks) // 2]] += 1.0
+
+
+LONG = "Be brief. " * 12  # enough tokens for an anchor over several KV blocks
+
+
+@pytest.mark.parametrize(("mode", "rebuilt"), [("signature", False), ("full", True)])
+def test_model_validate_reaches_the_engine(engine: Engine, mode: str, rebuilt: bool) -> None:
+    """ "signature" reads the KV's edges only, so a corrupt middle block passes it; "full" rehashes
+    every block and catches it (the rollback then rebuilds by prefill)."""
+    model = FreeTokenModel(engine, validate=mode)
+    ids = model.render([{"role": "system", "content": LONG}, {"role": "user", "content": "Hi"}], None)
+    model.sync(ids)
+    anchor = model.anchor("manual")
+    model.append_text("a detour")
+    corrupt_middle_block(engine, anchor.native)
+    assert model.rollback(anchor).rebuilt is rebuilt
+    assert model.token_ids == ids
+    # The per-call argument overrides the model's setting.
+    again = model.anchor("manual")
+    corrupt_middle_block(engine, again.native)
+    model.append_text("another detour")
+    assert model.rollback(again, validate="full").rebuilt
+
+
+def test_agent_validate_reaches_its_rollbacks(engine: Engine) -> None:
+    model = FreeTokenModel(engine, validate="signature")  # the agent's setting wins
+    calls = {"n": 0}
+
+    @tool
+    def lookup(key: Literal["a", "b"]) -> str:
+        "Look a key up."
+        calls["n"] += 1
+        if calls["n"] == 1:
+            corrupt_middle_block(engine, list(model.anchors)[-1].native)  # the anchor before this call
+            raise KeyError(key)
+        return "found"
+
+    agent = Agent(
+        model, [lookup], system_prompt=LONG, tool_choice="lookup", retry=FAST, max_steps=2, validate="full"
+    )
+    result = agent.run("Look up a")
+    (rb,) = result.trace.rollbacks
+    assert rb.rebuilt and result.trace.tool_calls[0].result == "found"
+    torch.testing.assert_close(
+        model.next_logits(), fresh_logits(engine, model.token_ids), rtol=1e-4, atol=1e-4
+    )

@@ -133,3 +133,54 @@ def test_context_overflow_is_langchains_error() -> None:
     llm = ChatFreeToken(model=str(tiny_chat_checkpoint()), max_tokens=4)
     with pytest.raises(ContextOverflowError):
         llm.invoke("word " * 5000)
+
+
+def _pair(a: int, b: int, label: str) -> str:
+    """Pair two numbers."""
+    return label
+
+
+def test_forced_calls_close_inside_small_budgets_or_say_the_limit_is_too_small() -> None:
+    from freetoken_agents import TokenLimitTooSmall
+
+    with pytest.raises(TokenLimitTooSmall, match="max_call_tokens=1 is too small") as info:
+        ChatFreeToken(model=str(tiny_chat_checkpoint()), max_call_tokens=1).bind_tools(
+            [_pair], tool_choice="_pair"
+        ).invoke("pair 1 and 2")
+    for budget in range(info.value.needed, info.value.needed + 4):
+        llm = ChatFreeToken(
+            model=str(tiny_chat_checkpoint()), max_call_tokens=budget, temperature=1.0, seed=budget
+        )
+        msg = llm.bind_tools([_pair], tool_choice="any").invoke("pair 1 and 2")
+        assert msg.invalid_tool_calls == [] and set(msg.tool_calls[0]["args"]) == {"a", "b", "label"}
+
+
+def test_sdk_and_langchain_share_one_constrained_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forced calls (SDK and LangChain) and structured output all decode in ConstrainedDecode."""
+    from pydantic import BaseModel
+
+    from freetoken_agents import Agent, FreeTokenModel, tool
+    from freetoken_agents.constrained import ConstrainedDecode
+
+    runs: list[int] = []
+    iterate = ConstrainedDecode.__iter__
+
+    def counted(self):  # type: ignore[no-untyped-def]
+        runs.append(self.budget)
+        return iterate(self)
+
+    monkeypatch.setattr(ConstrainedDecode, "__iter__", counted)
+
+    class Point(BaseModel):
+        x: int
+        y: int
+
+    llm = ChatFreeToken(model=str(tiny_chat_checkpoint()), max_tokens=4, max_call_tokens=20)
+    assert llm.bind_tools([_pair], tool_choice="_pair").invoke("pair").tool_calls
+    assert isinstance(llm.with_structured_output(Point).invoke("a point"), Point)
+    assert isinstance(llm.with_structured_output(Point, method="json_schema").invoke("a point"), Point)
+    model, pair = FreeTokenModel(llm._handle().engine), tool(_pair)
+    settings = {"max_call_tokens": 20}
+    result = Agent(model, [pair], tool_choice="_pair", max_new_tokens=2, model_settings=settings).run("pair")
+    assert result.trace.tool_calls[0].tool == "_pair"
+    assert runs == [20] * 4

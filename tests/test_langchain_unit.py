@@ -96,3 +96,30 @@ def test_messages_render_as_template_dicts() -> None:
     assert dicts[2]["content"] == "t"
     assert dicts[2]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"x": "你好"}}
     assert dicts[3]["role"] == "tool" and dicts[3]["content"] == "Error: bad b"
+
+
+@pytest.mark.parametrize(("mode", "restored"), [("signature", True), ("full", False)])
+def test_prefix_cache_restore_honours_validate(mode: str, restored: bool) -> None:
+    """A cached prompt whose KV was corrupted in a middle block: "signature" (edges only) restores
+    it, "full" rejects it and the prompt is prefilled again from the live session's prefix."""
+    import torch
+
+    from freetoken_agents.engine import Engine
+    from freetoken_agents.integrations.langchain.backend import LangChainBackend
+    from freetoken_agents.integrations.langchain.prefix_cache import PrefixCache, prepare_context
+
+    engine = Engine.from_pretrained(tiny_chat_checkpoint())
+    backend, cache = LangChainBackend(engine, validate=mode), PrefixCache()
+    prompt = backend.render([{"role": "user", "content": "A long shared prefix. " * 8}], None)
+    other = backend.render([{"role": "user", "content": "Something else entirely."}], None)
+    assert prepare_context(backend, cache, prompt, reuse=True) == 0
+    anchor = cache.lookup(prompt).anchor
+    prepare_context(backend, cache, other, reuse=True)  # the live session moves away
+    with torch.inference_mode():
+        for tensor in engine.kv_pool.storage[0].values():
+            tensor[anchor.blocks[len(anchor.blocks) // 2]] += 1.0
+    reused = prepare_context(backend, cache, prompt, reuse=True)
+    live = 0
+    while prompt[live] == other[live]:
+        live += 1
+    assert reused == (len(prompt) - 1 if restored else live)  # restored: only the last token reruns
