@@ -25,6 +25,7 @@ from freetoken_agents.engine import (
 from freetoken_agents.engine.anchors import DEFAULT_VALIDATION, VALIDATIONS, AnchorStore, key_path
 from freetoken_agents.engine.anchors import weights as weights_module
 from freetoken_agents.engine.anchors.anchor import verify_anchor
+from freetoken_agents.engine.anchors.digest import rehash_kv
 from freetoken_agents.engine.anchors.persist import _key_id, _mac
 from freetoken_agents.engine.ftw.convert import convert_checkpoint
 from freetoken_agents.engine.session import Session
@@ -110,6 +111,8 @@ def test_validate_values(engine):
     view = anchor.table.fork()
     try:
         verify_anchor(anchor, view, engine.model_fingerprint)  # None: the default
+        # The path a GPU pool takes (blocks gathered to the host first) hashes the same bytes.
+        assert rehash_kv(view, gather=True) == rehash_kv(view, gather=False) == (anchor.kv_digest, None)
         with torch.inference_mode():
             engine.kv_pool.flat(0, engine.kv_pool.layer_streams[0][0].name)[int(anchor.table.slots[17])] += 1
         with pytest.raises(AnchorValidationError, match=r"block 1 \(positions 16\.\.31\)"):

@@ -104,17 +104,18 @@ def kv_digest(table: BlockTable) -> str:
     return _finish(table, table.chain[full - 1] if full else CHAIN_SEED)
 
 
-def rehash_kv(table: BlockTable) -> tuple[str, int | None]:
+def rehash_kv(table: BlockTable, *, gather: bool | None = None) -> tuple[str, int | None]:
     """(`kv_digest` recomputed from the KV bytes of every block the table covers, index of the first
     full block whose recomputed chain differs from the table's stored `chain`, or None).
 
     Computes exactly what `BlockPool.digest_block` and the chain compute, from row views of the
     pool (no per-block tensor slicing): one xxh3-128 per block over its rows, layer by layer,
-    stream by stream, in storage order."""
+    stream by stream, in storage order. `gather`: copy the covered blocks to the host first
+    (default: only when the pool is not on the CPU)."""
     pool, bs = table.pool, table.pool.block_size
     full, rem = divmod(table.length, bs)
     covered = table.blocks[: full + (1 if rem else 0)]
-    rows = _block_rows(pool, covered)
+    rows = _block_rows(pool, covered, pool.device.type != "cpu" if gather is None else gather)
     value, first_bad = CHAIN_SEED, None
     for i in range(full):
         h = xxhash.xxh3_128()
@@ -132,17 +133,19 @@ def rehash_kv(table: BlockTable) -> tuple[str, int | None]:
     return hashlib.sha256(b"ftkv" + value + le64(table.length) + partial).hexdigest(), first_bad
 
 
-def _block_rows(pool: BlockPool, blocks: Sequence[int]) -> list[tuple[np.ndarray, Sequence[int]]]:
+def _block_rows(
+    pool: BlockPool, blocks: Sequence[int], gather: bool
+) -> list[tuple[np.ndarray, Sequence[int]]]:
     """Per layer and stream (storage order): (uint8 array with one row per block, the row of each of
     `blocks`). On the CPU the array is a view of the pool's storage (the rows are the block ids);
-    elsewhere it is one host copy of the gathered blocks (the rows are 0, 1, ...)."""
+    with `gather` it is one host copy of the gathered blocks (the rows are 0, 1, ...)."""
     out: list[tuple[np.ndarray, Sequence[int]]] = []
     if not blocks:
         return out
     ids = list(blocks)
     for layer_storage in pool.storage:
         for tensor in layer_storage.values():
-            if tensor.device.type == "cpu" and tensor.is_contiguous():
+            if not gather and tensor.device.type == "cpu" and tensor.is_contiguous():
                 out.append((tensor.view(tensor.shape[0], -1).view(torch.uint8).numpy(), ids))
             else:
                 gathered = tensor.index_select(0, torch.tensor(ids, device=tensor.device))
