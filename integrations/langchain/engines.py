@@ -17,8 +17,8 @@ from typing import Any
 
 from freetoken_agents.engine import Engine, EngineOptions
 
+from ..prefix_cache import PrefixCache
 from .backend import LangChainBackend
-from .prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from freetoken_agents.constrained import resolve_tool_choice
 from freetoken_agents.engine import SamplingParams
 from freetoken_agents.model import GenerateRequest
 
+from ..prefix_cache import prepare_context
 from .engines import EngineHandle
-from .prefix_cache import prepare_context
 
 logger = logging.getLogger(__name__)
 
