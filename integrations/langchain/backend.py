@@ -2,10 +2,10 @@
 
 One backend (one engine session) per loaded engine, shared by every ChatFreeToken with the same
 options: its context is the latest prompt and reply, and the integrations' shared
-`prefix_cache.prepare_context` reuses it (or an anchored earlier prompt) for the next call. Everything the adapter needs is
-FreeTokenModel's public API: `generate` for turns (forced tool calls included) and `decode_json`
-for structured output, both on the SDK's one constrained decoder; `pin` / `restore` for the
-prefix cache (restores honour `validate`, like every rollback).
+`prefix_cache.prepare_context` reuses it (or an anchored earlier prompt) for the next call.
+Everything the adapter needs is FreeTokenModel's public API: `generate` for turns (forced tool
+calls included) and `decode_json` for structured output, both on the SDK's one constrained
+decoder; `pin` / `restore` for the prefix cache (restores honour `validate`, like every rollback).
 """
 
 from __future__ import annotations
