@@ -135,7 +135,9 @@ class TurnDecoder:
 
     def __init__(self, model: FreeTokenModel, request: GenerateRequest) -> None:
         self.m, self.req = model, request
-        self.sample = Sampler(SamplingParams(temperature=request.temperature, seed=request.seed))
+        self.sample = Sampler(
+            SamplingParams(temperature=request.temperature, top_p=request.top_p, seed=request.seed)
+        )
         self.tools_on = bool(request.tools)
         self.free_used = 0  # free tokens sampled in the turn
         self._bias = _bias_tensor(request.logit_bias, model.vocab_size)

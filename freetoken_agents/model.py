@@ -70,6 +70,7 @@ class GenerateRequest(BaseModel):
     max_new_tokens: int = Field(default=256, ge=0)
     max_call_tokens: int = Field(default=192, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = None
     prefix: str = ""
     logit_bias: dict[int, float] = Field(default_factory=dict)
