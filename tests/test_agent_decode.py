@@ -196,3 +196,14 @@ def test_detokenizer_work_per_token_does_not_grow_with_the_turn(
     events = list(model.generate(request))
     assert events[-1].finish_reason == "length"
     assert decoded["ids"] <= 16 * 400  # re-decoding the turn each token: ~400 * 400 / 2
+
+
+def test_a_turn_stops_where_the_context_ends(engine: Engine) -> None:
+    """Free text ends with "length" at the context's end (room kept for the stop token) instead of
+    raising ContextOverflowError from inside the engine."""
+    model = FreeTokenModel(engine)
+    model.prefill([7] * (engine.max_context - 6))
+    no_stop = {t: -1e4 for t in model.stop_ids}
+    events = list(model.generate(GenerateRequest(max_new_tokens=50, logit_bias=no_stop)))
+    assert events[-1].finish_reason == "length"
+    assert engine.max_context - 2 <= model.position <= engine.max_context - 1

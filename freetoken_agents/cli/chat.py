@@ -19,7 +19,15 @@ from ..anchors import AnchorHandle
 from ..engine import EngineError
 from ..engine.memory.budget import format_size
 from ..model import FreeTokenModel, GenerateRequest
-from ..recipes._common import add_model_argument, engine_options, model_path, use_threads
+from ..recipes._common import (
+    add_model_argument,
+    engine_options,
+    model_path,
+    one_line,
+    positive_int,
+    use_threads,
+)
+from .argtypes import non_negative_float
 from .common import CLIError, show_progress, sync_with_progress, write
 
 HELP = """commands:
@@ -41,8 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_model_argument(p)
     p.add_argument("--system", default="You are a helpful assistant.", help="system prompt ('' for none)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per reply (default 256)")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-progress", action="store_true", help="no prefill progress bar")
     p.set_defaults(run=run)
@@ -74,8 +82,18 @@ class ChatSession:
         sync_with_progress(self.model, ids, progress=show_progress(self.args.no_progress))
 
     def reply(self, text: str) -> None:
-        """Stream the model's reply to `text`, then keep the turn in the history."""
-        self.messages.append({"role": "user", "content": text})
+        """Stream the model's reply to `text`, then keep the turn in the history. A message that
+        would not leave room in the model's context for a reply is refused (CLIError, the
+        history unchanged); a reply stops where the context ends."""
+        messages = [*self.messages, {"role": "user", "content": text}]
+        ids = self.model.render(messages, None, generation_prompt=True)
+        limit = self.model.max_context
+        if len(ids) + 1 >= limit:
+            raise CLIError(
+                f"message not sent: with it the conversation is {len(ids)} tokens and the model's "
+                f"context is {limit} (a reply needs room too); send a shorter one or /rollback"
+            )
+        self.messages = messages
         self._sync(generation_prompt=True)
         request = GenerateRequest(
             max_new_tokens=self.args.max_new_tokens, temperature=self.args.temperature, seed=self.args.seed
@@ -88,7 +106,8 @@ class ChatSession:
                 write(event.text)
         write("\n")
         self.messages.append({"role": "assistant", "content": answer})
-        self._sync(generation_prompt=False)  # the turn as the template renders it: anchors stay valid
+        if len(self.model.render(self.messages, None, generation_prompt=False)) < limit:
+            self._sync(generation_prompt=False)  # the turn as the template renders it: anchors stay valid
 
     def anchor(self, label: str | None) -> None:
         if not self.messages:
@@ -170,14 +189,13 @@ def run(args: argparse.Namespace) -> int:
         line = line.strip()
         if not line:
             continue
-        if not line.startswith("/"):
-            session.reply(line)
-            continue
         command, _, rest = line.partition(" ")
         try:
-            if command == "/quit":
+            if not line.startswith("/"):
+                session.reply(line)
+            elif command == "/quit":
                 return 0
-            if command == "/help":
+            elif command == "/help":
                 write(HELP)
             elif command == "/anchor":
                 session.anchor(rest.strip() or None)
@@ -189,5 +207,5 @@ def run(args: argparse.Namespace) -> int:
                 write(stats_lines(session.model.engine.stats()))
             else:
                 raise CLIError(f"unknown command {command}; /help lists them")
-        except (CLIError, EngineError) as e:  # a bad command or anchor: say so, keep chatting
-            write(f"[{e}]\n")
+        except (CLIError, EngineError) as e:  # a bad line, command or anchor: say so, keep chatting
+            write(f"[{one_line(e)}]\n")

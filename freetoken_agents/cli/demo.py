@@ -16,7 +16,7 @@ import time
 from ..agent import Agent, AgentResult
 from ..errors import AgentError
 from ..model import FreeTokenModel
-from ..recipes._common import add_model_argument, engine_options, model_path, use_threads
+from ..recipes._common import add_model_argument, engine_options, model_path, positive_int, use_threads
 from ..recipes._printing import AgentPrinter, CodingPrinter, answer_block, trace_summary
 from ..recipes.coding_assistant import CodingResult, solve
 from ..recipes.tiny import world
@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=DEMO_SEED, help=f"picks question and tasks ({DEMO_SEED})")
     p.add_argument("--tasks", type=int, default=DEMO_CODING_TASKS, help="coding tasks to run")
     p.add_argument("--attempts", type=int, default=3, help="coding attempts per task (default 3)")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="per model turn (default 96)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=96, help="per model turn (default 96)")
     p.set_defaults(run=run)
 
 

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 from ..engine import Engine, SamplingParams, TokenEvent
 from ..engine.generate import stream_tokens
-from ..recipes._common import add_engine_arguments, engine_options, use_threads
+from ..recipes._common import add_engine_arguments, engine_options, positive_int, use_threads
+from .argtypes import non_negative_float, probability
 from .common import PREFILL_CHUNK, CLIError, prefill_session, show_progress, write
 
 
@@ -15,10 +16,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt, streaming tokens to stdout")
     p.add_argument("model", nargs="?", help="Hugging Face checkpoint folder or .ftw file (default: embedded)")
     p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=positive_int, default=None)
+    p.add_argument("--top-p", type=probability, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--no-progress", action="store_true", help="no prefill progress bar")
