@@ -123,8 +123,8 @@ def _persist(key: str, digest: str) -> None:
     """Add one entry to the on-disk cache (best effort: a failure only costs a rehash next time)."""
     path = _cache_path()
     try:
-        entries = _load_persisted()
-        entries.pop(key, None)
+        entries = {k: v for k, v in _load_persisted().items() if os.path.exists(k.rsplit("|", 5)[0])}
+        entries.pop(key, None)  # (entries of files gone since are dropped: temporary models)
         entries[key] = digest
         entries = dict(list(entries.items())[-_MAX_CACHED:])
         path.parent.mkdir(parents=True, exist_ok=True)
