@@ -21,6 +21,7 @@ from .errors import (
     UnknownTool,
 )
 from .model import FreeTokenModel, GenerateRequest, ModelBackend, Usage
+from .openai_compat import ModelServerError, OpenAICompatibleModel
 from .retry import RetryPolicy
 from .tools import Tool, tool
 from .trace import Trace
@@ -37,6 +38,8 @@ __all__ = [
     "ModelBackend",
     "ModelCausedError",
     "ModelRetry",
+    "ModelServerError",
+    "OpenAICompatibleModel",
     "ResultRejected",
     "RetryPolicy",
     "RetryableToolError",

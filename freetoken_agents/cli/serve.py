@@ -1,0 +1,88 @@
+"""`freetoken serve`: an OpenAI-compatible chat-completions server over one engine.
+
+The command only loads the engine (with the same engine options as every other command) and
+starts the server from `freetoken_agents.integrations.openai_server`; it is ready when
+`GET /v1/models` answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+from pathlib import Path
+
+from ..parsers import PARSERS
+from ..recipes._common import add_engine_arguments, engine_options, positive_int, use_threads
+from .common import CLIError
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "FREETOKEN_API_KEY"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the model over the OpenAI chat-completions API")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="Hugging Face checkpoint folder or .ftw file (default: the embedded model)",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require `Authorization: Bearer KEY` on /v1 requests (default: ${API_KEY_ENV} if set)",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="the model id clients pass (default: the file name)"
+    )
+    p.add_argument(
+        "--max-queue", type=positive_int, default=16, help="requests that may wait for the engine (then 429)"
+    )
+    p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt from scratch")
+    p.add_argument(
+        "--tool-format",
+        choices=sorted(PARSERS),
+        default=None,
+        help="tool-call format (default: from the template)",
+    )
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_arguments(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..embedded import default_model
+    from ..engine import Engine
+    from ..integrations.openai_server import ServerConfig, create_app, serve
+
+    if not 0 <= args.port <= 65535:
+        raise CLIError(f"--port must be in 0..65535, got {args.port}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if api_key is None and not _loopback(args.host):
+        logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
+    use_threads(args.threads, args.model)
+    path = Path(args.model) if args.model is not None else default_model()
+    engine = Engine.from_options(path, engine_options(args))
+    name = args.served_model_name or (path.stem if path.suffix == ".ftw" else path.name)
+    config = ServerConfig(
+        model_name=name, api_key=api_key, max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache
+    )
+    app = create_app(engine, config, family=args.tool_format)
+    serve(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

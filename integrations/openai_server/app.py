@@ -1,0 +1,322 @@
+"""The HTTP side: a FastAPI app serving the OpenAI chat-completions API over one engine.
+
+Routes: POST /v1/chat/completions (JSON or server-sent events), GET /v1/models (the server is
+ready when it answers), GET /health (no key needed; the queue's counters). Every error is an
+OpenAI-style body (`errors.py`); after any of them the server goes on serving.
+
+A request is parsed and checked here (auth first, then JSON, then the schema, then `prepare`,
+which renders the prompt off the event loop), then queued for the engine worker (`queue.py`),
+which runs `completion.run_completion`. A client that disconnects cancels its job, waiting or
+running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..prefix_cache import PrefixCache
+from .completion import ContentDelta, Finished, ToolCallDone, run_completion
+from .errors import OpenAIError, bad_request, from_validation_error
+from .prepare import PreparedRequest, prepare
+from .queue import EngineWorker, Job, JobEnd, QueueFull
+from .schemas import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    Delta,
+    FunctionCall,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    ResponseMessage,
+    ToolCallDelta,
+    ToolCallOut,
+    Usage,
+    completion_id,
+)
+
+if TYPE_CHECKING:
+    from freetoken_agents.engine import Engine
+    from freetoken_agents.model import FreeTokenModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """model_name: the id clients pass as `model` (and /v1/models lists); api_key: when set,
+    /v1 requests need `Authorization: Bearer <key>`; max_queue: requests that may wait behind the
+    running one; prefix_cache: reuse the KV of earlier prompts (False: prefill every prompt);
+    cached_prefixes: prompts (and replies) kept pinned for reuse."""
+
+    model_name: str
+    api_key: str | None = None
+    max_queue: int = 16
+    prefix_cache: bool = True
+    cached_prefixes: int = 32
+
+
+class _Started:
+    """The worker took the job: a stream may send its headers and first chunk."""
+
+
+class ServerState:
+    """What the app holds: the backend the worker drives, its prefix cache, the worker."""
+
+    def __init__(self, backend: FreeTokenModel, config: ServerConfig) -> None:
+        self.backend, self.config = backend, config
+        self.cache = PrefixCache(max_entries=config.cached_prefixes)
+        self.worker = EngineWorker(config.max_queue)
+        self.created = int(time.time())
+        backend.grammars()  # build the grammar compiler once, before requests validate schemas
+
+    def job(self, prepared: PreparedRequest, loop: asyncio.AbstractEventLoop) -> Job:
+        def run(job: Job) -> Iterator[Any]:
+            yield _Started()
+            yield from run_completion(
+                self.backend,
+                self.cache,
+                prepared,
+                reuse=self.config.prefix_cache,
+                cancelled=lambda: job.cancelled,
+            )
+
+        return Job(run, loop)
+
+
+def create_app(engine: Engine, config: ServerConfig, *, family: str | None = None) -> FastAPI:
+    """The server app over `engine` (one FreeTokenModel session, batch 1). `family`: the tool-call
+    format, when the chat template does not tell."""
+    from freetoken_agents.model import FreeTokenModel
+
+    state = ServerState(FreeTokenModel(engine, family=family, max_anchors=8), config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.worker.start()
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(state.worker.stop)
+
+    app = FastAPI(title="FreeToken", summary="OpenAI-compatible chat completions", lifespan=lifespan)
+    app.state.server = state
+    _error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": config.model_name, "queue": state.worker.stats()}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        _authorize(request, config.api_key)
+        card = ModelCard(id=config.model_name, created=state.created, max_model_len=engine.max_context)
+        return ModelList(data=[card]).model_dump()
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+        _authorize(request, config.api_key)
+        body = await _parse(request)
+        prepared = await anyio.to_thread.run_sync(
+            lambda: prepare(body, state.backend, model_name=config.model_name)
+        )
+        job = state.job(prepared, asyncio.get_running_loop())
+        try:
+            state.worker.submit(job)
+        except QueueFull as e:
+            raise OpenAIError(
+                429,
+                str(e),
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(e.retry_after)},
+            ) from None
+        watcher = asyncio.create_task(_watch_disconnect(request, job, state.worker))
+        try:
+            first = await job.events.get()
+        except BaseException:
+            watcher.cancel()
+            job.cancel()
+            raise
+        if isinstance(first, JobEnd):  # cancelled while it waited
+            watcher.cancel()
+            raise OpenAIError(499, "the request was cancelled", type="cancelled")
+        reply = _Reply(completion_id(), config.model_name, body)
+        if body.stream:
+            return StreamingResponse(
+                reply.stream(job, watcher, state.worker),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            return JSONResponse(await reply.collect(job))
+        finally:
+            watcher.cancel()
+
+    return app
+
+
+def _authorize(request: Request, api_key: str | None) -> None:
+    if api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise OpenAIError(
+            401,
+            "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+            code="invalid_api_key",
+        )
+
+
+async def _parse(request: Request) -> ChatCompletionRequest:
+    raw = await request.body()
+    try:
+        payload = json.loads(raw)
+    except ValueError as e:
+        raise bad_request(f"We could not parse the JSON body of your request: {e}") from None
+    if not isinstance(payload, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return ChatCompletionRequest.model_validate(payload)
+    except ValidationError as e:
+        raise from_validation_error(RequestValidationError(e.errors())) from None
+
+
+async def _watch_disconnect(request: Request, job: Job, worker: EngineWorker) -> None:
+    """Cancel `job` when its client disconnects before the job ends."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            if job.finish is None:
+                job.cancel()
+                worker.note_disconnect()
+            return
+
+
+def _usage(done: Finished) -> Usage:
+    return Usage(
+        prompt_tokens=done.prompt_tokens,
+        completion_tokens=done.completion_tokens,
+        total_tokens=done.prompt_tokens + done.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=done.cached_tokens),
+    )
+
+
+class _Reply:
+    """Turns a job's events into one ChatCompletion or a stream of chunks."""
+
+    def __init__(self, rid: str, model: str, request: ChatCompletionRequest) -> None:
+        self.id, self.model, self.request = rid, model, request
+        self.created = int(time.time())
+
+    async def _events(self, job: Job) -> AsyncIterator[ContentDelta | ToolCallDone | Finished]:
+        while not isinstance(event := await job.events.get(), JobEnd):
+            yield event
+        if event.error is not None:
+            raise event.error
+
+    async def collect(self, job: Job) -> dict[str, Any]:
+        text, calls, done = [], [], None
+        async for event in self._events(job):
+            if isinstance(event, ContentDelta):
+                text.append(event.text)
+            elif isinstance(event, ToolCallDone):
+                calls.append(
+                    ToolCallOut(
+                        id=event.id, function=FunctionCall(name=event.name, arguments=event.arguments)
+                    )
+                )
+            else:
+                done = event
+        if done is None or done.finish_reason == "cancelled":
+            raise OpenAIError(499, "the request was cancelled", type="cancelled")
+        message = ResponseMessage(
+            content="".join(text) if text or not calls else None, tool_calls=calls or None
+        )
+        choice = Choice(message=message, finish_reason=done.finish_reason)  # type: ignore[arg-type]
+        completion = ChatCompletion(
+            id=self.id, created=self.created, model=self.model, choices=[choice], usage=_usage(done)
+        )
+        return completion.model_dump(exclude_none=True)
+
+    def _chunk(self, delta: Delta, finish: str | None = None, usage: Usage | None = None) -> str:
+        choices = [] if usage is not None else [ChunkChoice(delta=delta, finish_reason=finish)]  # type: ignore[arg-type]
+        chunk = ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+        return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+
+    async def stream(self, job: Job, watcher: asyncio.Task, worker: EngineWorker) -> AsyncIterator[str]:
+        include_usage = bool(self.request.stream_options and self.request.stream_options.include_usage)
+        ended = False
+        try:
+            yield self._chunk(Delta(role="assistant", content=""))
+            try:
+                async for event in self._events(job):
+                    if isinstance(event, ContentDelta):
+                        yield self._chunk(Delta(content=event.text))
+                    elif isinstance(event, ToolCallDone):
+                        call = ToolCallDelta(
+                            index=event.index,
+                            id=event.id,
+                            type="function",
+                            function={"name": event.name, "arguments": event.arguments},
+                        )
+                        yield self._chunk(Delta(tool_calls=[call]))
+                    elif event.finish_reason != "cancelled":
+                        yield self._chunk(Delta(), event.finish_reason)
+                        if include_usage:
+                            yield self._chunk(Delta(), usage=_usage(event))
+            except OpenAIError as e:  # after the headers went out: an error event, as OpenAI sends
+                yield f"data: {json.dumps(e.body())}\n\n"
+            except Exception as e:
+                logger.exception("a streamed completion failed")
+                yield f"data: {json.dumps(_internal(e).body())}\n\n"
+            yield "data: [DONE]\n\n"
+            ended = True
+        finally:
+            watcher.cancel()
+            if not ended and job.finish is None:  # the client left mid-stream
+                job.cancel()
+                worker.note_disconnect()
+
+
+def _internal(error: BaseException) -> OpenAIError:
+    return OpenAIError(500, f"internal error: {type(error).__name__}: {error}", type="server_error")
+
+
+def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return OpenAIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return _internal(exc).response()
