@@ -58,8 +58,10 @@ class ChatFreeToken(BaseChatModel):
     max_tokens: int | None = 256
     """Most tokens of free text per turn (tool-call arguments have `max_call_tokens`)."""
     max_call_tokens: int = 192
-    """Token budget of one tool call's (or one structured output's) JSON; past half of it the
-    decoder only picks tokens that close values, so the JSON is complete and schema-valid."""
+    """Most tokens the model samples in one tool call's (or one structured output's) JSON (text the
+    schema forces is not counted); near the end of it the decoder picks only tokens that close
+    values, so the JSON is complete and schema-valid. A forced call whose schema cannot fit in it
+    raises `freetoken_agents.TokenLimitTooSmall`."""
     stop: list[str] | None = None
     """Stop strings: the text ends before the first one (not applied inside tool calls)."""
     streaming: bool = False
