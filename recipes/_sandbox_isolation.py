@@ -76,7 +76,7 @@ new="$root/newroot"
 mkdir -m 0755 "$new"
 mount -t tmpfs -o size=4m,mode=0755,nosuid newroot "$new"
 expose() {
-  mkdir -p "$new$(dirname "$1")"
+  mkdir -p "$new${1%/*}"
   if [ -L "$1" ]; then ln -s "$(readlink "$1")" "$new$1"; return; fi
   if [ -d "$1" ]; then mkdir -p "$new$1"; else : > "$new$1"; fi
   mount --bind "$1" "$new$1"
