@@ -32,6 +32,7 @@ from .errors import (
 from .model import GenerateRequest, ModelBackend
 from .parsers import ParsedToolCall
 from .retry import RetryPolicy
+from .sync_bridge import iterate_sync, run_sync
 from .tools import Tool
 from .trace import AnchorRecord, Attempt, RollbackRecord, Step, ToolCallRecord, Trace
 from .turn_progress import TurnProgress
@@ -155,28 +156,12 @@ class Agent:
         """Synchronous `arun`. Inside a running event loop (Jupyter, an async framework) the run
         gets its own loop on a worker thread and this call blocks until it ends; from async code
         `await agent.arun(task)` keeps the caller's loop free instead."""
-        if not _loop_running():
-            return asyncio.run(self.arun(task))
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="freetoken-run") as pool:
-            return pool.submit(asyncio.run, self.arun(task)).result()
+        return run_sync(self.arun(task))
 
     def stream(self, task: str) -> Iterator[AgentEvent]:
         """Synchronous `astream`, driven on a private event loop (on a worker thread when the
         calling thread already runs one)."""
-        loop = asyncio.new_event_loop()
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="freetoken-stream")
-        drive = loop.run_until_complete if not _loop_running() else _on_thread(pool, loop)
-        agen = self.astream(task)
-        try:
-            while True:
-                try:
-                    yield drive(agen.__anext__())
-                except StopAsyncIteration:
-                    return
-        finally:
-            drive(agen.aclose())
-            pool.shutdown()
-            loop.close()
+        return iterate_sync(self.astream(task))
 
     # ---- the loop -------------------------------------------------------------------------------
     def _schemas(self) -> list[dict[str, Any]]:
@@ -256,7 +241,7 @@ class Agent:
                         return await self._attempt(run, record, force, choice)
                     except ModelCausedError as e:
                         run.last_error = e
-                        attempts.append(_attempt_record(number, "model", e))
+                        attempts.append(Attempt.from_error(number, "model", e))
                         run.trace.retries.append(attempts[-1])
                         run.emit(AgentEvent("retry", run.step, attempts[-1]))
                         raise
@@ -346,7 +331,7 @@ class Agent:
                     except Exception as e:
                         if self.retry.is_transient(e):
                             attempts.append(
-                                _attempt_record(
+                                Attempt.from_error(
                                     attempt.retry_state.attempt_number, "tool", e, tool.name, raw_args
                                 )
                             )
@@ -410,35 +395,3 @@ class Agent:
         usage = self.model.usage()
         run.trace.tokens_prefilled, run.trace.tokens_decoded = usage.prefilled, usage.decoded
         run.trace.tokens_reused = usage.reused
-
-
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
-def _on_thread(pool: concurrent.futures.Executor, loop: asyncio.AbstractEventLoop) -> Callable[[Any], Any]:
-    """`loop.run_until_complete`, run on `pool`'s thread (the caller's thread runs another loop)."""
-    return lambda coro: pool.submit(loop.run_until_complete, coro).result()
-
-
-def _attempt_record(
-    number: int,
-    scope: Literal["tool", "model"],
-    error: BaseException,
-    tool: str | None = None,
-    arguments: Any = None,
-) -> Attempt:
-    return Attempt(
-        number=number,
-        scope=scope,
-        tool=getattr(error, "tool", None) or tool,
-        arguments=getattr(error, "arguments", None)
-        if getattr(error, "arguments", None) is not None
-        else arguments,
-        error=str(error),
-        error_type=type(error).__name__,
-    )

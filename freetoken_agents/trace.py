@@ -42,6 +42,26 @@ class Attempt(BaseModel):
     error: str | None = None
     error_type: str | None = None
 
+    @classmethod
+    def from_error(
+        cls,
+        number: int,
+        scope: Literal["tool", "model"],
+        error: BaseException,
+        tool: str | None = None,
+        arguments: Any = None,
+    ) -> Attempt:
+        """The record of try `number` failing with `error` (its `tool` / `arguments` win)."""
+        own_arguments = getattr(error, "arguments", None)
+        return cls(
+            number=number,
+            scope=scope,
+            tool=getattr(error, "tool", None) or tool,
+            arguments=own_arguments if own_arguments is not None else arguments,
+            error=str(error),
+            error_type=type(error).__name__,
+        )
+
 
 class ToolCallRecord(BaseModel):
     """A tool call that ran (successfully or not) and its result."""
