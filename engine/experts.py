@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from .grouped_experts import ExpertStack, activation, run_grouped, use_grouped
 from .int8 import int8_linear, quantize
 from .spec import MoESpec
 
@@ -93,8 +94,10 @@ class ExpertWeights:
         return cls.packed_mixed(out, device)
 
     def to_device(self, device: torch.device | str) -> ExpertWeights:
-        """A copy on `device` with one copy of the storage; the projections stay views into it."""
-        assert self.storage is not None, "to_device needs a packed expert"
+        """A copy on `device` with one copy of the storage; the projections stay views into it.
+        (An expert that is a view into a stack is copied tensor by tensor.)"""
+        if self.storage is None:
+            return ExpertWeights(**{n: t.to(device) for n, t in self.tensors().items()})
         storage = self.storage.to(device)
         base = self.storage.data_ptr()
         named = self.tensors()
@@ -143,21 +146,17 @@ def _project(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
     if scale is None:
-        return F.linear(x, weight, bias)
+        # The bias is added after the product (as the reference does), the same arithmetic as
+        # the grouped GEMM path (`grouped_experts.run_grouped`).
+        y = F.linear(x, weight)
+        return y if bias is None else y + bias
     return int8_linear(x, weight, scale, bias)
 
 
 def expert_forward(w: ExpertWeights, x: torch.Tensor, spec: MoESpec) -> torch.Tensor:
     """One expert's MLP on `x [T, H]` -> [T, H] (int8 projections through `int8_linear`)."""
     gate_up = _project(x, w.gate_up, w.gate_up_scale, w.gate_up_bias)  # [T, 2I]
-    gate, up = gate_up.chunk(2, dim=-1)
-    if spec.activation == "silu":
-        h = F.silu(gate) * up
-    else:  # gpt-oss: clamped SwiGLU with a +1 on the linear branch
-        gate = gate.clamp(max=spec.swiglu_limit)
-        up = up.clamp(-spec.swiglu_limit, spec.swiglu_limit)
-        h = (up + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha))
-    return _project(h, w.down, w.down_scale, w.down_bias)
+    return _project(activation(gate_up, spec), w.down, w.down_scale, w.down_bias)
 
 
 @runtime_checkable
@@ -201,14 +200,17 @@ def dispatch_experts(
     Ascending order with index_add matches the reference summation order, so every provider that
     dispatches through here (in RAM, FTW, tiered) gives the same logits.
     """
-    out = torch.zeros_like(hidden)
     if hidden.shape[0] == 1:
-        # Decode: one token, A experts; skip the grouping machinery.
-        ids = expert_ids[0].tolist()
+        # Decode: one token, A experts; skip the grouping machinery (and per-expert tensor
+        # indexing: ids and weights come to the host once). The first product is the sum so far
+        # (0 + v == v); the others are added in ascending expert id.
+        ids, ws = expert_ids[0].tolist(), weights[0].tolist()
+        acc: torch.Tensor | None = None
         for a in sorted(range(len(ids)), key=ids.__getitem__):
             y = forward(ids[a], hidden)
-            out += (y * weights[0, a]).to(out.dtype)
-        return out
+            acc = y.mul_(ws[a]) if acc is None else acc.add_(y, alpha=ws[a])
+        return acc.to(hidden.dtype) if acc is not None else torch.zeros_like(hidden)
+    out = torch.zeros_like(hidden)
     flat_ids = expert_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     sorted_ids = flat_ids[order]
@@ -228,10 +230,25 @@ def dispatch_experts(
 
 
 class InMemoryExpertProvider:
-    """All experts held in RAM, each in its own packed storage."""
+    """All experts resident (RAM or device memory).
+
+    Each layer whose experts are all float, of one shape, dtype and device, is stacked into an
+    `ExpertStack` (slot = expert id) and computed by grouped GEMMs (`grouped_experts`); its
+    `ExpertWeights` become views into the stack (the per-expert storages are released as each
+    layer is stacked, so `experts` is updated in place and peak memory grows by one layer).
+    Other layers (int8 or mixed experts) dispatch expert by expert.
+    """
 
     def __init__(self, experts: dict[ExpertKey, ExpertWeights]) -> None:
         self._experts = experts
+        self._stacks: dict[int, ExpertStack] = {}
+        for layer in sorted({k[0] for k in experts}):
+            keys = sorted(k for k in experts if k[0] == layer)
+            if _stackable([experts[k] for k in keys]) and [k[1] for k in keys] == list(range(len(keys))):
+                stack = ExpertStack.stack([experts[k].tensors() for k in keys])
+                self._stacks[layer] = stack
+                for k in keys:
+                    experts[k] = ExpertWeights(**stack.tensors(k[1]))
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self._experts[(layer, expert)]
@@ -243,7 +260,26 @@ class InMemoryExpertProvider:
     def nbytes(self) -> int:
         return sum(w.nbytes for w in self._experts.values())
 
+    def stack(self, layer: int) -> ExpertStack | None:
+        """The layer's stacked experts (slot = expert id), if it was stacked."""
+        return self._stacks.get(layer)
+
     def run(
         self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec
     ) -> torch.Tensor:
+        stack = self._stacks.get(layer)
+        if stack is not None and use_grouped(stack, hidden.shape[0]):
+            return run_grouped(stack, hidden, expert_ids, weights, spec)
         return run_experts(self.get, layer, hidden, expert_ids, weights, spec)
+
+
+def _stackable(experts: list[ExpertWeights]) -> bool:
+    """Whether experts can share one `ExpertStack`: float, same tensors, shapes, dtype, device."""
+    first = experts[0].tensors()
+    if experts[0].is_quantized or not first["gate_up"].is_floating_point():
+        return False
+    sig = {n: (t.shape, t.dtype, t.device) for n, t in first.items()}
+    return all(
+        not w.is_quantized and {n: (t.shape, t.dtype, t.device) for n, t in w.tensors().items()} == sig
+        for w in experts
+    )

@@ -1,0 +1,149 @@
+"""Routed experts as stacked weights computed by one grouped GEMM per projection.
+
+An `ExpertStack` holds experts of one shape stacked along a slot dimension: `gate_up [S, 2I, H]`,
+`down [S, H, I]` and optional biases `[S, 2I]` / `[S, H]`. A layer's MoE step sorts its (token,
+expert) pairs by slot and runs `torch._grouped_mm` once for gate_up and once for down over all
+of them: no Python call chain per expert, and no host sync (the group offsets are computed on
+the device), so it is CUDA-graph capturable. The resident provider stacks each layer's experts
+(slot = expert id); tier 1 on a GPU is a slot pool of this form with a device-side expert -> slot
+table (`slots.py`).
+
+Arithmetic is that of `experts.expert_forward` + `experts.dispatch_experts`: on CPU
+`_grouped_mm` runs the same matmul per group as `F.linear` per expert (bit for bit, checked in
+tests/test_grouped_experts.py), biases are added after the product as in the reference, and
+each token's weighted expert outputs are accumulated in ascending expert order by one
+`index_add_`. So a resident engine and a tiered one give identical logits.
+
+On CPU (torch 2.13) `_grouped_mm` is a loop of ATen calls, ~3 us per empty group and ~19 us per
+non-empty one on a 2-core AVX2 VM (bench: tests' tiny models, torch profiler), so a decode step
+(A routed experts out of E) runs faster as the loop over the routed experts' views of the stack
+in `experts.dispatch_experts`; prefill (many tokens per expert) uses the grouped GEMM there too.
+
+Letters: T tokens, A active experts per token, S slots (stacked experts), H hidden, I expert
+intermediate size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .spec import MoESpec
+
+logger = logging.getLogger(__name__)
+
+_GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """Experts of one shape stacked along dim 0 (a slot per expert)."""
+
+    gate_up: torch.Tensor  # [S, 2I, H]
+    down: torch.Tensor  # [S, H, I]
+    gate_up_bias: torch.Tensor | None = None  # [S, 2I]
+    down_bias: torch.Tensor | None = None  # [S, H]
+
+    @classmethod
+    def stack(cls, experts: Sequence[dict[str, torch.Tensor]]) -> ExpertStack:
+        """Stack per-expert tensors (names `gate_up`, `down`, optional `gate_up_bias`,
+        `down_bias`; same shapes, dtype and device) into fresh contiguous buffers."""
+        out = {}
+        for name in ("gate_up", "down", "gate_up_bias", "down_bias"):
+            if experts[0].get(name) is not None:
+                out[name] = torch.stack([e[name] for e in experts])
+        return cls(**out)
+
+    @property
+    def slots(self) -> int:
+        return self.gate_up.shape[0]
+
+    def tensors(self, slot: int) -> dict[str, torch.Tensor]:
+        """Views of one slot's tensors (the per-expert names of `ExpertWeights`)."""
+        out = {"gate_up": self.gate_up[slot], "down": self.down[slot]}
+        if self.gate_up_bias is not None:
+            out["gate_up_bias"] = self.gate_up_bias[slot]
+        if self.down_bias is not None:
+            out["down_bias"] = self.down_bias[slot]
+        return out
+
+
+def activation(gate_up: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """[.., 2I] (gate columns first) -> [.., I]: SwiGLU, or gpt-oss's clamped variant."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if spec.activation == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=spec.swiglu_limit)
+    up = up.clamp(-spec.swiglu_limit, spec.swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha))
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs here for `dtype` and equals per-group matmuls (checked
+    once per device type and dtype; CUDA builds take bf16 on recent GPUs only)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_OK:
+        _GROUPED_OK[key] = _self_check(device, dtype)
+    return _GROUPED_OK[key]
+
+
+def _self_check(device: torch.device, dtype: torch.dtype) -> bool:
+    op = getattr(torch, "_grouped_mm", None)
+    if op is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 32, 16, generator=g).to(device=device, dtype=dtype)  # [S, N, K]
+    x = torch.randn(4, 16, generator=g).to(device=device, dtype=dtype)
+    offs = torch.tensor([1, 1, 4], dtype=torch.int32, device=device)  # an empty group in the middle
+    try:
+        got = op(x, w.transpose(1, 2), offs=offs)
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        logger.info("torch._grouped_mm unavailable for %s on %s (%s)", dtype, device.type, e)
+        return False
+    want = torch.cat([x[:1] @ w[0].T, x[1:] @ w[2].T])
+    ok = bool(torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))
+    if not ok:
+        logger.warning("torch._grouped_mm gives wrong values for %s on %s; not using it", dtype, device.type)
+    return ok
+
+
+def use_grouped(stack: ExpertStack, tokens: int) -> bool:
+    """Whether `run_grouped` should compute this step (else a loop over the routed experts):
+    everywhere `_grouped_mm` works, except a CPU decode step (see the module doc)."""
+    w = stack.gate_up
+    return grouped_mm_available(w.device, w.dtype) and not (w.device.type == "cpu" and tokens == 1)
+
+
+def run_grouped(
+    stack: ExpertStack,
+    hidden: torch.Tensor,
+    slot_ids: torch.Tensor,
+    weights: torch.Tensor,
+    spec: MoESpec,
+) -> torch.Tensor:
+    """hidden [T, H], slot_ids [T, A] (int64 slots of `stack`), weights [T, A] -> [T, H]: the sum
+    over each token's experts of `weight * expert(x)`, accumulated in ascending slot order.
+
+    Every op runs on the device: no host sync, static shapes for a given T (CUDA-graph safe).
+    """
+    t, a = slot_ids.shape
+    flat = slot_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # [T*A] pairs by slot (then token)
+    token_of = torch.div(order, a, rounding_mode="floor")
+    sorted_slots = flat.index_select(0, order)
+    counts = torch.bincount(sorted_slots, minlength=stack.slots)
+    offs = counts.cumsum(0).to(torch.int32)  # [S] end of each slot's group
+    x = hidden.index_select(0, token_of)  # [T*A, H]
+    gate_up = torch._grouped_mm(x, stack.gate_up.transpose(1, 2), offs=offs)  # [T*A, 2I]
+    if stack.gate_up_bias is not None:
+        gate_up = gate_up + stack.gate_up_bias.index_select(0, sorted_slots)
+    y = torch._grouped_mm(activation(gate_up, spec), stack.down.transpose(1, 2), offs=offs)  # [T*A, H]
+    if stack.down_bias is not None:
+        y = y + stack.down_bias.index_select(0, sorted_slots)
+    y = y * weights.reshape(-1).index_select(0, order)[:, None]
+    out = torch.zeros_like(hidden)
+    return out.index_add_(0, token_of, y.to(out.dtype))
