@@ -13,7 +13,7 @@ from torch import nn
 
 from .kv import StreamSpec
 from .layers import RMSNorm, StepContext, apply_rope, apply_rope_half
-from .paged_attention import chunk_views, decode_gqa, decode_mla
+from .paged_attention import chunk_views, decode_gqa, decode_mla, heads_first_views
 from .spec import AttentionSpec
 
 
@@ -71,46 +71,80 @@ class GQAAttention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(n * d, eps), RMSNorm(kv * d, eps)
         if spec.sinks:
             self.sinks = nn.Parameter(torch.empty(n, device="meta"), requires_grad=False)
+        self._fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._fused_ptrs: tuple[int, ...] = ()
 
     def kv_streams(self) -> tuple[StreamSpec, ...]:
         s = self.spec
         return (StreamSpec("k", (s.num_kv_heads, s.head_dim)), StreamSpec("v", (s.num_kv_heads, s.head_dim)))
 
+    def _qkv(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The q/k/v weights as one [(N + 2K) D, H] matrix (and bias), or None when a projection
+        is not a float nn.Linear (int8). Built on first use; q_proj/k_proj/v_proj.weight then
+        become views into it, so nothing is held twice and the state dict is unchanged. One GEMV
+        instead of three per decode token."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if not all(type(p) is nn.Linear for p in projs):
+            return None
+        fused = self._fused
+        if fused is not None and all(
+            p.weight.data_ptr() == ptr for p, ptr in zip(projs, self._fused_ptrs, strict=True)
+        ):
+            return fused
+        with torch.inference_mode(False), torch.no_grad():  # normal tensors: parameters
+            weight = torch.cat([p.weight for p in projs])
+            bias = torch.cat([p.bias for p in projs]) if self.spec.qkv_bias else None
+            start = 0
+            for p in projs:
+                n = p.weight.shape[0]
+                p.weight = nn.Parameter(weight[start : start + n], requires_grad=False)
+                if bias is not None:
+                    p.bias = nn.Parameter(bias[start : start + n], requires_grad=False)
+                start += n
+        self._fused = (weight, bias)
+        self._fused_ptrs = tuple(p.weight.data_ptr() for p in projs)
+        return self._fused
+
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         s = self.spec
-        t = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if s.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if s.clip_qkv is not None:
-            q, k, v = (z.clamp(-s.clip_qkv, s.clip_qkv) for z in (q, k, v))
-        q = q.view(t, s.num_heads, s.head_dim)  # [T, N, D]
-        k = k.view(t, s.num_kv_heads, s.head_dim)  # [T, K, D]
-        v = v.view(t, s.num_kv_heads, s.head_dim)
-        if s.qk_norm == "per_head":
-            q, k = self.q_norm(q), self.k_norm(k)
+        t, n, kv, d = x.shape[0], s.num_heads, s.num_kv_heads, s.head_dim
+        fused = self._qkv()
         cos2, sin2 = ctx.rope_half
-        q, k = apply_rope_half(q, cos2, sin2), apply_rope_half(k, cos2, sin2)
+        if fused is not None and s.qk_norm is None and s.clip_qkv is None:
+            # One projection, one rotation of q and k together (they are adjacent heads).
+            qkv = F.linear(x, *fused).view(t, n + 2 * kv, d)
+            qk = apply_rope_half(qkv[:, : n + kv], cos2, sin2)  # [T, N + K, D]
+            q, k, v = qk[:, :n], qk[:, n:], qkv[:, n + kv :]
+        else:
+            if fused is not None:
+                q, k, v = F.linear(x, *fused).split([n * d, kv * d, kv * d], dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            if s.qk_norm == "full":
+                q, k = self.q_norm(q), self.k_norm(k)
+            if s.clip_qkv is not None:
+                q, k, v = (z.clamp(-s.clip_qkv, s.clip_qkv) for z in (q, k, v))
+            q, k, v = q.view(t, n, d), k.view(t, kv, d), v.view(t, kv, d)  # [T, N|K, D]
+            if s.qk_norm == "per_head":
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope_half(q, cos2, sin2), apply_rope_half(k, cos2, sin2)
         ctx.table.write(self.layer, "k", ctx.new_slots, k)
         ctx.table.write(self.layer, "v", ctx.new_slots, v)
         sinks = self.sinks if s.sinks else None
         if ctx.is_decode:  # read the cached blocks in place
             chunks = ctx.chunks(s.sliding_window)
-            keys_r = _views(ctx, self.layer, "k", chunks, q.dtype)  # [n_c, K, D] each
-            values_r = _views(ctx, self.layer, "v", chunks, q.dtype)
-            out = decode_gqa(q[0], keys_r, values_r, s.scaling, sinks)  # [N, D]
-            return self.o_proj(out.reshape(1, s.num_heads * s.head_dim))
+            pool = ctx.table.pool
+            keys = heads_first_views(pool.flat(self.layer, "k"), chunks, ctx.table.slots)  # [1, K, n_c, D]
+            values = heads_first_views(pool.flat(self.layer, "v"), chunks, ctx.table.slots)
+            if keys[0].dtype != q.dtype:
+                keys, values = [z.to(q.dtype) for z in keys], [z.to(q.dtype) for z in values]
+            return self.o_proj(decode_gqa(q, keys, values, s.scaling, sinks))  # [1, N D] in
         keys = ctx.table.read(self.layer, "k").to(q.dtype).transpose(0, 1)  # [K, S, D]
         values = ctx.table.read(self.layer, "v").to(q.dtype).transpose(0, 1)
         out = attend(
-            q.transpose(0, 1),
-            keys,
-            values,
-            ctx.mask(s.sliding_window),
-            s.scaling,
-            sinks,
+            q.transpose(0, 1), keys, values, ctx.mask(s.sliding_window), s.scaling, sinks
         )  # [N, T, D]
-        return self.o_proj(out.transpose(0, 1).reshape(t, s.num_heads * s.head_dim))
+        return self.o_proj(out.transpose(0, 1).reshape(t, n * d))
 
 
 class MLAAttention(nn.Module):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .kv import BlockTable
@@ -27,12 +28,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused op, bit for bit the formula below in fp32 (x * rsqrt(mean(x^2) + eps) * w).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight_in_fp32:
             return (self.weight * h).to(dtype)
-        if dtype == torch.float32:
-            return self.weight * h  # the .to() below would be a no-op call
         return self.weight * h.to(dtype)
 
 

@@ -49,6 +49,11 @@ class Router(nn.Module):
         """x [T, H] -> (expert ids [T, A] int64, weights [T, A])."""
         s = self.spec
         logits = self.logits(x)  # [T, E]
+        if s.routing == "softmax_topk" and s.norm_topk_prob:
+            # A softmax over all E renormalised over the top k is a softmax over the top-k
+            # logits: same experts, same weights, two ops fewer per layer.
+            top, ids = logits.topk(s.top_k, dim=-1)
+            return ids, torch.softmax(top, dim=-1, dtype=torch.float32).to(x.dtype)
         if s.routing == "softmax_topk":
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
             weights, ids = probs.topk(s.top_k, dim=-1)

@@ -88,6 +88,23 @@ def chunk_views(flat: torch.Tensor, chunks: Sequence[Chunk], slots: torch.Tensor
     ]
 
 
+def heads_first_views(flat: torch.Tensor, chunks: Sequence[Chunk], slots: torch.Tensor) -> list[torch.Tensor]:
+    """Per chunk `[1, K, n, D]` of slot-addressed GQA storage `flat [slots, K, D]`, the layout the
+    attention kernels take: one strided view (one op) when the chunk is contiguous, else a gather
+    of its positions' `slots` seen heads-first."""
+    s_slot, s_head, s_dim = flat.stride()
+    kv, d = flat.shape[1], flat.shape[2]
+    out = []
+    for p0, p1, first in chunks:
+        n = p1 - p0
+        if first is None:
+            out.append(flat.index_select(0, slots[p0:p1]).transpose(0, 1)[None])
+        else:
+            offset = flat.storage_offset() + first * s_slot
+            out.append(flat.as_strided((1, kv, n, d), (n * s_slot, s_head, s_slot, s_dim), offset))
+    return out
+
+
 def _merge(
     outs: list[torch.Tensor], lses: list[torch.Tensor], sinks: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -113,24 +130,23 @@ def decode_gqa(
     scaling: float,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token against the cached chunks. q [N, D], keys[c] [n_c, K, D], values[c]
-    [n_c, K, Dv] (strided views are fine), sinks [N] or None -> [N, Dv]."""
-    n_heads, d = q.shape
+    """One query token against the cached chunks. q [N, D] (or [1, N, D]), keys[c] [1, K, n_c, D],
+    values[c] [1, K, n_c, Dv] (`heads_first_views`), sinks [N] or None -> [1, N * Dv] (the
+    heads of the token side by side, what the output projection takes)."""
+    n_heads, d = q.shape[-2], q.shape[-1]
     kv_heads = keys[0].shape[1]
-    qg = q.view(kv_heads, n_heads // kv_heads, d)  # [K, G, D]: query heads grouped by kv head
+    qg = q.view(1, kv_heads, n_heads // kv_heads, d)  # [1, K, G, D]: query heads grouped by kv head
     if _flash_cpu is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
         outs, lses = [], []
         for k, v in zip(keys, values, strict=True):
-            out, lse = _flash_cpu(qg[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scaling)
-            outs.append(out[0])  # [K, G, Dv]
-            lses.append(lse[0])  # [K, G] fp32
-        return _merge(outs, lses, sinks, q.dtype).reshape(n_heads, -1)
+            out, lse = _flash_cpu(qg, k, v, scale=scaling)  # [1, K, G, Dv], [1, K, G] fp32
+            outs.append(out)
+            lses.append(lse)
+        return _merge(outs, lses, sinks, q.dtype).reshape(1, -1)
     if len(keys) == 1 and sinks is None:
-        k, v = keys[0].transpose(0, 1), values[0].transpose(0, 1)  # [K, S, D]
-        return F.scaled_dot_product_attention(qg, k, v, scale=scaling).reshape(n_heads, -1)
-    scores = [torch.matmul(qg, k.permute(1, 2, 0)) for k in keys]  # [K, G, n_r]
-    out = _softmax_apply(scores, [v.transpose(0, 1) for v in values], scaling, sinks, q.dtype)
-    return out.reshape(n_heads, -1)
+        return F.scaled_dot_product_attention(qg, keys[0], values[0], scale=scaling).reshape(1, -1)
+    scores = [torch.matmul(qg, k.transpose(-1, -2)) for k in keys]  # [1, K, G, n_c]
+    return _softmax_apply(scores, list(values), scaling, sinks, q.dtype).reshape(1, -1)
 
 
 def decode_mla(

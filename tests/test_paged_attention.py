@@ -11,6 +11,7 @@ from freetoken_agents.engine.paged_attention import (
     chunk_views,
     decode_gqa,
     decode_mla,
+    heads_first_views,
     position_chunks,
     slot_runs,
 )
@@ -74,7 +75,8 @@ def test_decode_gqa_matches_plain_attention_and_ignores_the_layout(flash, sinks,
         slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(s)])
         for start in (0, 11):  # the whole cache, and a sliding window of its last 26 positions
             chunks = position_chunks(blocks, bs, start, s, chunk=8)
-            got = decode_gqa(q, chunk_views(kf, chunks, slots), chunk_views(vf, chunks, slots), 0.25, sink)
+            keys, values = heads_first_views(kf, chunks, slots), heads_first_views(vf, chunks, slots)
+            got = decode_gqa(q, keys, values, 0.25, sink).view(n, d)
             ref = want if start == 0 else _reference(q, k[start:], v[start:], 0.25, sink)
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
             results.append(got)
