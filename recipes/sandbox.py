@@ -174,9 +174,11 @@ def run_python(
         else:
             cmd, drop = _process_command(work, src, uid, args), uid
         logger.debug("sandbox run (%s isolation) in %s", level, work)
-        result = _run(cmd, work, limits, level, drop, driver)
-        if level == "process" and uid is not None:
-            remove_traces(uid)
+        try:
+            result = _run(cmd, work, limits, level, drop, driver)
+        finally:
+            if level == "process" and uid is not None:
+                remove_traces(uid)
     return result
 
 
