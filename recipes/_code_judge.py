@@ -174,6 +174,7 @@ class Judge:
         self.tests = [_parse(t) for t in tests]
         self.verdict = Verdict()
         self._channel: SandboxChannel | None = None
+        self._missing: set[str] = set()  # names the solution does not define (asked once)
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
         assert self._channel is not None
@@ -233,7 +234,7 @@ class Judge:
         """Bind each name the solution defines (asked once; a name it lacks stays a builtin or
         unbound: NameError when the test uses it)."""
         for name in names:
-            if name in namespace:
+            if name in namespace or name in self._missing:
                 continue
             reply = self.request({"op": "describe", "name": name})
             kind = reply.get("kind")
@@ -248,7 +249,9 @@ class Judge:
                 namespace[name] = importlib.import_module(str(reply["module"]))
             elif kind in ("module", "opaque"):
                 namespace[name] = _Opaque(name, _line(reply.get("type") or f"module {reply.get('module')}"))
-            elif kind != "missing":
+            elif kind == "missing":
+                self._missing.add(name)
+            else:
                 raise _ProgramGone("a malformed reply")
 
     def result(self, run: SandboxResult) -> SandboxResult:
