@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, Protocol
 
@@ -65,7 +66,7 @@ class _Vocab:
     banned: special and added tokens, never allowed inside JSON (bool [V]).
     string_close / bracket_close: preference scores (-inf: not a closer) of tokens that end an
         open string (a quote, then only brackets or spaces) or close brackets (only `}`/`]`/spaces);
-        higher closes more. shortest: -(byte length), the fallback progress order.
+        higher closes more. progress: the fallback order when no closer is allowed (`_progress`).
     """
 
     def __init__(self, info: Any, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
@@ -78,11 +79,11 @@ class _Vocab:
         special |= set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
         self.banned_ids = frozenset(i for i in special if 0 <= i < vocab_size and i not in self.stop_ids)
         ninf = float("-inf")
-        string_close, bracket_close, shortest = ([ninf] * vocab_size for _ in range(3))
+        string_close, bracket_close, progress = ([ninf] * vocab_size for _ in range(3))
         for i, piece in enumerate(pieces):
             if not piece or i in self.banned_ids or i in self.stop_ids:
                 continue
-            shortest[i] = -len(piece)
+            progress[i] = _progress(piece)
             closing = sum(c in b"}]" for c in piece)
             if piece[:1] == b'"' and all(c in b" }]" for c in piece[1:]):
                 string_close[i] = 1 + closing
@@ -92,7 +93,7 @@ class _Vocab:
         self.banned[list(self.banned_ids)] = True
         self.string_close = torch.tensor(string_close)
         self.bracket_close = torch.tensor(bracket_close)
-        self.shortest = torch.tensor(shortest)
+        self.progress = torch.tensor(progress)
         self._banned_on: dict[torch.device, torch.Tensor] = {}
 
     def banned_on(self, device: torch.device) -> torch.Tensor:
@@ -203,16 +204,16 @@ class JsonConstraint:
         return logits
 
     def restrict_to_closing_(self, logits: torch.Tensor) -> torch.Tensor:
-        """Keep only (already masked) logits [V] of tokens on a shortest way to closing the value:
-        the closers of an open string or of brackets when any is allowed, else the shortest
-        allowed tokens."""
+        """Keep only (already masked) logits [V] of tokens on a short way to closing the value:
+        the closers of an open string or of brackets when any is allowed, else the allowed tokens
+        that progress most (`_progress`)."""
         flat = logits.view(-1)
         allowed = torch.isfinite(flat)
         closers = self.vocab.string_close if self.lexer.in_string else self.vocab.bracket_close
         keep = allowed & torch.isfinite(closers.to(flat.device)[: flat.numel()])
         if not bool(keep.any()):
-            lengths = self.vocab.shortest.to(flat.device)[: flat.numel()].masked_fill(~allowed, float("-inf"))
-            keep = allowed & (lengths == lengths.max())
+            scores = self.vocab.progress.to(flat.device)[: flat.numel()].masked_fill(~allowed, float("-inf"))
+            keep = allowed & (scores == scores.max())
         stop = torch.zeros_like(allowed)
         for i in self.vocab.stop_ids:
             if i < flat.numel():
@@ -279,7 +280,7 @@ class JsonConstraint:
         matcher.fill_next_token_bitmask(bitmask)
         for table in (
             self.vocab.string_close if lexer.in_string else self.vocab.bracket_close,
-            self.vocab.shortest,
+            self.vocab.progress,
         ):
             scores = table.clone().view(1, -1)
             self._xgr.apply_token_bitmask_inplace(scores, bitmask)
@@ -287,6 +288,27 @@ class JsonConstraint:
             if torch.isfinite(scores[0, best]):
                 return best
         return -1
+
+
+_DIGITS = re.compile(rb"-?[0-9]+")
+
+
+def _progress(piece: bytes) -> float:
+    """How far a token goes towards finishing a value when nothing allowed closes one: an empty
+    container or string in one token, then a separator to the next (required) property, then a
+    whole number, a literal, a string's opening quote; else shorter is better."""
+    core = piece.strip(b" ")
+    if core in (b"[]", b"{}", b'""'):
+        return 50.0
+    if core[:1] == b"," and all(c in b' ,"' for c in core):
+        return 40.0
+    if _DIGITS.fullmatch(core):
+        return 30.0 - len(core)
+    if core in (b"true", b"false", b"null"):
+        return 20.0
+    if core == b'"':
+        return 10.0
+    return -float(len(piece))
 
 
 def _up_to_banned(tokens: list[int], banned: frozenset[int]) -> list[int]:
