@@ -204,9 +204,7 @@ async def _watch_disconnect(request: Request, job: Job, worker: EngineWorker) ->
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            if job.finish is None:
-                job.cancel()
-                worker.note_disconnect()
+            worker.client_left(job)
             return
 
 
@@ -293,9 +291,8 @@ class _Reply:
             ended = True
         finally:
             watcher.cancel()
-            if not ended and job.finish is None:  # the client left mid-stream
-                job.cancel()
-                worker.note_disconnect()
+            if not ended:  # the client left mid-stream
+                worker.client_left(job)
 
 
 def _internal(error: BaseException) -> OpenAIError:

@@ -54,6 +54,8 @@ def from_validation_error(error: RequestValidationError) -> OpenAIError:
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # A tagged union adds the tag to the path (messages.1.user.content): drop it, keep the field.
     param = ".".join(p for p in loc if p not in _MESSAGE_TAGS) or None
+    if first.get("type") == "union_tag_invalid" and param:
+        param += ".role"  # the tag that matched no message type
     where = f"{param}: " if param else ""
     more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
     return bad_request(f"{where}{first.get('msg', 'invalid value')}{more}", param=param)

@@ -9,6 +9,7 @@ naming no offered tool, schemas the grammar compiler rejects, unsupported option
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -210,11 +211,15 @@ def _response_schema(request: ChatCompletionRequest, auto_tools: bool) -> dict[s
     return fmt.json_schema.json_schema
 
 
+_SOURCE_PREFIX = re.compile(r"^\[[\d:.]+\]\s+\S+:\d+:\s*")
+
+
 def _compile(grammars: Any, schema: dict[str, Any], param: str) -> None:
     try:
         grammars.json_schema(schema)
     except Exception as e:  # xgrammar raises RuntimeError / ValueError with the compiler's message
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = _SOURCE_PREFIX.sub("", first)  # "[14:15:41] /project/cpp/x.cc:5082: " is noise here
         raise bad_request(f"{param}: the JSON schema cannot be compiled: {first}", param=param) from None
 
 

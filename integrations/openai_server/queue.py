@@ -49,11 +49,16 @@ class Job:
         self.loop = loop
         self.events: asyncio.Queue[Any] = asyncio.Queue()
         self._cancel = threading.Event()
+        self._cancel_lock = threading.Lock()
         self.finish: str | None = None  # how it ended: done, error, cancelled (set by the worker)
 
-    def cancel(self) -> None:
-        """Ask the worker to drop this job (waiting) or stop it at the next step (running)."""
-        self._cancel.set()
+    def cancel(self) -> bool:
+        """Ask the worker to drop this job (waiting) or stop it at the next step (running).
+        True the first time (so a disconnect noticed twice is counted once)."""
+        with self._cancel_lock:
+            first = not self._cancel.is_set()
+            self._cancel.set()
+        return first
 
     @property
     def cancelled(self) -> bool:
@@ -125,9 +130,11 @@ class EngineWorker:
                 raise QueueFull(self._queue.qsize(), max(1, math.ceil(wait))) from None
             self._stats.queued = self._queue.qsize()
 
-    def note_disconnect(self) -> None:
-        with self._lock:
-            self._stats.disconnects += 1
+    def client_left(self, job: Job) -> None:
+        """The job's client disconnected: cancel the job unless it already ended."""
+        if job.finish is None and job.cancel():
+            with self._lock:
+                self._stats.disconnects += 1
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -1,0 +1,89 @@
+"""What the tests of `freetoken serve` share: the embedded model's engine (loaded once per run) and
+a real server (uvicorn in a thread, on a free loopback port) over it, driven over HTTP.
+
+Several servers may run over the one engine at a time (each has its own session and worker): the
+engine serialises their steps under `engine.lock`, which a test may hold to keep the worker
+waiting at a known point (a queue that fills, a client that leaves before its first token).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+
+from freetoken_agents import default_model
+from freetoken_agents.engine import Engine
+from freetoken_agents.integrations.openai_server import ServerConfig, create_app
+from freetoken_agents.recipes.tiny.world import add, get_weather, lookup_capital, multiply
+
+MODEL = "freetoken-tiny"
+
+
+@functools.cache
+def shared_engine() -> Engine:
+    return Engine.from_pretrained(default_model())
+
+
+@dataclass
+class RunningServer:
+    base_url: str  # ".../v1"
+    app: Any
+    engine: Engine
+
+    @property
+    def root(self) -> str:
+        return self.base_url.removesuffix("/v1")
+
+    def health(self) -> dict[str, Any]:
+        return httpx.get(f"{self.root}/health", timeout=30).json()
+
+    def queue(self) -> dict[str, Any]:
+        return self.health()["queue"]
+
+    def client(self, **kwargs: Any) -> Any:
+        import openai
+
+        kwargs.setdefault("api_key", "unused")
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("timeout", 120)
+        return openai.OpenAI(base_url=self.base_url, **kwargs)
+
+
+@contextlib.contextmanager
+def running_server(**config: Any) -> Iterator[RunningServer]:
+    """A server over the shared engine with `ServerConfig(model_name=MODEL, **config)`."""
+    engine = shared_engine()
+    app = create_app(engine, ServerConfig(model_name=MODEL, **config))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    wait_until(lambda: server.started or not thread.is_alive(), "the server to start")
+    assert server.started, "uvicorn did not start"
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}/v1", app, engine)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def wait_until(condition: Callable[[], bool], what: str, *, limit: float = 120.0) -> None:
+    """Poll `condition` until it holds. `limit` only keeps a broken server from hanging the run:
+    the tests assert what happened, never how long it took."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.02)
+
+
+# The embedded model's four tools (it was trained with these in its prompt), as OpenAI tool dicts.
+TOOLS: list[dict[str, Any]] = [t.json_schema() for t in (add, multiply, get_weather, lookup_capital)]
