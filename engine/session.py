@@ -147,12 +147,15 @@ class Session:
         return anchor
 
     @_engine_step
-    def rollback(self, anchor: Anchor | str, validate: Validation = "signature") -> Anchor:
+    def rollback(self, anchor: Anchor | str, validate: Validation | None = None) -> Anchor:
         """Return to `anchor` (a record or its id): its token ids and KV, by pointer work.
 
         Any anchor of this engine works, on this branch or another (or another session's).
-        `validate="signature"` checks the token-prefix hash and the first/last 512 KV bytes;
-        `"full"` also rehashes every block. The check runs on a scratch view before the swap:
+        `validate` (`anchors.anchor.verify_anchor`): None or "blocks" (default) rehashes every
+        KV block the anchor covers (catches any single changed value); "signature" (opt-in,
+        cheaper) checks the token-prefix hash and the first/last 512 KV bytes; "full" also
+        recomputes the anchor id; AnchorError for any other value. The check runs on a scratch
+        view before the swap:
         AnchorNotFoundError (unknown or evicted id), AnchorFingerprintError (a record made by
         another model's engine) or AnchorValidationError leave the session exactly as it was.
         The partial last block is copied by the first write after it.

@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_user_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Conversions, fingerprints and anchor keys go to temporary dirs, never the user's cache or
+    config (tests that need a specific place set their own)."""
+    keep = {name: os.environ.get(name) for name in ("FREETOKEN_CACHE", "FREETOKEN_CONFIG_DIR")}
+    os.environ["FREETOKEN_CACHE"] = str(tmp_path_factory.mktemp("freetoken-cache"))
+    os.environ["FREETOKEN_CONFIG_DIR"] = str(tmp_path_factory.mktemp("freetoken-config"))
+    yield
+    for name, value in keep.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")
