@@ -67,17 +67,21 @@ class ComputeTimer:
         ev.record()
         return ev
 
-    def stop(self, start: Any, tokens: int) -> None:
+    def stop(self, start: Any, tokens: int, experts: int = 1) -> None:
+        """End a timing of `experts` experts of `tokens` tokens each (each is credited an equal
+        share: a layer whose routed experts are all resident is timed once)."""
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._pending.append((start, end, tokens))
+        self._pending.append((start, end, tokens, experts))
 
     def poll(self) -> None:
         """Fold in finished timings (non-blocking)."""
         still = []
-        for start, end, t in self._pending:
+        for start, end, t, n in self._pending:
             if end.query():
-                self.compute.observe(self.device_name, "decoded", t, start.elapsed_time(end) / 1e3)
+                share = start.elapsed_time(end) / 1e3 / n
+                for _ in range(n):
+                    self.compute.observe(self.device_name, "decoded", t, share)
             else:
-                still.append((start, end, t))
+                still.append((start, end, t, n))
         self._pending = still

@@ -165,6 +165,13 @@ class QStarPolicy:
         out[Placement.HOST] = fetch + self.compute.estimate(self.host_device, case.codec, case.tokens) + act
         return out
 
+    def count_resident(self, experts: int, tokens: int) -> None:
+        """Record `experts` RESIDENT placements without pricing them: for an expert in tier 1
+        `costs` has RESIDENT only, so `decide` would return it (the hot path skips the call)."""
+        self.decisions[Placement.RESIDENT.value] += experts
+        phase = "decode" if tokens == 1 else "prefill"
+        self.decisions_by_phase[f"{phase}/{Placement.RESIDENT.value}"] += experts
+
     def decide(self, key: tuple[int, int], case: ExpertCase) -> Placement:
         """The cheapest placement (ties: RESIDENT, then STREAM); counted and logged at debug."""
         costs = self.costs(case)
@@ -201,7 +208,7 @@ class AlwaysStreamPolicy(QStarPolicy):
     tier 1 at all). What an LRU expert cache without a cost model does (mixtral-offloading)."""
 
     def decide(self, key: tuple[int, int], case: ExpertCase) -> Placement:
-        if case.resident:
+        if case.resident:  # not reached from the provider, which counts residents in bulk
             choice = Placement.RESIDENT
         elif case.can_stream:
             choice = Placement.STREAM

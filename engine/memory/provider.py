@@ -251,21 +251,57 @@ class TieredExpertProvider:
                 self._soon[layer] = set(used)
             self.prefetcher.begin_layer(layer, used)
             self._prefetch_next(layer, hidden)
+        if hidden.shape[0] == 1:
+            with self._lock:
+                resident = self.fast.get_all([(layer, e) for e in used])
+            if resident is not None:  # the common decode step: no per-expert decision at all
+                experts = dict(zip(used, resident, strict=True))
+                return self._run_resident(experts, hidden, expert_ids, weights, spec)
         return dispatch_experts(lambda e, x: self._compute(layer, e, x, spec), hidden, expert_ids, weights)
+
+    def _run_resident(
+        self,
+        experts: dict[int, ExpertWeights],
+        hidden: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        spec: MoESpec,
+    ) -> torch.Tensor:
+        """A decode step whose routed experts are all in tier 1: counted as RESIDENT in bulk and
+        timed once (each expert credited an equal share for q*'s compute model)."""
+        self.policy.count_resident(len(experts), 1)
+        run = lambda e, x: expert_forward(experts[e], x, spec)  # noqa: E731
+        if self._timer is not None:
+            start = self._timer.start()
+            y = dispatch_experts(run, hidden, expert_ids, weights)
+            self._timer.stop(start, 1, len(experts))  # folded in by poll(), no sync
+            return y
+        with self.phases.time("experts") as took:
+            y = dispatch_experts(run, hidden, expert_ids, weights)
+        share = took() / len(experts)
+        for _ in experts:
+            self.policy.compute.observe(self.device.type, "decoded", 1, share)
+        return y
 
     def _compute(self, layer: int, expert: int, x: torch.Tensor, spec: MoESpec) -> torch.Tensor:
         key = (layer, expert)
         t = x.shape[0]
         w = self.fast.get(key)
+        if w is not None:  # RESIDENT is the only placement q* prices for it: no decision to make
+            self.policy.count_resident(1, t)
+            return self._fast_compute(w, x, spec)
         staged = None
-        if w is None and self.prefetcher is not None:
+        if self.prefetcher is not None:
             with self.phases.time("wait_prefetch"):
                 staged = self.prefetcher.take(key)
         place = self.policy.decide(key, self._case(key, x, w is not None, staged is not None))
         if place is Placement.HOST:
             return self._host_compute(key, x, spec, staged)
-        if w is None:
-            w = self.moves.promote(key, staged)
+        return self._fast_compute(self.moves.promote(key, staged), x, spec)
+
+    def _fast_compute(self, w: ExpertWeights, x: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+        """Compute one expert in tier 1, timing it for q*'s compute model."""
+        t = x.shape[0]
         if self._timer is not None:
             start = self._timer.start()
             y = expert_forward(w, x, spec)

@@ -95,6 +95,19 @@ class LRUTier(Generic[V]):
             self.counters.hits += 1
         return item[0]
 
+    def get_all(self, keys: list[ExpertKey]) -> list[V] | None:
+        """The values of every key in `keys` (each marked most recently used, each a hit), or
+        None, touching nothing, when any is absent: one call for a layer whose routed experts
+        are all resident (the caller then goes key by key)."""
+        items = self._items
+        found = [items.get(k) for k in keys]
+        if any(item is None for item in found):
+            return None
+        for k in keys:
+            items.move_to_end(k)
+        self.counters.hits += len(keys)
+        return [item[0] for item in found]  # type: ignore[index]
+
     def peek(self, key: ExpertKey) -> V | None:
         """The value without touching recency or counters."""
         item = self._items.get(key)
