@@ -1,41 +1,55 @@
-"""Decode and prefill speed of the FreeToken engine vs transformers (eager experts), same weights.
+"""Decode and prefill speed of the FreeToken engine vs transformers (eager experts) and llama.cpp,
+same weights, at a short and a long context.
 
-    python bench/decode.py [--quick] [--threads N]
+    python bench/decode.py [--quick] [--threads N] [--llama-convert PATH] [--baseline-tree DIR]
 
 Builds a Mixtral-shaped model with random weights (~1.1 GB in fp32; --quick: ~0.3 GB), saves
-it, loads it into transformers (fp32, eager experts) and into FreeToken engines, and times them
-side by side in one run, round-robin per repetition: prefill of a 256-token prompt and greedy
-decode. Prints medians and the FreeToken/transformers ratios.
+it, loads it into transformers (fp32, eager experts), into FreeToken engines and (when
+`llama_cpp` imports and its converter is given, see bench/_decode_peers.py) into llama.cpp via
+its own f32 GGUF converter, and times them side by side in one run, round-robin per repetition:
+prefill of a 256-token prompt, and decode at two contexts (`--contexts`, default 64 and 4000
+tokens): each repetition decodes `--decode-tokens` teacher-forced tokens after the context and
+then truncates back to it; the rate is tokens / seconds of those decode calls alone (timed
+around them, never a difference of two timings). Prints medians and ratios.
 
 Contenders (`Engine.from_pretrained` options):
   fp32                       the default engine (all weights fp32)
   int8 experts               expert_quant="int8": routed experts int8 + per-row fp32 scales
   int8 experts+lm_head       also dense_quant=("lm_head",)
   int8 experts+attn+lm_head  also dense_quant=("attention", "lm_head")
+  fp32 (baseline tree)       with --baseline-tree DIR: the engine of another checkout (e.g.
+                             `git worktree add DIR <commit>`), the "before" of a change
 Int8 weights run decode through torch._weight_int8pack_mm (bf16 activations) and prefill by
-dequantizing per row block (engine/int8.py).
+dequantizing per row block (engine/int8.py). llama.cpp runs with an f32 KV cache (the same
+bytes as FreeToken's) and the same threads.
 
 It also prints, per contender, the weight bytes one decode token reads and the bound that puts
 on decode at the RAM read bandwidth measured here, and the int8 engines' logit error against
 the fp32 engine (itself checked against transformers): max |diff| / max |logit| over the prefill
 and over teacher-forced decode steps, and greedy-token agreement on those steps.
+Targets (issue 24): FreeToken fp32 decode >= 0.6x llama.cpp; decode at the long context >= 0.7x
+decode at the short one.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
+from _decode_peers import llama_cpp_peer, llama_logits, load_engine_module, write_llama_tokenizer
 
 from freetoken_agents.engine import Engine
 from freetoken_agents.engine.moe import MoEBlock
+from freetoken_agents.recipes.tiny.train import cache_argument
 
 SIZES = {
     "full": dict(
@@ -55,6 +69,7 @@ SIZES = {
         vocab_size=16000,
     ),
 }
+MAX_POSITIONS = 4096
 CONTENDERS = {  # name -> (Engine.from_pretrained options, which weights are int8)
     "FreeToken fp32": ({}, "none"),
     "FreeToken int8 experts": ({"expert_quant": "int8"}, "experts"),
@@ -68,6 +83,7 @@ CONTENDERS = {  # name -> (Engine.from_pretrained options, which weights are int
     ),
 }
 REFERENCE = "FreeToken fp32"
+BASELINE = "FreeToken fp32 (baseline tree)"
 
 
 def build(folder: Path, size: str) -> int:
@@ -75,7 +91,7 @@ def build(folder: Path, size: str) -> int:
         **SIZES[size],
         num_local_experts=8,
         num_experts_per_tok=2,
-        max_position_embeddings=4096,
+        max_position_embeddings=MAX_POSITIONS,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         tie_word_embeddings=False,
     )
@@ -130,7 +146,7 @@ def decode_bytes(engine: Engine) -> dict[str, int]:
     for i, layer in enumerate(model.layers):
         out["attention"] += _nbytes([*layer.self_attn.parameters(), *layer.self_attn.buffers()])
         mlp = layer.mlp
-        if isinstance(mlp, MoEBlock):
+        if type(mlp).__name__ == MoEBlock.__name__:  # also a --baseline-tree engine's class
             sizes = [engine.experts.get(i, e).nbytes for e in range(mlp.spec.num_experts)]
             out["experts"] += mlp.spec.top_k * sum(sizes) // len(sizes)
             out["other"] += _nbytes(mlp.router.parameters())
@@ -182,28 +198,149 @@ def logit_errors(
     }
 
 
+class EngineDecoder:
+    """Decode timing for a FreeToken engine: one session holds the context."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.session, self.context = engine, None, 0
+
+    def prepare(self, prompt: list[int]) -> None:
+        self.close()
+        self.session = self.engine.new_session()
+        self.session.prefill(prompt, last_only=True)
+        self.context = len(prompt)
+
+    def run(self, tokens: list[int]) -> float:
+        t0 = time.perf_counter()
+        for t in tokens:
+            self.session.decode(t)
+        took = time.perf_counter() - t0
+        self.session.truncate(self.context)
+        return took
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+
+class HFDecoder:
+    """Decode timing for transformers: a DynamicCache holds the context, cropped back after."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.cache, self.context = model, None, 0
+        self.cache_arg = cache_argument(model)
+
+    def prepare(self, prompt: list[int]) -> None:
+        out = self.model(torch.tensor([prompt]), use_cache=True)
+        self.cache = out.get("cache") or out.get("past_key_values")
+        self.context = len(prompt)
+
+    def run(self, tokens: list[int]) -> float:
+        t0 = time.perf_counter()
+        for t in tokens:
+            self.model(torch.tensor([[t]]), use_cache=True, **{self.cache_arg: self.cache})
+        took = time.perf_counter() - t0
+        crop_to(self.cache, self.context)
+        return took
+
+    def close(self) -> None:
+        self.cache = None
+
+
+def crop_to(cache: Any, length: int) -> None:
+    """Cut a transformers cache back to `length` tokens: `crop(n)` keeps n tokens up to
+    transformers 5.2x, later releases take minus the number of tokens to remove."""
+    if "tokens_to_remove" in inspect.signature(cache.crop).parameters:
+        cache.crop(length - cache.get_seq_length())
+    else:
+        cache.crop(length)
+
+
+class LlamaDecoder:
+    """Decode timing for llama.cpp: its context holds the KV; `n_tokens` rolls it back."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm, self.context = llm, 0
+
+    def prepare(self, prompt: list[int]) -> None:
+        self.llm.reset()
+        self.llm.eval(prompt)
+        self.context = len(prompt)
+
+    def run(self, tokens: list[int]) -> float:
+        t0 = time.perf_counter()
+        for t in tokens:
+            self.llm.eval([t])
+        took = time.perf_counter() - t0
+        self.llm.n_tokens = self.context  # the next eval drops the KV past it
+        return took
+
+    def close(self) -> None:
+        self.llm.reset()
+
+
+def rate(tokens: int, seconds: Sequence[float]) -> float:
+    """Tokens per second from the median of measured intervals (each around real work)."""
+    mid = statistics.median(seconds)
+    if mid <= 0:
+        raise RuntimeError(f"a decode interval of {mid} s cannot be timed; the clock did not advance")
+    return tokens / mid
+
+
+def decode_rates(
+    decoders: dict[str, Any], prompt: list[int], tokens: list[int], reps: int
+) -> dict[str, float]:
+    """tok/s per contender after `prompt`, repetitions round-robin (noise hits all alike)."""
+    for d in decoders.values():
+        d.prepare(prompt)
+        d.run(tokens[:2])  # warm up at this context
+    times: dict[str, list[float]] = {name: [] for name in decoders}
+    for _ in range(reps):
+        for name, d in decoders.items():
+            times[name].append(d.run(tokens))
+    for d in decoders.values():
+        d.close()
+    return {name: rate(len(tokens), ts) for name, ts in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller model, fewer repetitions")
     parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--contexts", default="64,4000", help="decode contexts in tokens, comma-separated")
     parser.add_argument("--reps", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads")
+    parser.add_argument("--no-int8", action="store_true", help="only the fp32 FreeToken engine")
+    parser.add_argument("--llama-convert", default=None, help="llama.cpp's convert_hf_to_gguf.py")
+    parser.add_argument("--baseline-tree", type=Path, default=None, help="another checkout's engine too")
     args = parser.parse_args()
     size = "quick" if args.quick else "full"
     reps = args.reps or (3 if args.quick else 5)
+    n = args.decode_tokens
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if max(contexts) + n + 1 > MAX_POSITIONS:
+        raise SystemExit(
+            f"--contexts: {max(contexts)} + {n} decode tokens exceed the model's {MAX_POSITIONS}"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     load = os.getloadavg()[0]  # before this script's own work raises it
+    contenders = {REFERENCE: CONTENDERS[REFERENCE]} if args.no_int8 else CONTENDERS
+    threads, cpus = torch.get_num_threads(), os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         params = build(folder, size)
+        write_llama_tokenizer(folder, SIZES[size]["vocab_size"])
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch.float32, experts_implementation="eager"
         ).eval()
-        engines = {name: Engine.from_pretrained(folder, **opts) for name, (opts, _) in CONTENDERS.items()}
+        engines = {name: Engine.from_pretrained(folder, **opts) for name, (opts, _) in contenders.items()}
+        if args.baseline_tree is not None:
+            engines[BASELINE] = load_engine_module(args.baseline_tree).Engine.from_pretrained(folder)
+        llm, llama_note = llama_cpp_peer(folder, args.llama_convert, threads, MAX_POSITIONS)
     engine = engines[REFERENCE]
-    threads, cpus = torch.get_num_threads(), os.cpu_count() or 1
     print(
         f"model: Mixtral-shaped, {params / 1e6:.0f} M params ({params * 4 / 2**30:.2f} GiB fp32), "
         f"torch threads {threads}, {cpus} CPUs, 1-min load average at start {load:.1f}"
@@ -213,55 +350,70 @@ def main() -> None:
             f"WARNING: other processes are running (load {load:.1f}); with {threads} threads each parallel "
             "op waits for its slowest thread, so timings are noisy; --threads 1 is steadier"
         )
+    print(
+        llama_note or f"llama.cpp: llama-cpp-python, f32 GGUF from convert_hf_to_gguf.py, {threads} threads"
+    )
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, SIZES[size]["vocab_size"], (256,), generator=g)
-    short = prompt[:16]
-    n = args.decode_tokens
+    vocab = SIZES[size]["vocab_size"]
+    prompt = torch.randint(0, vocab, (max(256, *contexts),), generator=g).tolist()
+    forced = torch.randint(0, vocab, (n,), generator=g).tolist()  # teacher-forced decode tokens
 
-    def hf_prefill():
-        hf(prompt[None], use_cache=True)
-
-    def hf_decode():
-        hf.generate(
-            short[None],
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-
-    prefills: dict[str, Callable[[], object]] = {"transformers": hf_prefill}
-    shorts: dict[str, Callable[[], object]] = {"transformers": lambda: hf(short[None], use_cache=True)}
-    decodes: dict[str, Callable[[], object]] = {"transformers": hf_decode}
+    prefills: dict[str, Callable[[], object]] = {"transformers": lambda: hf(torch.tensor([prompt[:256]]))}
     for name, e in engines.items():
-        prefills[name] = lambda e=e: ft_prefill(e, prompt)
-        shorts[name] = lambda e=e: ft_prefill(e, short)
-        decodes[name] = lambda e=e: e.generate(short.tolist(), max_new_tokens=n, stop_token_ids=())
-    for fns in (prefills, shorts, decodes):  # warm up everything once
-        for fn in fns.values():
-            fn()
+        prefills[name] = lambda e=e: ft_prefill(e, prompt[:256])
+    decoders: dict[str, Any] = {"transformers": HFDecoder(hf)}
+    decoders.update({name: EngineDecoder(e) for name, e in engines.items()})
+    if llm is not None:
+        prefills["llama.cpp"] = lambda: llama_logits(llm, prompt[:256])
+        decoders["llama.cpp"] = LlamaDecoder(llm)
+    for fn in prefills.values():  # warm up
+        fn()
     prefill_s = round_robin(prefills, reps)
-    decode_s = round_robin(decodes, reps)
-    short_s = round_robin(shorts, reps)  # decode time excludes the 16-token prefill, per contender
-    tps = {name: n / max(decode_s[name] - short_s[name], 1e-9) for name in decodes}
-
-    hf_ms, ft_ms = prefill_s["transformers"] * 1e3, prefill_s[REFERENCE] * 1e3
-    print(
-        f"prefill 256 tokens: transformers {hf_ms:.0f} ms, freetoken {ft_ms:.0f} ms -> speed ratio "
-        f"{hf_ms / ft_ms:.2f}x"
-    )
-    print(
-        f"decode: transformers {tps['transformers']:.1f} tok/s, freetoken {tps[REFERENCE]:.1f} tok/s "
-        f"-> ratio {tps[REFERENCE] / tps['transformers']:.2f}x"
-    )
+    tps = {c: decode_rates(decoders, prompt[:c], forced, reps) for c in contexts}
 
     with torch.no_grad():
-        hf_logits = hf(prompt[None]).logits[0]
+        hf_logits = hf(torch.tensor([prompt[:256]])).logits[0]
     with engine.new_session() as s:
-        ft_logits = s.prefill(prompt.tolist())
+        ft_logits = s.prefill(prompt[:256])
     ref_err = float((ft_logits - hf_logits).abs().max() / hf_logits.abs().max())
     print(f"check: FreeToken fp32 vs transformers prefill logits, max|diff|/max|logit| = {ref_err:.1e}")
+    if llm is not None:
+        lc = torch.from_numpy(llama_logits(llm, prompt[:64]))
+        lc_err = float((lc - ft_logits[:64]).abs().max() / ft_logits[:64].abs().max())
+        print(
+            f"check: llama.cpp vs FreeToken fp32 prefill logits (64 tokens), max|diff|/max|logit| = "
+            f"{lc_err:.1e}"
+        )
+
+    short, long = min(contexts), max(contexts)
+    print(
+        f"\nprefill 256 tokens (ms) and decode ({n} tokens, tok/s) after "
+        f"{', '.join(map(str, contexts))} tokens:"
+    )
+    names = list(prefills)
+    header = f"{'contender':<36} {'prefill ms':>10} " + " ".join(f"{'@' + str(c):>9}" for c in contexts)
+    print(header + f" {'long/short':>10}")
+    for name in names:
+        cells = " ".join(f"{tps[c][name]:9.1f}" for c in contexts)
+        print(f"{name:<36} {prefill_s[name] * 1e3:10.0f} {cells} {tps[long][name] / tps[short][name]:10.2f}")
+    for c in contexts:
+        ft = tps[c][REFERENCE]
+        parts = [f"vs transformers {ft / tps[c]['transformers']:.2f}x"]
+        if llm is not None:
+            parts.append(f"vs llama.cpp {ft / tps[c]['llama.cpp']:.2f}x (target >= 0.6)")
+        if BASELINE in engines:
+            parts.append(f"vs the baseline tree {ft / tps[c][BASELINE]:.2f}x")
+        print(f"FreeToken fp32 decode @{c}: {ft:.1f} tok/s, " + ", ".join(parts))
+    print(
+        f"FreeToken fp32 decode @{long} / @{short}: {tps[long][REFERENCE] / tps[short][REFERENCE]:.2f} "
+        "(target >= 0.7); prefill vs transformers "
+        f"{prefill_s['transformers'] / prefill_s[REFERENCE]:.2f}x"
+        + (
+            f", vs the baseline tree {prefill_s[BASELINE] / prefill_s[REFERENCE]:.2f}x"
+            if BASELINE in engines
+            else ""
+        )
+    )
 
     bw = ram_read_bandwidth()
     print(f"\nRAM read bandwidth (sum of 512 MiB fp32, median of 5): {bw / 1e9:.1f} GB/s")
@@ -271,38 +423,31 @@ def main() -> None:
         total = sum(parts.values())
         detail = ", ".join(f"{k} {v / 1e6:.0f}" for k, v in parts.items())
         print(f"  {name:<36} {total / 1e6:5.0f} MB ({detail}) -> at most {bw / total:5.1f} tok/s")
-    print(f"  2x transformers needs {2 * tps['transformers']:.1f} tok/s")
 
-    print(
-        f"\n{'contender':<36} {'int8 weights':<28} {'prefill ms':>10} {'x':>5} {'decode tok/s':>12} "
-        f"{'x':>5}   logit error vs fp32: max over positions (median) prefill / decode; greedy agreement"
-    )
-    hf_tps = tps["transformers"]
-    print(table_row("transformers eager fp32", "none", hf_ms, hf_ms, hf_tps, hf_tps, ""))
-    for name, (_, int8_parts) in CONTENDERS.items():
-        tail = "(reference)"
-        if name != REFERENCE:
-            err = logit_errors(engines[name], engine, prompt.tolist(), short.tolist(), n)
-            tail = (
-                f"{err['prefill_err']:.1e} ({err['prefill_median']:.1e}) / {err['decode_err']:.1e} "
-                f"({err['decode_median']:.1e}); teacher-forced {err['agree'] * 100:.0f}% of {n}, "
-                f"free-run same first {err['free_run_same']}/{n}"
+    if len(contenders) > 1:
+        print(
+            f"\n{'int8 contender':<36} {'int8 weights':<28} logit error vs fp32: max over positions "
+            "(median) prefill / decode; greedy agreement"
+        )
+        for name, (_, int8_parts) in contenders.items():
+            if name == REFERENCE:
+                continue
+            err = logit_errors(engines[name], engine, prompt[:256], prompt[:16], n)
+            print(
+                f"{name:<36} {int8_parts:<28} {err['prefill_err']:.1e} ({err['prefill_median']:.1e}) / "
+                f"{err['decode_err']:.1e} ({err['decode_median']:.1e}); teacher-forced "
+                f"{err['agree'] * 100:.0f}% of {n}, free-run same first {err['free_run_same']}/{n}"
             )
-        print(table_row(name, int8_parts, prefill_s[name] * 1e3, hf_ms, tps[name], hf_tps, tail))
     print(
-        f"(x = speed vs transformers, >1 is faster; medians of {reps} round-robin repetitions;\n"
-        " logit error at a position = max |diff| / max |logit| of the fp32 engine; large maxima are\n"
-        " typically routing flips: a near-tie in a router picks another expert)"
+        f"(medians of {reps} round-robin repetitions; logit error at a position = max |diff| / max |logit|\n"
+        " of the fp32 engine; large maxima are typically routing flips: a near-tie in a router picks\n"
+        " another expert)"
     )
 
 
-def table_row(name: str, parts: str, ms: float, hf_ms: float, tps: float, hf_tps: float, tail: str) -> str:
-    return f"{name:<36} {parts:<28} {ms:10.0f} {hf_ms / ms:5.2f} {tps:12.1f} {tps / hf_tps:5.2f}   {tail}"
-
-
-def ft_prefill(engine: Engine, tokens: torch.Tensor) -> None:
+def ft_prefill(engine: Engine, tokens: list[int]) -> None:
     with engine.new_session() as s:
-        s.prefill(tokens.tolist(), last_only=True)
+        s.prefill(tokens, last_only=True)
 
 
 if __name__ == "__main__":
