@@ -11,7 +11,7 @@ import openai
 import pytest
 from serve_harness import MODEL, running_server
 
-from freetoken_agents import Agent, ModelServerError, OpenAICompatibleModel, tool
+from freetoken_agents import Agent, ModelBackend, ModelServerError, OpenAICompatibleModel, tool
 from freetoken_agents.recipes.tiny.world import add, lookup_capital, multiply
 from freetoken_agents.recipes.tiny.world import get_weather as world_weather
 
@@ -64,6 +64,7 @@ def weather_agent(model, weather) -> Agent:
 def test_the_agent_rolls_back_a_failed_call_and_the_server_absorbs_the_resent_prefix(server):
     weather = flaky_weather(failures=1)
     model, bodies = recording_model(server.base_url)
+    assert isinstance(model, ModelBackend)
     result = weather_agent(model, weather).run("What is the weather in Paris?")
 
     assert len(weather.calls) == 2 and len(result.trace.rollbacks) == 1

@@ -52,6 +52,7 @@ def test_freetoken_serve_starts_requires_its_key_answers_and_stops():
         output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, output
     assert f"http://127.0.0.1:{port}" in output  # uvicorn says where it listens
+    assert "Traceback" not in output and "Application shutdown complete" in output  # a clean stop
 
 
 def test_a_bad_port_is_one_error_line(capsys):
