@@ -108,7 +108,8 @@ def run_completion(
                 finish = "cancelled"
                 break
             if event.kind == "done":
-                finish = event.finish_reason or finish
+                # "memory" (the engine's KV budget ran out) and the like: the reply was cut short
+                finish = event.finish_reason if event.finish_reason in ("stop", "length") else "length"
                 continue
             if event.kind != "text" or not event.text:
                 continue

@@ -61,4 +61,4 @@ def from_validation_error(error: RequestValidationError) -> OpenAIError:
     return bad_request(f"{where}{first.get('msg', 'invalid value')}{more}", param=param)
 
 
-_MESSAGE_TAGS = {"system", "developer", "user", "assistant", "tool", "function-after", "json_schema"}
+_MESSAGE_TAGS = {"system", "developer", "user", "assistant", "tool"}  # the message union's tags
