@@ -204,6 +204,7 @@ def test_malformed_files_raise_anchor_file_error(engine, tmp_path, anchor_key, m
 
 def test_key_location_and_refusals(engine, tmp_path, monkeypatch):
     monkeypatch.delenv("FREETOKEN_ANCHOR_KEY_FILE")
+    monkeypatch.delenv("FREETOKEN_CONFIG_DIR", raising=False)  # conftest points it at a temp dir
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert key_path() == tmp_path / "xdg" / "freetoken" / "anchor.key"  # the user's config dir
