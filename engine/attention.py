@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv import StreamSpec
-from .layers import RMSNorm, StepContext, apply_rope, apply_rope_half
+from .layers import RMSNorm, StepContext, apply_rope, apply_rope_half, linear
 from .paged_attention import chunk_views, decode_gqa, decode_mla, heads_first_views
 from .spec import AttentionSpec
 
@@ -92,7 +92,10 @@ class GQAAttention(nn.Module):
         ):
             return fused
         with torch.inference_mode(False), torch.no_grad():  # normal tensors: parameters
-            weight = torch.cat([p.weight for p in projs])
+            if all(p.weight.stride(0) == 1 for p in projs):  # [in, out] buffers (decode layout)
+                weight = torch.cat([p.weight.t() for p in projs], dim=1).t()
+            else:
+                weight = torch.cat([p.weight for p in projs])
             bias = torch.cat([p.bias for p in projs]) if self.spec.qkv_bias else None
             start = 0
             for p in projs:
@@ -110,7 +113,7 @@ class GQAAttention(nn.Module):
         t, n, kv, d = x.shape[0], s.num_heads, s.num_kv_heads, s.head_dim
         fused = self._qkv()
         cos2, sin2 = ctx.rope_half
-        if fused is not None and s.qk_norm is None and s.clip_qkv is None:
+        if fused is not None and s.qk_norm == "none" and s.clip_qkv is None:
             # One projection, one rotation of q and k together (they are adjacent heads).
             qkv = F.linear(x, *fused).view(t, n + 2 * kv, d)
             qk = apply_rope_half(qkv[:, : n + kv], cos2, sin2)  # [T, N + K, D]
@@ -138,13 +141,13 @@ class GQAAttention(nn.Module):
             values = heads_first_views(pool.flat(self.layer, "v"), chunks, ctx.table.slots)
             if keys[0].dtype != q.dtype:
                 keys, values = [z.to(q.dtype) for z in keys], [z.to(q.dtype) for z in values]
-            return self.o_proj(decode_gqa(q, keys, values, s.scaling, sinks))  # [1, N D] in
+            return linear(self.o_proj, decode_gqa(q, keys, values, s.scaling, sinks))  # [1, N D] in
         keys = ctx.table.read(self.layer, "k").to(q.dtype).transpose(0, 1)  # [K, S, D]
         values = ctx.table.read(self.layer, "v").to(q.dtype).transpose(0, 1)
         out = attend(
             q.transpose(0, 1), keys, values, ctx.mask(s.sliding_window), s.scaling, sinks
         )  # [N, T, D]
-        return self.o_proj(out.transpose(0, 1).reshape(t, n * d))
+        return linear(self.o_proj, out.transpose(0, 1).reshape(t, n * d))
 
 
 class MLAAttention(nn.Module):

@@ -204,12 +204,14 @@ def dispatch_experts(
         # Decode: one token, A experts; skip the grouping machinery (and per-expert tensor
         # indexing: ids and weights come to the host once). The first product is the sum so far
         # (0 + v == v); the others are added in ascending expert id.
-        ids, ws = expert_ids[0].tolist(), weights[0].tolist()
+        ids, ws = expert_ids.tolist()[0], weights.tolist()[0]
         acc: torch.Tensor | None = None
         for a in sorted(range(len(ids)), key=ids.__getitem__):
             y = forward(ids[a], hidden)
             acc = y.mul_(ws[a]) if acc is None else acc.add_(y, alpha=ws[a])
-        return acc.to(hidden.dtype) if acc is not None else torch.zeros_like(hidden)
+        if acc is None:
+            return torch.zeros_like(hidden)
+        return acc if acc.dtype == hidden.dtype else acc.to(hidden.dtype)
     out = torch.zeros_like(hidden)
     flat_ids = expert_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
@@ -233,7 +235,8 @@ class InMemoryExpertProvider:
     """All experts resident (RAM or device memory).
 
     Each layer whose experts are all float, of one shape, dtype and device, is stacked into an
-    `ExpertStack` (slot = expert id) and computed by grouped GEMMs (`grouped_experts`); its
+    `ExpertStack` (slot = expert id; on CPU in the [in, out] layout GEMV reads fastest) and
+    computed by grouped GEMMs (`grouped_experts`); its
     `ExpertWeights` become views into the stack (the per-expert storages are released as each
     layer is stacked, so `experts` is updated in place and peak memory grows by one layer).
     Other layers (int8 or mixed experts) dispatch expert by expert.
@@ -245,7 +248,8 @@ class InMemoryExpertProvider:
         for layer in sorted({k[0] for k in experts}):
             keys = sorted(k for k in experts if k[0] == layer)
             if _stackable([experts[k] for k in keys]) and [k[1] for k in keys] == list(range(len(keys))):
-                stack = ExpertStack.stack([experts[k].tensors() for k in keys])
+                tensors = [experts[k].tensors() for k in keys]
+                stack = ExpertStack.stack(tensors, transposed=tensors[0]["gate_up"].device.type == "cpu")
                 self._stacks[layer] = stack
                 for k in keys:
                     experts[k] = ExpertWeights(**stack.tensors(k[1]))

@@ -43,17 +43,25 @@ _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
 class ExpertStack:
     """Experts of one shape stacked along dim 0 (a slot per expert)."""
 
-    gate_up: torch.Tensor  # [S, 2I, H]
-    down: torch.Tensor  # [S, H, I]
+    gate_up: torch.Tensor  # [S, 2I, H] (maybe a transposed view of [S, H, 2I])
+    down: torch.Tensor  # [S, H, I] (maybe a transposed view of [S, I, H])
     gate_up_bias: torch.Tensor | None = None  # [S, 2I]
     down_bias: torch.Tensor | None = None  # [S, H]
 
     @classmethod
-    def stack(cls, experts: Sequence[dict[str, torch.Tensor]]) -> ExpertStack:
+    def stack(cls, experts: Sequence[dict[str, torch.Tensor]], *, transposed: bool = False) -> ExpertStack:
         """Stack per-expert tensors (names `gate_up`, `down`, optional `gate_up_bias`,
-        `down_bias`; same shapes, dtype and device) into fresh contiguous buffers."""
+        `down_bias`; same shapes, dtype and device) into fresh buffers. `transposed`: hold the
+        projections in [S, in, out] buffers (`gate_up`/`down` are then transposed views with the
+        same shapes): MKL's GEMV reads that layout 1.3-3x faster on CPU (see
+        `transformer.MoETransformer.prepare_decode_layout`)."""
         out = {}
-        for name in ("gate_up", "down", "gate_up_bias", "down_bias"):
+        for name in ("gate_up", "down"):
+            if transposed:
+                out[name] = torch.stack([e[name].t() for e in experts]).transpose(1, 2)
+            else:
+                out[name] = torch.stack([e[name] for e in experts])
+        for name in ("gate_up_bias", "down_bias"):
             if experts[0].get(name) is not None:
                 out[name] = torch.stack([e[name] for e in experts])
         return cls(**out)

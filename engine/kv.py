@@ -91,6 +91,7 @@ class BlockPool:
         self.digest_calls = 0
         self.digested_bytes = 0
         self.copied_bytes = 0
+        self._flat_views: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._grow(initial_blocks if max_blocks is None else min(initial_blocks, max_blocks))
 
     @property
@@ -119,6 +120,7 @@ class BlockPool:
         # Pop from the end: lower ids first keeps block order readable in tests and logs.
         self._free.extend(reversed(range(old, new_capacity)))
         self.capacity = new_capacity
+        self._flat_views.clear()  # they view the replaced storage
 
     def allocate(self, prefer: int | None = None) -> int:
         """Take a free block (refcount 1), growing the pool when needed: `prefer` if it is free
@@ -197,6 +199,7 @@ class BlockPool:
         del self.refcount[keep:], self.pins[keep:], self.filled[keep:]
         self._free = [b for b in self._free if b < keep]
         self.capacity = keep
+        self._flat_views.clear()
         return released
 
     def copy_block(self, src: int) -> int:
@@ -226,9 +229,16 @@ class BlockPool:
         return h.digest()
 
     def flat(self, layer: int, name: str) -> torch.Tensor:
-        """Layer storage viewed as `[capacity * block_size, *shape]` (slot-addressed)."""
+        """Layer storage viewed as `[capacity * block_size, *shape]` (slot-addressed); the view
+        is kept until the storage is replaced (growth, shrink): decode asks per layer per token."""
         t = self.storage[layer][name]
-        return t.view(t.shape[0] * t.shape[1], *t.shape[2:])
+        hit = self._flat_views.get((layer, name))
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        with torch.inference_mode(False):  # a normal view, writable in and out of inference mode
+            view = t.view(t.shape[0] * t.shape[1], *t.shape[2:])
+        self._flat_views[(layer, name)] = (t, view)
+        return view
 
 
 class BlockTable:
@@ -345,7 +355,9 @@ class BlockTable:
 
     def write(self, layer: int, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Store `values [n, *shape]` at `slots [n]` of one layer's stream."""
-        self.pool.flat(layer, name).index_copy_(0, slots, values.to(self.pool.dtype))
+        if values.dtype != self.pool.dtype:
+            values = values.to(self.pool.dtype)
+        self.pool.flat(layer, name).index_copy_(0, slots, values)
 
     def read(self, layer: int, name: str) -> torch.Tensor:
         """All cached positions of one stream: `[length, *shape]` (a gathered copy)."""

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .experts import ExpertProvider
+from .layers import linear
 from .spec import MoESpec
 
 
@@ -24,7 +25,7 @@ class DenseMLP(nn.Module):
         self.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
 
 
 class Router(nn.Module):
@@ -53,7 +54,8 @@ class Router(nn.Module):
             # A softmax over all E renormalised over the top k is a softmax over the top-k
             # logits: same experts, same weights, two ops fewer per layer.
             top, ids = logits.topk(s.top_k, dim=-1)
-            return ids, torch.softmax(top, dim=-1, dtype=torch.float32).to(x.dtype)
+            weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+            return ids, weights if x.dtype == torch.float32 else weights.to(x.dtype)
         if s.routing == "softmax_topk":
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
             weights, ids = probs.topk(s.top_k, dim=-1)
@@ -102,7 +104,7 @@ class MoEBlock(nn.Module):
         assert self.provider is not None, "MoEBlock used before an ExpertProvider was attached"
         out = self.provider.run(self.layer, x, ids, weights, self.spec)
         if self.spec.shared == "gated":
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + torch.sigmoid(linear(self.shared_expert_gate, x)) * self.shared_expert.forward(x)
         elif self.spec.shared == "plain":
-            out = out + self.shared_expert(x)
+            out = out + self.shared_expert.forward(x)
         return out

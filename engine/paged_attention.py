@@ -111,7 +111,7 @@ def _merge(
     """Exact merge of per-run softmax results `outs[r] [..., Dv]` with log-sum-exps `lses[r] [...]`
     (fp32); a sink adds probability mass with no value."""
     if len(outs) == 1 and sinks is None:
-        return outs[0].to(dtype)
+        return outs[0] if outs[0].dtype == dtype else outs[0].to(dtype)
     parts = list(lses)
     if sinks is not None:
         parts.append(sinks.float().view(lses[0].shape))
