@@ -134,6 +134,13 @@ class GQAAttention(nn.Module):
         ctx.table.write(self.layer, "k", ctx.new_slots, k)
         ctx.table.write(self.layer, "v", ctx.new_slots, v)
         sinks = self.sinks if s.sinks else None
+        if ctx.static is not None:  # a captured decode step: the Triton kernel, device-side table
+            pool = ctx.table.pool
+            out = static_decode(
+                ctx, s.sliding_window, q.reshape(kv, n // kv, d), pool.flat(self.layer, "k"),
+                pool.flat(self.layer, "v"), s.scaling, sinks,
+            )  # fmt: skip
+            return linear(self.o_proj, out.reshape(1, n * d))
         if ctx.is_decode:  # read the cached blocks in place
             chunks = ctx.chunks(s.sliding_window)
             pool = ctx.table.pool
@@ -199,6 +206,15 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(n, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         w_k, w_v = w.split([s.qk_nope_head_dim, s.v_head_dim], dim=1)  # [N, Dn, R], [N, Dv, R]
         q_latent = torch.einsum("tnd,ndr->ntr", q_nope, w_k)  # [N, T, R]
+        if ctx.static is not None:  # a captured decode step: one kv head, key = (latent, k_rope)
+            pool = ctx.table.pool
+            latent_flat = pool.flat(self.layer, "latent")[:, None]  # [slots, 1, R]
+            ctx_latent = static_decode(
+                ctx, s.sliding_window, q_latent[:, 0][None], latent_flat, latent_flat, s.scaling, None,
+                q2=q_rope[0][None], k2=pool.flat(self.layer, "k_rope")[:, None],
+            )[0]  # fmt: skip
+            out = torch.einsum("nr,nvr->nv", ctx_latent, w_v)  # [N, Dv]
+            return self.o_proj(out.reshape(1, n * s.v_head_dim))
         if ctx.is_decode:  # read the cached blocks in place
             chunks = ctx.chunks(s.sliding_window)
             latents_r = _views(ctx, self.layer, "latent", chunks, q.dtype)  # [n_c, R] each
@@ -223,3 +239,24 @@ def _views(ctx: StepContext, layer: int, stream: str, chunks: list, dtype: torch
     """The cached chunks of one stream, as views of the pool where contiguous (`chunk_views`)."""
     views = chunk_views(ctx.table.pool.flat(layer, stream), chunks, ctx.table.slots)
     return views if views[0].dtype == dtype else [v.to(dtype) for v in views]
+
+
+def static_decode(
+    ctx: StepContext,
+    window: int | None,
+    q1: torch.Tensor,
+    k1: torch.Tensor,
+    v: torch.Tensor,
+    scaling: float,
+    sinks: torch.Tensor | None,
+    **key2: torch.Tensor,
+) -> torch.Tensor:
+    """Decode attention of a static step through the Triton kernel (`paged_triton`)."""
+    from .paged_triton import paged_decode  # triton is only needed (and imported) here
+
+    static = ctx.static
+    assert static is not None
+    return paged_decode(
+        q1, k1, v, static.block_table, static.ranges[window], scaling, ctx.table.pool.block_size,
+        sinks=sinks, **key2,
+    )  # fmt: skip

@@ -264,6 +264,15 @@ class InMemoryExpertProvider:
     def nbytes(self) -> int:
         return sum(w.nbytes for w in self._experts.values())
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a decode step runs on the device alone (every MoE layer stacked and computed by
+        grouped GEMMs): the condition for capturing it as a CUDA graph (`cuda_graph`)."""
+        layers = {k[0] for k in self._experts}
+        return bool(layers) and all(
+            layer in self._stacks and use_grouped(self._stacks[layer], 1) for layer in layers
+        )
+
     def stack(self, layer: int) -> ExpertStack | None:
         """The layer's stacked experts (slot = expert id), if it was stacked."""
         return self._stacks.get(layer)

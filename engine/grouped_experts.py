@@ -143,8 +143,9 @@ def run_grouped(
     order = torch.argsort(flat, stable=True)  # [T*A] pairs by slot (then token)
     token_of = torch.div(order, a, rounding_mode="floor")
     sorted_slots = flat.index_select(0, order)
-    counts = torch.bincount(sorted_slots, minlength=stack.slots)
-    offs = counts.cumsum(0).to(torch.int32)  # [S] end of each slot's group
+    # [S] end of each slot's group; searchsorted, not bincount, whose output size needs a sync.
+    slot_ids = torch.arange(stack.slots, device=flat.device)
+    offs = torch.searchsorted(sorted_slots, slot_ids, right=True).to(torch.int32)
     x = hidden.index_select(0, token_of)  # [T*A, H]
     gate_up = torch._grouped_mm(x, stack.gate_up.transpose(1, 2), offs=offs)  # [T*A, 2I]
     if stack.gate_up_bias is not None:

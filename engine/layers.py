@@ -83,6 +83,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+@dataclass(frozen=True)
+class StaticAttention:
+    """Device-side inputs of decode attention in a static step: the sequence's block table
+    (int32 [max_blocks], padded) and per sliding window (None: all) the attended positions
+    [start, stop) as int32 [2]."""
+
+    block_table: torch.Tensor
+    ranges: dict[int | None, torch.Tensor]
+
+
 @dataclass
 class StepContext:
     """What every layer needs to know about the current forward step of one sequence."""
@@ -92,6 +102,9 @@ class StepContext:
     positions: torch.Tensor  # [T] absolute positions of the new tokens
     cos: torch.Tensor  # [T, rot/2]
     sin: torch.Tensor
+    # Set by a static (CUDA-graph) decode step: attention reads the cache through the Triton
+    # kernel from these device tensors instead of host-side chunks (`cuda_graph.StaticDecode`).
+    static: StaticAttention | None = None
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
     _chunks: dict[int | None, list[Chunk]] = field(default_factory=dict)
     _tables: tuple[torch.Tensor, torch.Tensor] | None = None
