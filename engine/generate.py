@@ -53,7 +53,12 @@ class GenerationResult:
 
 
 class Sampler:
-    """Picks tokens from logits [V] under SamplingParams."""
+    """Picks tokens from logits [V] under SamplingParams.
+
+    The draw happens on the CPU with a CPU generator whatever the logits' device: a seeded
+    sampler picks the same tokens on a GPU as on the CPU (given the same probabilities), and a
+    CPU generator cannot drive a CUDA multinomial ("Expected a 'cuda' device type for generator").
+    """
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
@@ -76,7 +81,7 @@ class Sampler:
             # Drop tokens once the mass before them already reaches top_p (the first always stays).
             drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= p.top_p
             scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
-        probs = torch.softmax(scores, dim=-1)
+        probs = torch.softmax(scores, dim=-1).cpu()
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 

@@ -58,3 +58,13 @@ def test_cuda_greedy_tokens_equal_transformers_generate_on_cuda(arch, tiny_check
             pad_token_id=PAD_TOKEN_ID,
         )
     assert engine.generate(ids, max_new_tokens=16, stop_token_ids=()).token_ids == out[0, len(ids) :].tolist()
+
+
+def test_cuda_sampling_draws_the_cpu_engines_tokens(tiny_checkpoint):
+    """The bug: Sampler drew with a CPU generator from CUDA probabilities, which torch refuses
+    ("Expected a 'cuda' device type for generator"); every temperature > 0 generation failed."""
+    path = tiny_checkpoint("qwen3_moe")
+    gpu, cpu = Engine.from_pretrained(path, device="cuda"), Engine.from_pretrained(path)
+    ids = _prompt(gpu.spec.vocab_size, 12, seed=5)
+    params = {"max_new_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 7, "stop_token_ids": ()}
+    assert gpu.generate(ids, **params).token_ids == cpu.generate(ids, **params).token_ids
