@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from .grouped_experts import ExpertStack, activation, run_grouped, use_grouped
+from .grouped_experts import ExpertStack, activation, run_grouped, run_pair, use_grouped
 from .int8 import int8_linear, quantize
 from .spec import MoESpec
 
@@ -202,16 +202,15 @@ def dispatch_experts(
     """
     if hidden.shape[0] == 1:
         # Decode: one token, A experts; skip the grouping machinery (and per-expert tensor
-        # indexing: ids and weights come to the host once). The first product is the sum so far
-        # (0 + v == v); the others are added in ascending expert id.
+        # indexing: ids and weights come to the host once); each weighted output is added in
+        # ascending expert id.
+        # (add_ with alpha takes the weight as a scalar argument; a tensor op with a Python float
+        # would wrap it into a tensor first, ~3x the cost of the op here.)
         ids, ws = expert_ids.tolist()[0], weights.tolist()[0]
-        acc: torch.Tensor | None = None
+        acc = torch.zeros_like(hidden)
         for a in sorted(range(len(ids)), key=ids.__getitem__):
-            y = forward(ids[a], hidden)
-            acc = y.mul_(ws[a]) if acc is None else acc.add_(y, alpha=ws[a])
-        if acc is None:
-            return torch.zeros_like(hidden)
-        return acc if acc.dtype == hidden.dtype else acc.to(hidden.dtype)
+            acc.add_(forward(ids[a], hidden), alpha=ws[a])
+        return acc
     out = torch.zeros_like(hidden)
     flat_ids = expert_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
@@ -281,8 +280,13 @@ class InMemoryExpertProvider:
         self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec
     ) -> torch.Tensor:
         stack = self._stacks.get(layer)
-        if stack is not None and use_grouped(stack, hidden.shape[0]):
-            return run_grouped(stack, hidden, expert_ids, weights, spec)
+        if stack is not None:
+            if use_grouped(stack, hidden.shape[0]):
+                return run_grouped(stack, hidden, expert_ids, weights, spec)
+            if expert_ids.shape == (1, 2):  # CPU decode, top-2: one strided view of the stack
+                ids = expert_ids.tolist()[0]
+                if ids[0] != ids[1]:
+                    return run_pair(stack, hidden, ids, weights, spec)
         return run_experts(self.get, layer, hidden, expert_ids, weights, spec)
 
 

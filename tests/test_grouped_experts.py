@@ -90,22 +90,36 @@ def test_resident_provider_stacks_float_layers_and_keeps_int8_ones_per_expert():
         assert torch.equal(provider.run(layer, hidden, ids, weights, spec), want)
 
 
-def test_resident_cpu_decode_loops_over_the_routed_experts_views():
-    """A CPU decode step runs the routed experts one by one (views into the stack): the same
-    bits as every other provider's decode (`dispatch_experts`)."""
-    spec = _spec(8, 2)
-    tensors = _experts(8, False)
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "clamped+bias"])
+@pytest.mark.parametrize("routed", [[5, 2], [2, 3], [7, 0]])
+def test_resident_cpu_decode_of_two_experts_is_one_strided_view(routed, gpt_oss):
+    """Top-2 CPU decode: both experts as one batched GEMV over a strided view of the stack."""
+    spec = _spec(8, 2, gpt_oss)
     provider = InMemoryExpertProvider(
-        {(0, e): ExpertWeights.packed(t, torch.float32) for e, t in enumerate(tensors)}
+        {(0, e): ExpertWeights.packed(t, torch.float32) for e, t in enumerate(_experts(8, gpt_oss))}
     )
     stack = provider.stack(0)
     assert stack is not None and not use_grouped(stack, 1) and use_grouped(stack, 2)
     hidden = torch.randn(1, H)
-    ids, weights = _routing(1, 8, 2)
+    ids, weights = torch.tensor([routed]), torch.tensor([[0.7, 0.3]])
     want = dispatch_experts(lambda e, x: expert_forward(provider.get(0, e), x, spec), hidden, ids, weights)
-    assert torch.equal(provider.run(0, hidden, ids, weights, spec), want)
+    torch.testing.assert_close(provider.run(0, hidden, ids, weights, spec), want, rtol=1e-5, atol=1e-5)
+
+
+def test_resident_cpu_decode_of_more_experts_loops_over_their_views():
+    spec = _spec(8, 3)
+    provider = InMemoryExpertProvider(
+        {(0, e): ExpertWeights.packed(t, torch.float32) for e, t in enumerate(_experts(8, False))}
+    )
+    hidden = torch.randn(1, H)
+    ids, weights = torch.tensor([[6, 1, 3]]), torch.tensor([[0.5, 0.3, 0.2]])
+    want = dispatch_experts(lambda e, x: expert_forward(provider.get(0, e), x, spec), hidden, ids, weights)
+    assert torch.equal(provider.run(0, hidden, ids, weights, spec), want)  # the same loop, same bits
     # On CPU the stack holds [E, in, out] buffers (GEMV reads them faster): same values.
-    assert stack.gate_up.stride(1) == 1 and torch.equal(provider.get(0, 3).gate_up, tensors[3]["gate_up"])
+    stack = provider.stack(0)
+    tensors = _experts(8, False)
+    assert stack is not None and stack.gate_up.stride(1) == 1
+    assert torch.equal(provider.get(0, 3).gate_up, tensors[3]["gate_up"])
 
 
 def test_without_grouped_mm_the_provider_dispatches_expert_by_expert(monkeypatch):
