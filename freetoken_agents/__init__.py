@@ -6,7 +6,9 @@ from .agent import Agent, AgentEvent, AgentResult
 from .embedded import EmbeddedModelMissing, default_model
 from .errors import (
     AgentError,
+    ContextConflict,
     MaxStepsExceeded,
+    MemoryLimitReached,
     ModelCausedError,
     ModelRetry,
     ResultRejected,
@@ -31,10 +33,12 @@ __all__ = [
     "AgentError",
     "AgentEvent",
     "AgentResult",
+    "ContextConflict",
     "EmbeddedModelMissing",
     "FreeTokenModel",
     "GenerateRequest",
     "MaxStepsExceeded",
+    "MemoryLimitReached",
     "ModelBackend",
     "ModelCausedError",
     "ModelRetry",

@@ -8,6 +8,7 @@ machine (`FenceDetector`), so each token costs the same at token 2,000 as at tok
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,16 +16,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from freetoken_agents.engine import SamplingParams
+from freetoken_agents.engine import MemoryBudgetError, SamplingParams
 from freetoken_agents.engine.generate import Sampler
 
+from .backend import GenerateRequest, GenEvent
 from .constrained import ConstrainedDecode
 from .detokenize import IncrementalDetokenizer
 from .errors import TokenLimitTooSmall
-from .model import GenerateRequest, GenEvent
 
 if TYPE_CHECKING:
     from .model import FreeTokenModel
+
+logger = logging.getLogger(__name__)
 
 # A fence line (CommonMark): up to three spaces, then a run of three or more backticks.
 _FENCE_LINE = re.compile(r"^ {0,3}(`{3,})", re.M)
@@ -131,6 +134,10 @@ class TurnDecoder:
     The turn is a series of segments: free text, a tool call, free text again (with
     tool_choice "auto" the model may call several tools in one turn), ... A forced call is the
     whole turn. Raises TokenLimitTooSmall when a forced call cannot fit `max_call_tokens`.
+
+    When the engine's memory limit stops a model step (MemoryBudgetError: the KV cache is full),
+    the turn ends there like `engine.generate.stream_tokens`: every token produced is delivered
+    (and kept in the context; the last sampled one pending) and "done" says finish_reason "memory".
     """
 
     def __init__(self, model: FreeTokenModel, request: GenerateRequest) -> None:
@@ -153,6 +160,14 @@ class TurnDecoder:
 
     # ---- the turn -------------------------------------------------------------------------------
     def run(self) -> Iterator[GenEvent]:
+        try:
+            yield from self._turn()
+        except MemoryBudgetError as e:
+            logger.warning("the turn was stopped by the memory limit at %d tokens: %s", self.m.position, e)
+            yield from self._flush()
+            yield GenEvent("done", finish_reason="memory")
+
+    def _turn(self) -> Iterator[GenEvent]:
         if self.req.force is not None and self.tools_on:
             finish = yield from self._call(self.req.force, forced=True)
             yield from self._end(finish)
@@ -199,8 +214,17 @@ class TurnDecoder:
                 yield GenEvent("anchor", anchor=m.anchor("code_block"))
                 self._replay()
                 continue
-            m.decode(token)
+            self._decode(token)
             yield from self._emit()
+
+    def _decode(self, token: int) -> None:
+        """Run a sampled token. At the memory limit it stays in the context as pending (produced,
+        not run), as `stream_tokens` leaves it, and the limit ends the turn."""
+        try:
+            self.m.decode(token)
+        except MemoryBudgetError:
+            self.m.append_pending(token)
+            raise
 
     def _sample_free(self) -> int:
         logits = self.m.next_logits()
@@ -310,7 +334,7 @@ class TurnDecoder:
                 yield from self._flush()
                 return "stop"
             self.detok.push(token)
-            self.m.decode(token)
+            self._decode(token)
             yield from self._emit()
         yield from self._flush()
         return "length"

@@ -1,46 +1,50 @@
 """Agent: the tool loop. Model-caused failures roll back to the anchor before the failed call
 (earlier calls of the turn and their results stay), append a failure note and regenerate;
-transient tool failures retry the tool; both under tenacity."""
+transient tool failures retry the tool; both under tenacity.
+
+Concurrency: every run has a context of its own. On a model that can open contexts
+(`new_context()`: FreeTokenModel) each run opens one and closes it at its end, so runs of one
+Agent, of several Agents sharing a model, or over models sharing an engine, proceed side by side;
+on one that cannot (ScriptedModel, OpenAICompatibleModel) runs take turns on its one context,
+first come first served (`sync_bridge.TurnGate`: waiting threads block, waiting tasks await,
+nobody holds a thread while waiting). Model steps run on the one worker thread of the model's
+engine (`sync_bridge.step_worker`), one short step at a time; tools run on threads of their own.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import tenacity
-from pydantic import BaseModel, ConfigDict
+
+from freetoken_agents.engine import MemoryBudgetError
 
 from .anchors import AnchorHandle
+from .backend import GenerateRequest, ModelBackend, Usage
 from .constrained import ToolChoice, resolve_tool_choice
 from .errors import (
     MaxStepsExceeded,
+    MemoryLimitReached,
     ModelCausedError,
-    ModelRetry,
-    ResultRejected,
     ToolCallMalformed,
-    ToolExecutionError,
     ToolRetryExhausted,
-    UnknownTool,
 )
-from .model import GenerateRequest, ModelBackend
-from .parsers import ParsedToolCall
 from .retry import RetryPolicy
-from .sync_bridge import iterate_sync, run_sync
-from .tools import Tool
-from .trace import AnchorRecord, Attempt, RollbackRecord, Step, ToolCallRecord, Trace
+from .sync_bridge import iterate_sync, run_sync, step_worker, turn_gate
+from .tool_calls import ResultValidator, ToolCaller
+from .tools import Tool, default_result_chars
+from .trace import AgentEvent, AgentResult, AnchorRecord, Attempt, RollbackRecord, Step, Trace
 from .turn_progress import TurnProgress
 
-logger = logging.getLogger(__name__)
+__all__ = ["Agent", "AgentEvent", "AgentResult", "ResultValidator", "ToolChoicePolicy"]
 
-ResultValidator = Callable[[str, Any], bool]
-"""(tool name, result) -> False to reject the result (or raise ModelRetry with a message)."""
+logger = logging.getLogger(__name__)
 
 ToolChoicePolicy = Callable[[int], ToolChoice]
 """step number (1-based) -> that model turn's tool_choice."""
@@ -48,30 +52,13 @@ ToolChoicePolicy = Callable[[int], ToolChoice]
 _DONE = object()  # end of an astream's event queue
 
 
-class AgentResult(BaseModel):
-    """What `run()` returns: the final answer, the trace and the chat messages."""
-
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    output: str
-    trace: Trace
-    messages: list[dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class AgentEvent:
-    """A streamed event. kind: text (delta), anchor, rollback, retry, tool_call, tool_result, final."""
-
-    kind: Literal["text", "anchor", "rollback", "retry", "tool_call", "tool_result", "final"]
-    step: int
-    data: Any = None
-
-
 @dataclass
 class _Run:
     trace: Trace
     messages: list[dict[str, Any]]
     emit: Callable[[AgentEvent], None]  # hands an event to the astream consumer, at once
+    model: Any = None  # the run's context (a ModelBackend), set when the run gets it
+    usage0: Usage = field(default_factory=Usage)  # the context's usage when the run got it
     step: int = 0
     turn: TurnProgress = field(default_factory=TurnProgress)  # the current model turn's retries
     last_error: ModelCausedError | None = None
@@ -87,10 +74,14 @@ class Agent:
     `max_call_tokens`); they override `max_new_tokens`, `temperature` and `seed`.
     `validate`: how each rollback checks its anchor, passed to `model.rollback(validate=...)`
     unchanged (the engine's modes, e.g. "signature" or "full"); None: the model's own setting.
+    `max_result_chars`: what the model reads of one tool result, at most (longer ones are cut
+    with a note, before tokenisation); None: `tools.default_result_chars(model.max_context)`.
 
-    Model steps (prefill, decode, rollback) run on the agent's own worker thread, one at a time,
-    so `arun` / `astream` leave the event loop free for other tasks while the model works. One
-    run at a time per model: concurrent runs on one model would interleave its context.
+    Concurrent runs (`arun` / `astream` in asyncio, `run` / `stream` in threads, any mix) each
+    get exactly their own context and answers (module docstring). `isolate_runs=False` makes
+    them take turns on the model's own context even when it could open new ones, leaving the
+    last run's context on the model to inspect. Model steps run on a worker thread, so `arun` /
+    `astream` leave the event loop free while the model works.
     """
 
     def __init__(
@@ -108,13 +99,20 @@ class Agent:
         seed: int | None = None,
         model_settings: Mapping[str, Any] | None = None,
         validate: str | None = None,
+        max_result_chars: int | None = None,
+        isolate_runs: bool = True,
     ) -> None:
         self.model, self.system_prompt = model, system_prompt
         self.validate = validate
+        if max_result_chars is not None and max_result_chars < 1:
+            raise ValueError(f"max_result_chars must be at least 1, got {max_result_chars}")
+        self.max_result_chars = max_result_chars or default_result_chars(getattr(model, "max_context", None))
+        self.isolate_runs = isolate_runs
         self.tools = {t.name: t for t in tools}
         self.retry = retry or RetryPolicy()
         self.max_steps, self.tool_choice = max_steps, tool_choice
         self.result_validator = result_validator
+        self._tools = ToolCaller(self.tools, self.retry, result_validator, self.max_result_chars)
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
         self.model_settings = dict(model_settings or {})
         if {"tools", "force"} & set(self.model_settings):
@@ -122,7 +120,8 @@ class Agent:
         self._request(None, "auto")  # fail early on an unknown setting
         if not callable(tool_choice):
             resolve_tool_choice(tool_choice, list(self.tools))  # fail early on an unknown name
-        self._model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="freetoken-model")
+        # Every model over one engine (and every context of a model) shares one step worker.
+        self._worker = step_worker(getattr(model, "engine", None) or model)
 
     # ---- public entry points --------------------------------------------------------------------
     async def astream(self, task: str) -> AsyncIterator[AgentEvent]:
@@ -131,7 +130,7 @@ class Agent:
         cancels it (a model step in flight finishes on the worker thread first)."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
         run = _Run(Trace(), [], emit=queue.put_nowait)
-        worker = asyncio.create_task(self._loop(task, run))
+        worker = asyncio.create_task(self._run(task, run))
         worker.add_done_callback(lambda _: queue.put_nowait(_DONE))
         try:
             while (event := await queue.get()) is not _DONE:
@@ -183,29 +182,63 @@ class Agent:
         )
 
     async def _step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run one model step on the agent's worker thread (off the event loop)."""
+        """Run one model step on the model's worker thread (off the event loop)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._model_thread, functools.partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(self._worker, functools.partial(fn, *args, **kwargs))
 
-    async def _sync(self, messages: list[dict[str, Any]], *, generation_prompt: bool = True) -> None:
-        m = self.model
+    async def _sync(self, run: _Run, *, generation_prompt: bool = True) -> None:
+        m, messages = run.model, run.messages
         await self._step(
             lambda: m.sync(m.render(messages, self._schemas(), generation_prompt=generation_prompt))
         )
 
-    async def _loop(self, task: str, run: _Run) -> AgentResult:
+    @contextlib.asynccontextmanager
+    async def _context(self) -> AsyncIterator[ModelBackend]:
+        """The run's context: a new one when the model opens them (closed at the end, even when
+        the run is cancelled), else the model's own, once the runs before this one are done."""
         m = self.model
-        await self._step(m.reset)
+        new_context = getattr(m, "new_context", None)
+        if self.isolate_runs and callable(new_context):
+            context = await self._step(new_context)
+            try:
+                yield context
+            finally:  # submitted, not awaited bare: a cancelled run still closes its context
+                await asyncio.shield(asyncio.wrap_future(self._worker.submit(context.close)))
+            return
+        gate = turn_gate(m)
+        await gate.acquire_async()
+        try:
+            await self._step(m.reset)
+            yield m
+        finally:
+            gate.release()
+
+    async def _run(self, task: str, run: _Run) -> AgentResult:
+        async with self._context() as model:
+            run.model, run.usage0 = model, model.usage()
+            try:
+                return await self._loop(task, run)
+            except MemoryBudgetError as e:  # a prefill (context, note, rebuild) did not fit
+                self._totals(run)
+                partial = run.trace.steps[-1].text if run.trace.steps else ""
+                raise MemoryLimitReached(
+                    f"generation was stopped by the memory limit: {e}",
+                    partial_output=partial,
+                    trace=run.trace,
+                ) from e
+
+    async def _loop(self, task: str, run: _Run) -> AgentResult:
+        m = run.model
         if self.system_prompt is not None:
             run.messages.append({"role": "system", "content": self.system_prompt})
-            await self._sync(run.messages, generation_prompt=False)
+            await self._sync(run, generation_prompt=False)
             run.emit(self._anchor(run, await self._step(m.anchor, "system_prompt")))
         run.messages.append({"role": "user", "content": task})
         for step in range(1, self.max_steps + 1):
             run.step, run.turn = step, TurnProgress()
             choice = self._choice(step)
             usage0 = m.usage()
-            await self._sync(run.messages)
+            await self._sync(run)
             record = Step(number=step)
             run.trace.steps.append(record)
             calls = await self._turn(run, record, resolve_tool_choice(choice, list(self.tools)), choice)
@@ -220,7 +253,7 @@ class Agent:
                 run.emit(AgentEvent("final", step, result))
                 return result
             run.messages.extend(record.to_messages())
-            await self._sync(run.messages, generation_prompt=False)
+            await self._sync(run, generation_prompt=False)
             label = record.tool_calls[-1].tool
             run.emit(self._anchor(run, await self._step(m.anchor, "tool_result", label=label)))
         self._totals(run)
@@ -252,15 +285,17 @@ class Agent:
         return None  # pragma: no cover - tenacity returns or raises
 
     async def _attempt(self, run: _Run, record: Step, force: str | None, choice: ToolChoice) -> list | None:
-        m, turn = self.model, run.turn
+        m, turn = run.model, run.turn
         turn.start_attempt()
         head = turn.kept_text  # what the model wrote in this turn before the rollback point
         events = m.generate(self._request(force, choice))
         parts: list[str] = []
-        written = 0
+        written, finish = 0, None
         try:
             while (event := await self._step(next, events, None)) is not None:
-                if event.kind == "text":
+                if event.kind == "done":
+                    finish = event.finish_reason
+                elif event.kind == "text":
                     parts.append(event.text)
                     written += len(event.text)
                     run.emit(AgentEvent("text", run.step, event.text))
@@ -274,6 +309,14 @@ class Agent:
                 await self._step(close)
         full = head + "".join(parts)
         turn.full_text = full
+        if finish == "memory":
+            record.text = full
+            self._totals(run)
+            raise MemoryLimitReached(
+                "generation was stopped by the memory limit (the KV cache is full)",
+                partial_output=full,
+                trace=run.trace,
+            )
         parsed = m.parser.parse(full)
         notes = "".join(turn.all_notes) if self.retry.keep_failure_notes else ""
         record.text = (notes + parsed.content).strip()
@@ -288,7 +331,8 @@ class Agent:
             turn.failed_at = call.offset
             done = turn.take_redo(call.name, call.arguments)
             if done is None:
-                done = await self._execute(run, call, f"call_{run.step}_{len(record.tool_calls)}")
+                call_id = f"call_{run.step}_{len(record.tool_calls)}"
+                done = await self._tools.execute(call, call_id, functools.partial(self._tool_event, run))
                 run.emit(AgentEvent("tool_result", run.step, done))
             else:
                 logger.debug("%s(%s) already ran in this turn: result reused", done.tool, done.arguments)
@@ -297,63 +341,16 @@ class Agent:
         turn.failed_at = None
         return record.tool_calls
 
-    async def _execute(self, run: _Run, call: ParsedToolCall, call_id: str) -> ToolCallRecord:
-        if call.error:
-            raise ToolCallMalformed(call.error, tool=call.name or None, arguments=call.arguments)
-        tool = self.tools.get(call.name)
-        if tool is None:
-            raise UnknownTool(f"no tool named {call.name!r}; tools: {sorted(self.tools)}", tool=call.name)
-        args = tool.validate(call.arguments)
-        run.emit(AgentEvent("tool_call", run.step, {"tool": tool.name, "arguments": call.arguments}))
-        t0 = time.perf_counter()
-        result = await self._call_with_retries(run, tool, args, call.arguments)
-        if self.result_validator is not None and not self.result_validator(tool.name, result):
-            raise ResultRejected(
-                f"the result was rejected: {str(result)[:80]}", tool=tool.name, arguments=call.arguments
-            )
-        return ToolCallRecord(
-            id=call_id,
-            tool=tool.name,
-            arguments=call.arguments,
-            result=result,
-            seconds=time.perf_counter() - t0,
-        )
-
-    async def _call_with_retries(self, run: _Run, tool: Tool, args: BaseModel, raw_args: Any) -> Any:
-        """Transient errors retry the tool (model untouched); a tool's input errors become ModelRetry;
-        anything else is a ToolExecutionError."""
-        attempts: list[Attempt] = []
-        try:
-            async for attempt in self.retry.tool_retrying(tool.retries):
-                with attempt:
-                    try:
-                        return await tool.acall(args)
-                    except Exception as e:
-                        if self.retry.is_transient(e):
-                            attempts.append(
-                                Attempt.from_error(
-                                    attempt.retry_state.attempt_number, "tool", e, tool.name, raw_args
-                                )
-                            )
-                            run.trace.retries.append(attempts[-1])
-                            run.emit(AgentEvent("retry", run.step, attempts[-1]))
-                        raise
-        except tenacity.RetryError as e:
-            raise ToolRetryExhausted(
-                f"tool '{tool.name}' kept failing", attempts
-            ) from e.last_attempt.exception()
-        except ModelCausedError:
-            raise
-        except self.retry.model_errors as e:
-            raise ModelRetry(f"{type(e).__name__}: {e}", tool=tool.name, arguments=raw_args) from e
-        except Exception as e:
-            raise ToolExecutionError(tool.name, raw_args, e) from e
+    def _tool_event(self, run: _Run, kind: Literal["tool_call", "retry"], data: Any) -> None:
+        if kind == "retry":
+            run.trace.retries.append(data)
+        run.emit(AgentEvent(kind, run.step, data))
 
     # ---- rollback, anchors, totals --------------------------------------------------------------
     async def _rollback_and_note(self, run: _Run, failed_attempt: int) -> None:
         """Back to the anchor before the call that failed (earlier calls of the turn stay), or to
         the turn's start when the attempt placed none before it; then the failure note."""
-        m, error, turn = self.model, run.last_error, run.turn
+        m, error, turn = run.model, run.last_error, run.turn
         assert error is not None
         plan = turn.plan_rollback()
         start = m.position
@@ -375,7 +372,7 @@ class Agent:
             run.trace.tokens_saved_by_rollback += saved
             run.emit(AgentEvent("rollback", run.step, run.trace.rollbacks[-1]))
         else:  # no anchor to go back to: regenerate the turn from its start
-            await self._sync(run.messages)
+            await self._sync(run)
         note = self.retry.note(
             attempt=failed_attempt, tool=error.tool, arguments=error.arguments, error=error
         )
@@ -392,6 +389,8 @@ class Agent:
         return AgentEvent("anchor", run.step, record)
 
     def _totals(self, run: _Run) -> None:
-        usage = self.model.usage()
-        run.trace.tokens_prefilled, run.trace.tokens_decoded = usage.prefilled, usage.decoded
-        run.trace.tokens_reused = usage.reused
+        """The run's token counts: its context's usage since the run got it."""
+        usage, u0 = run.model.usage(), run.usage0
+        run.trace.tokens_prefilled = usage.prefilled - u0.prefilled
+        run.trace.tokens_decoded = usage.decoded - u0.decoded
+        run.trace.tokens_reused = usage.reused - u0.reused

@@ -14,6 +14,10 @@ AgentError
 ├── ToolRetryExhausted        retries ran out; carries every attempt
 ├── UnexpectedModelBehavior   the model broke the protocol in a way retries cannot fix
 ├── TokenLimitTooSmall        a forced call or structured output cannot close its JSON in its budget
+├── MemoryLimitReached        the engine's memory limit (KV cache) stopped generation; carries
+│                             what the run produced so far
+├── ContextConflict           a model context was changed by another caller while a turn was
+│                             being generated on it (one context, one caller at a time)
 └── MaxStepsExceeded          the run used `max_steps` model turns without a final answer
 """
 
@@ -110,6 +114,27 @@ class TokenLimitTooSmall(AgentError, ValueError):
     def __init__(self, message: str, *, limit: str, value: int, needed: int) -> None:
         super().__init__(message)
         self.limit, self.value, self.needed = limit, value, needed
+
+
+class MemoryLimitReached(AgentError):
+    """Raised by a run when the engine's memory limit stopped it: the KV cache (or the fast-memory
+    budget it shares) could not take another token, during a turn (the model's `generate` ended
+    with finish_reason "memory") or while the context was prefilled. The Agent cannot go on
+    without memory, so this propagates. `partial_output` is the text the interrupted turn had
+    produced (what a caller may still show); `trace` the run so far. Give the engine more KV
+    memory (`MemoryBudget(kv_bytes=...)`) or keep runs shorter."""
+
+    def __init__(self, message: str, *, partial_output: str = "", trace: Any = None) -> None:
+        shown = partial_output if len(partial_output) <= 80 else partial_output[:77] + "..."
+        super().__init__(f"{message}; partial output ({len(partial_output)} characters): {shown!r}")
+        self.partial_output, self.trace = partial_output, trace
+
+
+class ContextConflict(AgentError):
+    """Raised when a model context (a FreeTokenModel, or one of its `new_context()`s) is changed by
+    another caller while a turn is being generated on it: the turn would otherwise continue from
+    a context it did not write. Nothing is mixed silently: the turn stops with this error. Give
+    each conversation its own context (`model.new_context()`; an Agent does it for every run)."""
 
 
 class MaxStepsExceeded(AgentError):

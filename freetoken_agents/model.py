@@ -1,33 +1,41 @@
-"""The backend protocol the Agent talks to, and FreeTokenModel, its implementation over the engine.
-
-The protocol is narrow on purpose (render, sync/prefill, generate, anchor, rollback, usage) so an
-OpenAI-compatible server with prefix caching can follow: there rollback means "resend the kept
-prefix" and the server's prefix cache absorbs it.
+"""FreeTokenModel: the backend protocol (`backend.py`, re-exported here) over the engine.
 
 FreeTokenModel is also the typed seam between the SDK and the engine: the turn decoder
 (`_decode.py`), the constrained decoder and the LangChain adapter drive the engine only through
 its public methods (prefill, decode, next_logits, truncate, append_pending, restore, pin,
 decode_json), never through its session's or its own private state.
+
+Concurrency: a FreeTokenModel is one context (one engine session, its anchors and usage): one
+conversation, driven by one caller at a time. `new_context()` opens another over the same engine
+(the tokenizer, parser and compiled grammars are shared), as cheap as a new session; the Agent
+opens one per run. Contexts over one engine may be used from any threads: each engine step holds
+the engine's lock for that step only. Within one context every step holds the context's lock, and
+a turn being generated (`generate`, `decode_json`) checks each time it resumes that nobody else
+changed the context meanwhile; if someone did, it raises ContextConflict rather than continue
+from a context it did not write.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-from freetoken_agents.engine import SamplingParams
+from freetoken_agents.engine import MemoryBudgetError, SamplingParams
 from freetoken_agents.engine.generate import Sampler
 
 from .anchors import AnchorBook, AnchorHandle, RollbackOutcome
+from .backend import GenerateRequest, GenEvent, ModelBackend, Usage, common_prefix_length
 from .constrained import ConstrainedDecode, GrammarFactory
-from .errors import TokenLimitTooSmall
-from .parsers import ToolCallParser, parser_for
+from .errors import ContextConflict, TokenLimitTooSmall
+from .parsers import parser_for
 from .trace import AnchorKind
 
 if TYPE_CHECKING:
@@ -36,86 +44,50 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FENCE = "```"
+T = TypeVar("T")
+
+__all__ = ["FreeTokenModel", "GenEvent", "GenerateRequest", "ModelBackend", "Usage", "common_prefix_length"]
 
 
-class Usage(BaseModel):
-    """Token work done by a backend (cumulative)."""
+def _context_step(method: Callable[..., T]) -> Callable[..., T]:
+    """A step that changes the context: it holds the context's lock and counts as a change (a
+    turn suspended meanwhile raises ContextConflict when it resumes)."""
 
-    prefilled: int = Field(default=0, description="tokens run through the model in batches")
-    decoded: int = Field(default=0, description="tokens sampled and run one at a time")
-    reused: int = Field(default=0, description="context tokens kept instead of recomputed on sync")
-    saved_by_rollback: int = Field(default=0, description="prefix tokens kept by rollbacks")
+    @functools.wraps(method)
+    def step(self: FreeTokenModel, *args: Any, **kwargs: Any) -> T:
+        with self._lock:
+            self._version += 1
+            return method(self, *args, **kwargs)
 
-
-class GenerateRequest(BaseModel):
-    """One assistant turn. `force`: None (free), '*' (some tool must be called) or a tool name.
-
-    Limits: `max_new_tokens` bounds the turn's free text (tokens sampled outside tool calls);
-    `max_call_tokens` bounds the tokens sampled inside each tool call (what the schema forces,
-    keys, punctuation and the call's markers, is prefilled and not counted). A call always closes
-    its JSON inside that budget (the decoder steers towards closing near the end); a forced call
-    whose schema cannot fit raises TokenLimitTooSmall before anything is decoded.
-
-    `prefix` is text the turn starts with (assistant prefill): its tokens go through the same
-    streaming checks as sampled ones, so a prefix that opens a code block or a tool call is anchored
-    and constrained as if the model had written it. `logit_bias` maps token ids to values added to
-    their logits while decoding freely (not inside grammar-constrained arguments).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    tools: list[dict[str, Any]] = Field(default_factory=list)
-    force: str | None = None
-    constrain: bool = True
-    max_new_tokens: int = Field(default=256, ge=0)
-    max_call_tokens: int = Field(default=192, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
-    prefix: str = ""
-    logit_bias: dict[int, float] = Field(default_factory=dict)
+    return step
 
 
-@dataclass(frozen=True)
-class GenEvent:
-    """A generation event: text delta, an anchor placed mid-turn, or the end of the turn."""
+def _context_read(method: Callable[..., T]) -> Callable[..., T]:
+    """A step that leaves the token context as it is (anchors, logits): it holds the lock only."""
 
-    kind: Literal["text", "anchor", "done"]
-    text: str = ""
-    anchor: AnchorHandle | None = None
-    finish_reason: str | None = None
+    @functools.wraps(method)
+    def step(self: FreeTokenModel, *args: Any, **kwargs: Any) -> T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return step
 
 
-@runtime_checkable
-class ModelBackend(Protocol):
-    """What an Agent needs from a model.
+@dataclass
+class _SharedParts:
+    """What the contexts of one FreeTokenModel share: the compiled grammars (made once)."""
 
-    `rollback(anchor, validate=...)`: `validate` names how the backend checks the anchor's state
-    before returning to it (the engine's modes; None: the backend's own default). The Agent passes
-    it only when it was set, so a backend without validation modes may leave it out.
-    """
-
-    name: str
-    parser: ToolCallParser
-
-    @property
-    def position(self) -> int: ...
-    def render(
-        self, messages: Sequence[dict], tools: Sequence[dict] | None, *, generation_prompt: bool = True
-    ) -> list[int]: ...
-    def sync(self, ids: Sequence[int]) -> None: ...
-    def append_text(self, text: str) -> None: ...
-    def generate(self, request: GenerateRequest) -> Iterator[GenEvent]: ...
-    def anchor(self, kind: AnchorKind, label: str | None = None) -> AnchorHandle: ...
-    def rollback(self, anchor: AnchorHandle) -> RollbackOutcome: ...
-    def usage(self) -> Usage: ...
-    def reset(self) -> None: ...
+    grammars: GrammarFactory | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class FreeTokenModel:
-    """The FreeToken engine as an agent backend: one session, native anchors when the engine has
-    them (else token-id-validated truncation), xgrammar-constrained tool arguments.
+    """The FreeToken engine as an agent backend: one context (an engine session), native anchors
+    when the engine has them (else token-id-validated truncation), xgrammar-constrained tool
+    arguments.
 
+    One context, one caller at a time; `new_context()` for another conversation over the same
+    engine (see the module docstring: Concurrency). `close()` releases the context's KV and anchors.
     `validate`: how every rollback checks its anchor (passed to `Session.rollback(validate=...)`
     unchanged: the engine's modes, e.g. "signature" or "full"); None uses the engine's default.
     `session` is the engine session holding the context: read it, change it through this class.
@@ -130,11 +102,40 @@ class FreeTokenModel:
         self.parser = parser_for(family, chat_template=getattr(self.tokenizer, "chat_template", None))
         self.stop_ids = tuple(engine.default_stop_token_ids())
         self.validate = validate
-        self.anchors = AnchorBook(max_anchors, store=getattr(engine, "anchors", None))
-        self.session = engine.new_session()
+        self.max_anchors = max_anchors
+        self._shared = _SharedParts()
+        self._open()
+
+    def _open(self) -> None:
+        """This object's own context: session, anchors, usage, lock (the rest is shared)."""
+        self.anchors = AnchorBook(self.max_anchors, store=getattr(self.engine, "anchors", None))
+        self.session = self.engine.new_session()
         self._usage = Usage()
         self._logits: torch.Tensor | None = None  # next-token logits [V] after the context, when known
-        self._grammars: GrammarFactory | None = None
+        self._lock = threading.RLock()
+        self._version = 0  # changes made to the context (see _context_step)
+
+    def new_context(self) -> FreeTokenModel:
+        """Another context over the same engine: an empty session, its own anchors and usage; the
+        tokenizer, parser, settings and compiled grammars are shared. Close it (`close()`, or use
+        it as a context manager) to release its KV and anchors."""
+        twin = copy.copy(self)
+        twin._open()
+        return twin
+
+    @_context_step
+    def close(self) -> None:
+        """Release this context: its anchors leave the engine's store, its KV blocks go back to
+        the pool. Idempotent; a closed context raises the engine's EngineError when used."""
+        self.anchors.clear()
+        self.session.close()
+        self._logits = None
+
+    def __enter__(self) -> FreeTokenModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @classmethod
     def from_pretrained(
@@ -175,6 +176,7 @@ class FreeTokenModel:
     ) -> list[int]:
         return self.engine.apply_chat_template(messages, tools, add_generation_prompt=generation_prompt)
 
+    @_context_step
     def sync(self, ids: Sequence[int]) -> None:
         """Make the context exactly `ids`: keep the common prefix, drop the rest, prefill the tail."""
         ids = list(ids)
@@ -186,10 +188,12 @@ class FreeTokenModel:
         if keep < len(ids):
             self.prefill(ids[keep:])
 
+    @_context_step
     def append_text(self, text: str) -> None:
         if text:
             self.prefill(self.tokenizer.encode(text, add_special_tokens=False))
 
+    @_context_step
     def reset(self) -> None:
         """Start an empty context: forget (and discard) this model's anchors, release the KV."""
         self.anchors.clear()
@@ -199,6 +203,7 @@ class FreeTokenModel:
         return self._usage.model_copy()
 
     # ---- model steps (the public seam for decoders) -----------------------------------------------
+    @_context_step
     def prefill(self, token_ids: Sequence[int]) -> None:
         """Append `token_ids` to the context and run them (one batch); next-token logits are ready."""
         ids = list(token_ids)
@@ -208,17 +213,20 @@ class FreeTokenModel:
         self._logits = self.session.prefill(ids, last_only=True)[-1]
         self._usage.prefilled += self.session.cached_tokens - before
 
+    @_context_step
     def decode(self, token_id: int) -> None:
         """Append one sampled token and run it (counted as decoded)."""
         self._logits = self.session.decode(token_id)
         self._usage.decoded += 1
 
+    @_context_step
     def append_pending(self, token_id: int) -> None:
         """Append a token without running it yet (the stop token that ends a turn): it runs with
         the next prefill or decode, so ending a turn costs no model step."""
         self.session.append_unprocessed(token_id)
         self._logits = None
 
+    @_context_step
     def truncate(self, position: int) -> None:
         """Keep the first `position` tokens of the context (pointer work on the KV cache); anchors
         past it are forgotten."""
@@ -226,19 +234,24 @@ class FreeTokenModel:
         self.anchors.forget_after(position)
         self._logits = None
 
+    @_context_read
     def next_logits(self) -> torch.Tensor:
         """Logits [V] for the token after the context (recomputes the last token if unknown)."""
-        if self._logits is None:
+        if self._logits is None:  # the same tokens, the last one run again: not a change
             last = self.session.token_ids[-1]
             self.session.truncate(self.session.position - 1)
-            self.prefill([last])
+            before = self.session.cached_tokens
+            self._logits = self.session.prefill([last], last_only=True)[-1]
+            self._usage.prefilled += self.session.cached_tokens - before
         assert self._logits is not None
         return self._logits
 
     # ---- anchors --------------------------------------------------------------------------------
+    @_context_read
     def anchor(self, kind: AnchorKind, label: str | None = None) -> AnchorHandle:
         return self.anchors.place(self.session, kind, label)
 
+    @_context_step
     def rollback(self, anchor: AnchorHandle, *, validate: str | None = None) -> RollbackOutcome:
         """Back to `anchor`, checked by `validate` (default: this model's `validate`). If the check
         fails, rebuild the anchor's prefix by prefill in a fresh session (rebuilt=True)."""
@@ -255,11 +268,13 @@ class FreeTokenModel:
             self._usage.saved_by_rollback += anchor.position
         return RollbackOutcome(start, anchor.position, rebuilt)
 
+    @_context_read
     def pin(self, kind: AnchorKind = "manual", label: str | None = None) -> Anchor:
         """An engine anchor of the current context that this model does not hold: the caller owns
         it (a prefix cache) and discards it with `engine.anchors.discard(anchor.id)`."""
         return self.session.anchor(kind, label=label)
 
+    @_context_step
     def restore(self, anchor: Anchor, *, validate: str | None = None) -> None:
         """Make the context the state pinned by engine `anchor` (pointer work, no prefill),
         checked by `validate` (default: this model's). Raises the engine's AnchorNotFoundError /
@@ -275,14 +290,22 @@ class FreeTokenModel:
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, request: GenerateRequest) -> Iterator[GenEvent]:
+        """Decode one assistant turn after the context (`_decode.TurnDecoder`): text deltas,
+        anchors, then "done". Raises ContextConflict if another caller changes the context while
+        the turn is suspended between events."""
         from ._decode import TurnDecoder
 
-        yield from TurnDecoder(self, request).run()
+        def turn() -> Iterator[GenEvent]:
+            yield from TurnDecoder(self, request).run()
+
+        return self._guarded(turn())
 
     def grammars(self) -> GrammarFactory:
-        if self._grammars is None:
-            self._grammars = GrammarFactory(self.tokenizer, self.vocab_size, self.stop_ids)
-        return self._grammars
+        shared = self._shared
+        with shared.lock:
+            if shared.grammars is None:
+                shared.grammars = GrammarFactory(self.tokenizer, self.vocab_size, self.stop_ids)
+            return shared.grammars
 
     def decode_json(
         self,
@@ -294,20 +317,33 @@ class FreeTokenModel:
         limit_name: str = "max_tokens",
     ) -> Iterator[GenEvent]:
         """Decode one JSON value under `schema` after the context: text deltas, then a "done"
-        event whose finish_reason is "stop" (always, unless the context itself ran out).
+        event whose finish_reason is "stop" (always, unless the context itself ran out: "length",
+        or the engine's memory limit stopped it: "memory").
 
         The value closes within `max_tokens` sampled tokens (text the schema forces is prefilled
         and not counted); when even the schema's shortest value needs more, TokenLimitTooSmall
         (naming `limit_name`) is raised before anything is decoded. `sampling`: temperature /
         top_k / top_p / seed. `end_turn`: append the stop token afterwards (pending: it costs no
-        model step).
+        model step). ContextConflict as for `generate`.
         """
+        return self._guarded(
+            self._decode_json(schema, max_tokens, sampling or SamplingParams(), end_turn, limit_name)
+        )
+
+    def _decode_json(
+        self,
+        schema: dict[str, Any],
+        max_tokens: int,
+        sampling: SamplingParams,
+        end_turn: bool,
+        limit_name: str,
+    ) -> Iterator[GenEvent]:
         call = ConstrainedDecode(
             self,
             self.grammars().json_schema(schema),
             budget=max_tokens,
             room=self.max_context - self.position - (1 if end_turn else 0),
-            sampler=Sampler(sampling or SamplingParams()),
+            sampler=Sampler(sampling),
             tokenizer=self.tokenizer,
         )
         if call.min_tokens > max_tokens:
@@ -318,25 +354,41 @@ class FreeTokenModel:
                 value=max_tokens,
                 needed=call.min_tokens,
             )
-        for delta in call:
-            if delta:
-                yield GenEvent("text", delta)
+        try:
+            for delta in call:
+                if delta:
+                    yield GenEvent("text", delta)
+        except MemoryBudgetError as e:  # what was decoded has been delivered
+            logger.warning("structured output stopped by the memory limit: %s", e)
+            yield GenEvent("done", finish_reason="memory")
+            return
         if end_turn and self.stop_ids:
             self.append_pending(self.stop_ids[0])
         yield GenEvent("done", finish_reason=call.finish_reason)
 
     # ---- internals ------------------------------------------------------------------------------
+    def _guarded(self, events: Iterator[GenEvent]) -> Iterator[GenEvent]:
+        """`events` (a turn) advanced under the context's lock, checking on each resume that the
+        context was not changed by anyone else while the turn was suspended."""
+        seen: int | None = None
+        try:
+            while True:
+                with self._lock:
+                    if seen is not None and self._version != seen:
+                        raise ContextConflict(
+                            "the context was changed by another caller while a turn was being "
+                            "generated on it; give each conversation its own context (new_context())"
+                        )
+                    try:
+                        event = next(events)
+                    except StopIteration:
+                        return
+                    seen = self._version
+                yield event
+        finally:
+            events.close()
+
     def _new_session(self) -> None:
         self.session.close()
         self.session = self.engine.new_session()
         self._logits = None
-
-
-def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """How many leading items `a` and `b` share: what a sync to `b` keeps of a context `a`."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

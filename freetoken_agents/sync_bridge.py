@@ -1,16 +1,28 @@
-"""Synchronous entry points over async code that also work inside a running event loop.
+"""Threads and event loops: synchronous entry points over async code, the turn gate of a shared
+model, and the worker thread that runs a model's steps.
 
 `asyncio.run` refuses to start inside a running loop (Jupyter, an async web handler), and so does
 `loop.run_until_complete` on a second loop in the same thread. There the coroutine gets a private
 loop on a worker thread and the caller blocks on it; elsewhere it runs in the caller's thread.
+
+`TurnGate`: one holder at a time, first come first served, for waiters of any kind at once:
+threads block on it, asyncio tasks (on any event loop) await it without taking a thread, so
+however many runs wait, no executor fills up and the holder always gets to finish.
+
+`step_worker(owner)`: the one thread that runs every model step of `owner` (for FreeTokenModel,
+its engine). Steps of concurrent runs interleave there one at a time, each a short job, and the
+SDK's per-token work (tokenizer, grammar masks, sampling) never runs in two threads at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
-from collections.abc import AsyncIterator, Coroutine, Iterator
-from typing import Any, TypeVar
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -54,3 +66,107 @@ def iterate_sync(agen: AsyncIterator[T]) -> Iterator[T]:
             drive(aclose())
         pool.shutdown()
         loop.close()
+
+
+_Waiter = threading.Event | tuple[asyncio.AbstractEventLoop, asyncio.Future]
+
+
+class TurnGate:
+    """A FIFO lock for threads (`acquire`) and asyncio tasks on any loop (`acquire_async`).
+
+    `release` hands the gate straight to the oldest waiter, so a stream of newcomers cannot
+    overtake it. An async waiter cancelled while waiting leaves the queue (or, if the gate was
+    handed to it in the same instant, passes it on): a cancelled run never keeps the gate."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._held = False
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def acquire(self) -> None:
+        """Block the calling thread until the gate is its own."""
+        with self._mutex:
+            if not self._held:
+                self._held = True
+                return
+            event = threading.Event()
+            self._waiters.append(event)
+        event.wait()  # set by release(): the gate is ours, still marked held
+
+    async def acquire_async(self) -> None:
+        """Wait (without blocking the loop or taking a thread) until the gate is the task's own."""
+        loop = asyncio.get_running_loop()
+        with self._mutex:
+            if not self._held:
+                self._held = True
+                return
+            waiter = (loop, loop.create_future())
+            self._waiters.append(waiter)
+        try:
+            await waiter[1]
+        except asyncio.CancelledError:
+            with self._mutex:
+                queued = waiter in self._waiters
+                if queued:
+                    self._waiters.remove(waiter)
+            if not queued and waiter[1].done() and not waiter[1].cancelled():
+                self.release()  # handed over just as we were cancelled: pass it on
+            raise  # (handed over but not yet delivered: `_deliver` sees the cancel and passes it on)
+
+    def release(self) -> None:
+        """Hand the gate to the oldest waiter, or open it."""
+        with self._mutex:
+            while self._waiters:
+                waiter = self._waiters.popleft()
+                if isinstance(waiter, threading.Event):
+                    waiter.set()
+                    return
+                loop, future = waiter
+                try:
+                    loop.call_soon_threadsafe(self._deliver, future)
+                    return
+                except RuntimeError:  # its loop is closed: that waiter is gone
+                    continue
+            self._held = False
+
+    def _deliver(self, future: asyncio.Future) -> None:
+        if future.cancelled():
+            self.release()
+        else:
+            future.set_result(None)
+
+
+class _PerOwner(Generic[T]):
+    """One T per owner object, made on first use and forgotten with the owner (owners that cannot
+    be weakly referenced or hashed are kept by id, for the life of the process)."""
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make = make
+        self._weak: weakref.WeakKeyDictionary[Any, T] = weakref.WeakKeyDictionary()
+        self._by_id: dict[int, tuple[Any, T]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, owner: Any) -> T:
+        with self._lock:
+            try:
+                found = self._weak.get(owner)
+                if found is None:
+                    found = self._weak[owner] = self._make()
+                return found
+            except TypeError:
+                kept = self._by_id.setdefault(id(owner), (owner, self._make()))
+                return kept[1]
+
+
+turn_gate: Callable[[Any], TurnGate] = _PerOwner(TurnGate)
+"""turn_gate(owner): the one TurnGate of `owner`."""
+
+step_worker: Callable[[Any], concurrent.futures.ThreadPoolExecutor] = _PerOwner(
+    lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="freetoken-model")
+)
+"""step_worker(owner): the one worker thread that runs `owner`'s model steps (its thread ends when
+the owner is garbage)."""

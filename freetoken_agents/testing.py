@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .anchors import AnchorBook, AnchorHandle, RollbackOutcome
+from .backend import GenerateRequest, GenEvent, Usage, common_prefix_length
 from .errors import UnexpectedModelBehavior
-from .model import GenerateRequest, GenEvent, Usage, common_prefix_length
 from .parsers import ToolCallParser, parser_for
 from .trace import AnchorKind
 

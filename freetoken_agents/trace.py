@@ -1,11 +1,15 @@
-"""Trace: everything one run did, as small pydantic records; `to_json()` / `Trace.model_validate_json`."""
+"""Trace: everything one run did, as small pydantic records; `to_json()` / `Trace.model_validate_json`.
+Also what a run hands its caller: AgentEvent (streamed) and AgentResult (returned)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
+from .tools import result_text
 
 AnchorKind = Literal["system_prompt", "tool_call", "tool_result", "code_block", "manual"]
 
@@ -70,6 +74,9 @@ class ToolCallRecord(BaseModel):
     tool: str
     arguments: Any
     result: Any = None
+    content: str | None = Field(
+        default=None, description="the result as the model read it (capped at max_result_chars)"
+    )
     error: str | None = None
     seconds: float = 0.0
 
@@ -94,7 +101,8 @@ class Step(BaseModel):
         ]
         out: list[dict[str, Any]] = [{"role": "assistant", "content": self.text, "tool_calls": calls}]
         for c in self.tool_calls:
-            out.append({"role": "tool", "tool_call_id": c.id, "name": c.tool, "content": _as_text(c.result)})
+            content = c.content if c.content is not None else result_text(c.result)
+            out.append({"role": "tool", "tool_call_id": c.id, "name": c.tool, "content": content})
         return out
 
 
@@ -119,14 +127,20 @@ class Trace(BaseModel):
         return self.model_dump_json(**kwargs)
 
 
-def _as_text(result: Any) -> str:
-    import json
+class AgentResult(BaseModel):
+    """What `Agent.run()` returns: the final answer, the trace and the chat messages."""
 
-    if isinstance(result, str):
-        return result
-    if isinstance(result, BaseModel):
-        return result.model_dump_json()
-    try:
-        return json.dumps(result, ensure_ascii=False, default=str)
-    except (TypeError, ValueError):
-        return str(result)
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    output: str
+    trace: Trace
+    messages: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class AgentEvent:
+    """A streamed event. kind: text (delta), anchor, rollback, retry, tool_call, tool_result, final."""
+
+    kind: Literal["text", "anchor", "rollback", "retry", "tool_call", "tool_result", "final"]
+    step: int
+    data: Any = None

@@ -229,7 +229,8 @@ def test_engine_turn_with_two_calls_rolls_back_to_the_second(
             raise ValueError("that service is down, try again")
         return f"{target} ok"
 
-    agent = Agent(model, [ping], retry=FAST, max_new_tokens=2, max_steps=3)
+    # isolate_runs=False: the run uses the model's own context (patched generate, token_ids read in the tool)
+    agent = Agent(model, [ping], retry=FAST, max_new_tokens=2, max_steps=3, isolate_runs=False)
     result = agent.run("ping both")
     step = result.trace.steps[0]
     anchors = [a for a in result.trace.anchors if a.kind == "tool_call" and a.step == 1]

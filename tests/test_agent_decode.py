@@ -67,7 +67,14 @@ def test_fence_detector_agrees_with_the_stateless_scan(seed: int) -> None:
 def test_code_block_anchor_sits_before_the_fence(engine: Engine) -> None:
     model = FreeTokenModel(engine)
     prefix = "Here:\n```python\n"  # forced, token by token, through the same checks as sampled text
-    agent = Agent(model, system_prompt="Be brief.", max_new_tokens=4, model_settings={"prefix": prefix})
+    # isolate_runs=False: the run leaves its context on the model, read below
+    agent = Agent(
+        model,
+        system_prompt="Be brief.",
+        max_new_tokens=4,
+        model_settings={"prefix": prefix},
+        isolate_runs=False,
+    )
     events = list(agent.stream("Show me code"))
     trace = events[-1].data.trace
     (code,) = [a for a in trace.anchors if a.kind == "code_block"]
@@ -121,7 +128,9 @@ def test_auto_call_start_switches_to_constrained_arguments(
         seen.append({"zone": zone})
         return "noon"
 
-    agent = Agent(model, [get_weather, get_time], max_new_tokens=3, max_steps=3, retry=RetryPolicy())
+    agent = Agent(  # on the model's own context, whose generate is patched above
+        model, [get_weather, get_time], max_new_tokens=3, max_steps=3, retry=RetryPolicy(), isolate_runs=False
+    )
     result = agent.run("Weather in Paris?")
     assert turns[0].force is None and agent.tool_choice == "auto"  # the auto path, nothing forced
     call_anchor = next(a for a in result.trace.anchors if a.kind == "tool_call")

@@ -186,7 +186,8 @@ def test_a_second_retry_keeps_the_first_failure_note_in_the_cache(model: FreeTok
     """Each retry rolls back to the call of the attempt that just failed, not to the first one:
     the notes of earlier failures stay in the KV cache, as they stay in the step's text."""
     fn = flaky([ValueError("first failure"), ValueError("second failure")])
-    agent = make_agent(model, tool(fn), RetryPolicy(model_attempts=3, initial_backoff=0.0, max_backoff=0.0))
+    retry = RetryPolicy(model_attempts=3, initial_backoff=0.0, max_backoff=0.0)
+    agent = make_agent(model, tool(fn), retry, isolate_runs=False)  # the model's context is read after
     result = agent.run("ping")
     assert fn.calls == 3
     first, second = result.trace.rollbacks

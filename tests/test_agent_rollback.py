@@ -49,6 +49,7 @@ def test_failed_call_is_rolled_back_and_retried(engine: Engine) -> None:
         retry=FAST,
         max_new_tokens=4,
         max_steps=2,
+        isolate_runs=False,  # on the model's own context, read in the tool and after the run
     )
     result = agent.run("Weather in Paris?")
     trace = result.trace
@@ -128,7 +129,9 @@ def test_agent_records_rebuild_when_anchor_is_corrupted(engine: Engine) -> None:
             raise KeyError(key)
         return "found"
 
-    agent = Agent(model, [lookup], tool_choice="lookup", retry=FAST, max_new_tokens=2, max_steps=2)
+    agent = Agent(  # on the model's own context: its anchors and KV are read in the tool and after
+        model, [lookup], tool_choice="lookup", retry=FAST, max_new_tokens=2, max_steps=2, isolate_runs=False
+    )
     result = agent.run("Look up a")
     (rb,) = result.trace.rollbacks
     assert rb.rebuilt and rb.tokens_saved == 0 and result.trace.tokens_saved_by_rollback == 0
@@ -204,8 +207,15 @@ def test_agent_validate_reaches_its_rollbacks(engine: Engine) -> None:
             raise KeyError(key)
         return "found"
 
-    agent = Agent(
-        model, [lookup], system_prompt=LONG, tool_choice="lookup", retry=FAST, max_steps=2, validate="full"
+    agent = Agent(  # on the model's own context: its anchors and KV are read in the tool and after
+        model,
+        [lookup],
+        system_prompt=LONG,
+        tool_choice="lookup",
+        retry=FAST,
+        max_steps=2,
+        validate="full",
+        isolate_runs=False,
     )
     result = agent.run("Look up a")
     (rb,) = result.trace.rollbacks

@@ -1,0 +1,112 @@
+"""The backend protocol the Agent talks to: what a model must do (render, sync/prefill, generate,
+anchor, rollback, usage) and the records it exchanges (GenerateRequest, GenEvent, Usage).
+
+The protocol is narrow on purpose so an OpenAI-compatible server with prefix caching can follow:
+there rollback means "resend the kept prefix" and the server's prefix cache absorbs it.
+FreeTokenModel (`model.py`) implements it over the engine, ScriptedModel (`testing.py`) for
+tests, OpenAICompatibleModel (`openai_compat.py`) over HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .anchors import AnchorHandle, RollbackOutcome
+from .parsers import ToolCallParser
+from .trace import AnchorKind
+
+
+class Usage(BaseModel):
+    """Token work done by a backend (cumulative)."""
+
+    prefilled: int = Field(default=0, description="tokens run through the model in batches")
+    decoded: int = Field(default=0, description="tokens sampled and run one at a time")
+    reused: int = Field(default=0, description="context tokens kept instead of recomputed on sync")
+    saved_by_rollback: int = Field(default=0, description="prefix tokens kept by rollbacks")
+
+
+class GenerateRequest(BaseModel):
+    """One assistant turn. `force`: None (free), '*' (some tool must be called) or a tool name.
+
+    Limits: `max_new_tokens` bounds the turn's free text (tokens sampled outside tool calls);
+    `max_call_tokens` bounds the tokens sampled inside each tool call (what the schema forces,
+    keys, punctuation and the call's markers, is prefilled and not counted). A call always closes
+    its JSON inside that budget (the decoder steers towards closing near the end); a forced call
+    whose schema cannot fit raises TokenLimitTooSmall before anything is decoded.
+
+    `prefix` is text the turn starts with (assistant prefill): its tokens go through the same
+    streaming checks as sampled ones, so a prefix that opens a code block or a tool call is anchored
+    and constrained as if the model had written it. `logit_bias` maps token ids to values added to
+    their logits while decoding freely (not inside grammar-constrained arguments).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    force: str | None = None
+    constrain: bool = True
+    max_new_tokens: int = Field(default=256, ge=0)
+    max_call_tokens: int = Field(default=192, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    prefix: str = ""
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GenEvent:
+    """A generation event: text delta, an anchor placed mid-turn, or the end of the turn.
+
+    finish_reason (on "done"): "stop" (the turn ended), "length" (a token limit or the context's
+    end), or "memory" (the engine's memory limit stopped it; every token produced was delivered).
+    """
+
+    kind: Literal["text", "anchor", "done"]
+    text: str = ""
+    anchor: AnchorHandle | None = None
+    finish_reason: str | None = None
+
+
+@runtime_checkable
+class ModelBackend(Protocol):
+    """What an Agent needs from a model.
+
+    `rollback(anchor, validate=...)`: `validate` names how the backend checks the anchor's state
+    before returning to it (the engine's modes; None: the backend's own default). The Agent passes
+    it only when it was set, so a backend without validation modes may leave it out.
+
+    Optional: `new_context() -> ModelBackend`, another context over the same model (its own
+    conversation, anchors and usage) with `close()` to release it. An Agent gives each run its own
+    when the backend has it; otherwise the Agent's runs take turns on the backend's one context.
+    """
+
+    name: str
+    parser: ToolCallParser
+
+    @property
+    def position(self) -> int: ...
+    def render(
+        self, messages: Sequence[dict], tools: Sequence[dict] | None, *, generation_prompt: bool = True
+    ) -> list[int]: ...
+    def sync(self, ids: Sequence[int]) -> None: ...
+    def append_text(self, text: str) -> None: ...
+    def generate(self, request: GenerateRequest) -> Iterator[GenEvent]: ...
+    def anchor(self, kind: AnchorKind, label: str | None = None) -> AnchorHandle: ...
+    def rollback(self, anchor: AnchorHandle) -> RollbackOutcome: ...
+    def usage(self) -> Usage: ...
+    def reset(self) -> None: ...
+
+
+def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items `a` and `b` share: what a sync to `b` keeps of a context `a`."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
