@@ -234,8 +234,7 @@ class InMemoryExpertProvider:
     """All experts resident (RAM or device memory).
 
     Each layer whose experts are all float, of one shape, dtype and device, is stacked into an
-    `ExpertStack` (slot = expert id; on CPU in the [in, out] layout GEMV reads fastest) and
-    computed by grouped GEMMs (`grouped_experts`); its
+    `ExpertStack` (slot = expert id) and computed by grouped GEMMs (`grouped_experts`); its
     `ExpertWeights` become views into the stack (the per-expert storages are released as each
     layer is stacked, so `experts` is updated in place and peak memory grows by one layer).
     Other layers (int8 or mixed experts) dispatch expert by expert.
@@ -247,8 +246,7 @@ class InMemoryExpertProvider:
         for layer in sorted({k[0] for k in experts}):
             keys = sorted(k for k in experts if k[0] == layer)
             if _stackable([experts[k] for k in keys]) and [k[1] for k in keys] == list(range(len(keys))):
-                tensors = [experts[k].tensors() for k in keys]
-                stack = ExpertStack.stack(tensors, transposed=tensors[0]["gate_up"].device.type == "cpu")
+                stack = ExpertStack.stack([experts[k].tensors() for k in keys])
                 self._stacks[layer] = stack
                 for k in keys:
                     experts[k] = ExpertWeights(**stack.tensors(k[1]))

@@ -43,25 +43,23 @@ _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
 class ExpertStack:
     """Experts of one shape stacked along dim 0 (a slot per expert)."""
 
-    gate_up: torch.Tensor  # [S, 2I, H] (maybe a transposed view of [S, H, 2I])
-    down: torch.Tensor  # [S, H, I] (maybe a transposed view of [S, I, H])
+    gate_up: torch.Tensor  # [S, 2I, H]
+    down: torch.Tensor  # [S, H, I]
     gate_up_bias: torch.Tensor | None = None  # [S, 2I]
     down_bias: torch.Tensor | None = None  # [S, H]
 
     @classmethod
-    def stack(cls, experts: Sequence[dict[str, torch.Tensor]], *, transposed: bool = False) -> ExpertStack:
+    def stack(cls, experts: Sequence[dict[str, torch.Tensor]]) -> ExpertStack:
         """Stack per-expert tensors (names `gate_up`, `down`, optional `gate_up_bias`,
-        `down_bias`; same shapes, dtype and device) into fresh buffers. `transposed`: hold the
-        projections in [S, in, out] buffers (`gate_up`/`down` are then transposed views with the
-        same shapes): MKL's GEMV reads that layout 1.3-3x faster on CPU (see
-        `transformer.MoETransformer.prepare_decode_layout`)."""
+        `down_bias`; same shapes, dtype and device) into fresh contiguous buffers.
+
+        The canonical [out, in] layout of every other provider is kept, although MKL's GEMV reads
+        [in, out] ~1.4x faster (dense weights take that layout, `MoETransformer.
+        prepare_decode_layout`): experts computed in the same layout give the same bits as the
+        FTW and tiered providers (measured cost: ~9% of a decode token on bench/decode.py's
+        quick model, 1 thread)."""
         out = {}
-        for name in ("gate_up", "down"):
-            if transposed:
-                out[name] = torch.stack([e[name].t() for e in experts]).transpose(1, 2)
-            else:
-                out[name] = torch.stack([e[name] for e in experts])
-        for name in ("gate_up_bias", "down_bias"):
+        for name in ("gate_up", "down", "gate_up_bias", "down_bias"):
             if experts[0].get(name) is not None:
                 out[name] = torch.stack([e[name] for e in experts])
         return cls(**out)
@@ -161,17 +159,20 @@ def run_grouped(
 def run_pair(
     stack: ExpertStack, hidden: torch.Tensor, expert_ids: list[int], weights: torch.Tensor, spec: MoESpec
 ) -> torch.Tensor:
-    """One token routed to two experts (top-2, CPU decode) in six ops instead of a loop.
+    """One token routed to two experts (top-2, CPU decode) as batched GEMVs instead of a loop.
 
     Two slots e0 < e1 of a stack are always one strided view (`stack[e0::e1 - e0][:2]`), so both
-    experts run as one batched GEMV per projection and their weighted sum is one [1, 2] x [2, H]
-    product: no copy of the weights. hidden [1, H], expert_ids the two ids (host ints),
-    weights [1, 2] in the same order -> [1, H].
+    experts run as one batched GEMV per projection, no copy of the weights. The same bits as
+    the expert-by-expert loop of `experts.dispatch_experts` (bmm of a row equals F.linear here,
+    checked in tests/test_grouped_experts.py; the weighted outputs are added in ascending id with
+    the loop's add_(alpha=)). hidden [1, H], expert_ids the two ids (host ints), weights [1, 2]
+    in the same order -> [1, H].
     """
+    ws = weights.tolist()[0]
     e0, e1 = expert_ids
     if e1 < e0:
         e0, e1 = e1, e0
-        weights = weights.flip(-1)
+        ws.reverse()
     pick = slice(e0, e1 + 1, e1 - e0)
     x = hidden.expand(2, *hidden.shape)  # [2, 1, H]
     gate_up = torch.bmm(x, stack.gate_up[pick].transpose(1, 2))  # [2, 1, 2I]
@@ -180,4 +181,6 @@ def run_pair(
     y = torch.bmm(activation(gate_up, spec), stack.down[pick].transpose(1, 2))  # [2, 1, H]
     if stack.down_bias is not None:
         y = y + stack.down_bias[pick][:, None]
-    return torch.mm(weights.to(y.dtype), y.view(2, -1))
+    acc = torch.zeros_like(hidden)
+    acc.add_(y[0], alpha=ws[0])
+    return acc.add_(y[1], alpha=ws[1])

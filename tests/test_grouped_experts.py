@@ -93,7 +93,8 @@ def test_resident_provider_stacks_float_layers_and_keeps_int8_ones_per_expert():
 @pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "clamped+bias"])
 @pytest.mark.parametrize("routed", [[5, 2], [2, 3], [7, 0]])
 def test_resident_cpu_decode_of_two_experts_is_one_strided_view(routed, gpt_oss):
-    """Top-2 CPU decode: both experts as one batched GEMV over a strided view of the stack."""
+    """Top-2 CPU decode: both experts as one batched GEMV over a strided view of the stack, with
+    the bits of the expert-by-expert loop (what the FTW and tiered providers run)."""
     spec = _spec(8, 2, gpt_oss)
     provider = InMemoryExpertProvider(
         {(0, e): ExpertWeights.packed(t, torch.float32) for e, t in enumerate(_experts(8, gpt_oss))}
@@ -103,7 +104,7 @@ def test_resident_cpu_decode_of_two_experts_is_one_strided_view(routed, gpt_oss)
     hidden = torch.randn(1, H)
     ids, weights = torch.tensor([routed]), torch.tensor([[0.7, 0.3]])
     want = dispatch_experts(lambda e, x: expert_forward(provider.get(0, e), x, spec), hidden, ids, weights)
-    torch.testing.assert_close(provider.run(0, hidden, ids, weights, spec), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(provider.run(0, hidden, ids, weights, spec), want)
 
 
 def test_resident_cpu_decode_of_more_experts_loops_over_their_views():
@@ -115,11 +116,6 @@ def test_resident_cpu_decode_of_more_experts_loops_over_their_views():
     ids, weights = torch.tensor([[6, 1, 3]]), torch.tensor([[0.5, 0.3, 0.2]])
     want = dispatch_experts(lambda e, x: expert_forward(provider.get(0, e), x, spec), hidden, ids, weights)
     assert torch.equal(provider.run(0, hidden, ids, weights, spec), want)  # the same loop, same bits
-    # On CPU the stack holds [E, in, out] buffers (GEMV reads them faster): same values.
-    stack = provider.stack(0)
-    tensors = _experts(8, False)
-    assert stack is not None and stack.gate_up.stride(1) == 1
-    assert torch.equal(provider.get(0, 3).gate_up, tensors[3]["gate_up"])
 
 
 def test_without_grouped_mm_the_provider_dispatches_expert_by_expert(monkeypatch):
