@@ -22,7 +22,14 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from .grouped_experts import ExpertStack, activation, run_grouped, run_pair, use_grouped
+from .grouped_experts import (
+    ExpertStack,
+    activation,
+    grouped_mm_capturable,
+    run_grouped,
+    run_pair,
+    use_grouped,
+)
 from .int8 import int8_linear, quantize
 from .spec import MoESpec
 
@@ -267,7 +274,10 @@ class InMemoryExpertProvider:
         grouped GEMMs): the condition for capturing it as a CUDA graph (`cuda_graph`)."""
         layers = {k[0] for k in self._experts}
         return bool(layers) and all(
-            layer in self._stacks and use_grouped(self._stacks[layer], 1) for layer in layers
+            layer in self._stacks
+            and use_grouped(self._stacks[layer], 1)
+            and grouped_mm_capturable(self._stacks[layer].gate_up.device, self._stacks[layer].gate_up.dtype)
+            for layer in layers
         )
 
     def stack(self, layer: int) -> ExpertStack | None:

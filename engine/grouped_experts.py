@@ -97,6 +97,33 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _GROUPED_OK[key]
 
 
+_CAPTURABLE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_capturable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` for `dtype` can be captured in a CUDA graph (checked once by
+    capturing it). On the H200 with torch 2.11 bf16 can, fp32 cannot: its fallback copies the
+    group offsets to the host ("Cannot copy between CPU and CUDA tensors during CUDA graph
+    capture"). Off CUDA: False."""
+    if device.type != "cuda" or not grouped_mm_available(device, dtype):
+        return False
+    key = (str(device), dtype)
+    if key not in _CAPTURABLE:
+        w = torch.zeros(3, 32, 16, device=device, dtype=dtype)
+        x = torch.zeros(4, 16, device=device, dtype=dtype)
+        offs = torch.tensor([1, 1, 4], dtype=torch.int32, device=device)
+        torch._grouped_mm(x, w.transpose(1, 2), offs=offs)  # warm-up outside the capture
+        torch.cuda.synchronize(device)
+        try:
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+            _CAPTURABLE[key] = True
+        except RuntimeError as e:
+            logger.info("torch._grouped_mm for %s cannot be captured in a CUDA graph (%s)", dtype, e)
+            _CAPTURABLE[key] = False
+    return _CAPTURABLE[key]
+
+
 def _self_check(device: torch.device, dtype: torch.dtype) -> bool:
     op = getattr(torch, "_grouped_mm", None)
     if op is None:

@@ -62,8 +62,24 @@ def rope_cos_sin(
     rope: RopeSpec, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [T, rot_dim/2] for integer `positions [T]`."""
-    freqs = positions.float()[:, None] * rope.inv_freq.to(positions.device)[None, :]
+    freqs = positions.float()[:, None] * _inv_freq_on(rope, positions.device)[None, :]
     return (freqs.cos() * rope.attention_scaling).to(dtype), (freqs.sin() * rope.attention_scaling).to(dtype)
+
+
+_INV_FREQ: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _inv_freq_on(rope: RopeSpec, device: torch.device) -> torch.Tensor:
+    """`rope.inv_freq` on `device`, copied there once: a host -> device copy inside a CUDA-graph
+    capture is refused (and would be a copy per decoded token outside one)."""
+    if rope.inv_freq.device == device:
+        return rope.inv_freq
+    key = (id(rope.inv_freq), device)
+    cached = _INV_FREQ.get(key)
+    if cached is None or cached[0] is not rope.inv_freq:  # an id reused by a new tensor
+        cached = (rope.inv_freq, rope.inv_freq.to(device))
+        _INV_FREQ[key] = cached
+    return cached[1]
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

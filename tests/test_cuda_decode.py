@@ -65,14 +65,15 @@ BF16_TOL = 5e-2
 def test_cuda_graph_decode_equals_eager_decode(arch, tiny_checkpoint, monkeypatch):
     path = tiny_checkpoint(arch)
     graphs = Engine.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
-    monkeypatch.setenv("FREETOKEN_CUDA_GRAPHS", "0")
     eager = Engine.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
-    monkeypatch.delenv("FREETOKEN_CUDA_GRAPHS")
     ids = torch.randint(0, graphs.spec.vocab_size, (60,), generator=torch.Generator().manual_seed(5)).tolist()
     with eager.new_session() as a, graphs.new_session() as b:
+        # The switch is read when a model first decodes (and kept for its provider).
+        monkeypatch.setenv("FREETOKEN_CUDA_GRAPHS", "0")
         a.prefill(ids[:20])
-        b.prefill(ids[:20])
         want = torch.stack([a.decode(t) for t in ids[20:]]).float()
+        monkeypatch.delenv("FREETOKEN_CUDA_GRAPHS")
+        b.prefill(ids[:20])
         got = torch.stack([b.decode(t) for t in ids[20:]]).float()
     assert eager.model._graphs is None
     g = graphs.model._graphs
