@@ -143,6 +143,7 @@ class FreeTokenModel:
         path: str | Path,
         *,
         family: str | None = None,
+        max_anchors: int = 64,
         validate: str | None = None,
         **engine_options: Any,
     ) -> FreeTokenModel:
@@ -150,7 +151,8 @@ class FreeTokenModel:
         memory, placement, ... passed unchanged) and wrap it. `.engine` is the loaded engine."""
         from freetoken_agents.engine import Engine
 
-        return cls(Engine.from_pretrained(path, **engine_options), family=family, validate=validate)
+        engine = Engine.from_pretrained(path, **engine_options)
+        return cls(engine, family=family, max_anchors=max_anchors, validate=validate)
 
     # ---- context --------------------------------------------------------------------------------
     @property
