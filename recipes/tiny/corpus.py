@@ -14,6 +14,7 @@ from typing import Any
 
 from freetoken_agents.retry import DEFAULT_NOTE
 
+from . import generic
 from .coding import CODING_SYSTEM_PROMPT, TEMPLATES, code_failure_note, code_reply, code_task
 from .world import (
     CHITCHAT,
@@ -71,7 +72,7 @@ def tool_dialogue(rng: random.Random, split: Split = "train") -> Dialogue:
             user, reply = rng.choice(CHITCHAT)
             messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
             continue
-        question = tool_question(rng, split)
+        question = tool_question(rng, split, vowel_onsets=split == "train")
         result = call_tool(question.tool, question.arguments)
         note = _tool_note(rng, question) if rng.random() < 0.06 else ""
         messages += [
@@ -118,3 +119,24 @@ def code_dialogue(rng: random.Random, split: Split = "train") -> Dialogue:
 
 def dialogue(rng: random.Random, split: Split = "train", code_share: float = 0.45) -> Dialogue:
     return code_dialogue(rng, split) if rng.random() < code_share else tool_dialogue(rng, split)
+
+
+def build_corpus(
+    rng: random.Random, size: int, split: Split = "train", code_share: float = 0.3, world_share: float = 0.15
+) -> list[Dialogue]:
+    """`size` dialogues: coding tasks (`code_share` of them), the world's four tools (`world_share`)
+    and, for the rest, groups of eight generic dialogues over one random tool set each (see
+    `generic.dialogue_group`)."""
+    group = 8
+    weights = [code_share, world_share, (1 - code_share - world_share) / group]
+    out: list[Dialogue] = []
+    while len(out) < size:
+        kind = rng.choices(["code", "world", "generic"], weights)[0]
+        if kind == "code":
+            out.append(code_dialogue(rng, split))
+        elif kind == "world":
+            out.append(tool_dialogue(rng, split))
+        else:
+            messages, tools = generic.dialogue_group(rng, split, size=group)
+            out += [Dialogue(m, tools) for m in messages]
+    return out[:size]

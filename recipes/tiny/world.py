@@ -34,11 +34,16 @@ def in_split(value: str, split: Split) -> bool:
     return held if split == "heldout" else not held
 
 
-def place_name(rng: random.Random, split: Split) -> str:
+def place_name(rng: random.Random, split: Split, vowel_onsets: bool = False) -> str:
+    """An invented place name. With `vowel_onsets`, one in four starts with a vowel ("Osaka" was
+    written "Fassaka" by a model that had only seen consonant-initial names); the default keeps the
+    world's questions, and so today's held-out figures, as they were."""
     while True:
         parts = [
             rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(rng.randint(2, 3))
         ]
+        if vowel_onsets and rng.random() < 0.25:
+            parts[0] = parts[0].lstrip("bdfgklmnprstvz")
         name = "".join(parts).capitalize()
         if 4 <= len(name) <= 12 and in_split(name, split):
             return name
@@ -194,18 +199,21 @@ def _framed(frame: str, question: str, starter: str) -> str:
     return frame.format(q=question, q_lower=question[0].lower() + question[1:], starter=starter)
 
 
-def tool_question(rng: random.Random, split: Split, intent: str | None = None) -> ToolQuestion:
+def tool_question(
+    rng: random.Random, split: Split, intent: str | None = None, vowel_onsets: bool = False
+) -> ToolQuestion:
     """A question for one of the tools. Held-out questions use held-out values and a held-out
-    phrasing or frame, so the whole prompt is one training never saw."""
+    phrasing or frame, so the whole prompt is one training never saw. `vowel_onsets`: see
+    `place_name` (the corpus sets it; the evaluation keeps today's questions)."""
     intent = intent or rng.choice(list(PHRASINGS))
     while True:
         if intent in ("add", "multiply"):
             high = 999 if intent == "add" else 99
             args: dict[str, Any] = {"a": number(rng, split, 2, high), "b": number(rng, split, 2, high)}
         elif intent == "get_weather":
-            args = {"city": place_name(rng, split)}
+            args = {"city": place_name(rng, split, vowel_onsets)}
         else:
-            args = {"country": place_name(rng, split)}
+            args = {"country": place_name(rng, split, vowel_onsets)}
         template = rng.choice(_phrasings(intent, split))
         frame = rng.choice(_frames(split))
         starter = rng.choice(STARTERS) if "{starter}" in frame else ""
