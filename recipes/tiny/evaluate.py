@@ -10,7 +10,9 @@ Reports, through the real engine and SDK:
 - agent answers: `Agent.run` end to end (call, tool result, final answer); the answer must contain
   the tool's result;
 - coding: held-out tasks solved by the coding-assistant recipe (sandboxed tests); passed on the
-  first try, and after rollback-retries.
+  first try, and after rollback-retries;
+- generic tool use: the user's own tools, from held-out domains (`evaluate_generic.py`): right tool
+  and exact arguments with tool_choice auto and forced, and direct answers when no tool fits.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from freetoken_agents import Agent, FreeTokenModel, GenerateRequest, default_mod
 
 from .coding import code_task
 from .corpus import TOOL_SCHEMAS
+from .evaluate_generic import GenericScore, score_generic
 from .world import SYSTEM_PROMPT, TOOLS, ToolQuestion, call_tool, tool_question
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,7 @@ class Evaluation(BaseModel):
     agent_answers: float = Field(description="share of Agent.run answers containing the tool result")
     agent_prompts: int
     coding: CodingScore | None = None
+    generic: GenericScore | None = None
     seconds: float
 
 
@@ -90,7 +94,7 @@ def score_tool_calls(model: FreeTokenModel, questions: list[ToolQuestion], const
             except Exception:  # noqa: BLE001 - any validation failure counts as invalid
                 pass
         exact += call.name == q.tool and call.arguments == q.arguments
-    n = len(questions)
+    n = max(len(questions), 1)
     return ToolScore(prompts=n, exact=exact / n, right_tool=right / n, valid=valid / n)
 
 
@@ -110,7 +114,7 @@ def score_agent(model: FreeTokenModel, questions: list[ToolQuestion]) -> float:
             str(result) if not isinstance(result, dict) else str(result.get("capital") or result["condition"])
         )
         good += expected in answer
-    return good / len(questions)
+    return good / max(len(questions), 1)
 
 
 def score_coding(model: FreeTokenModel, tasks: int, attempts: int, seed: int) -> CodingScore:
@@ -134,6 +138,8 @@ def evaluate(
     agent_prompts: int = 50,
     coding_tasks: int = 100,
     attempts: int = 4,
+    generic_prompts: int = 200,
+    direct_prompts: int = 60,
     seed: int = 1234,
     progress: Callable[[str], None] = logger.info,
 ) -> Evaluation:
@@ -150,6 +156,9 @@ def evaluate(
     coding = score_coding(model, coding_tasks, attempts, seed) if coding_tasks else None
     if coding:
         progress(f"coding: {coding}")
+    generic = score_generic(model, generic_prompts, direct_prompts, seed) if generic_prompts else None
+    if generic:
+        progress(f"generic: {generic}")
     return Evaluation(
         model=str(model_path),
         tools_free=free,
@@ -157,6 +166,7 @@ def evaluate(
         agent_answers=answers,
         agent_prompts=agent_prompts,
         coding=coding,
+        generic=generic,
         seconds=time.perf_counter() - t0,
     )
 
@@ -168,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent-prompts", type=int, default=50)
     p.add_argument("--coding-tasks", type=int, default=100)
     p.add_argument("--attempts", type=int, default=4)
+    p.add_argument("--generic-prompts", type=int, default=200, help="held-out generic tool requests")
+    p.add_argument("--direct-prompts", type=int, default=60, help="requests no offered tool serves")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = p.parse_args(argv)
@@ -178,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         agent_prompts=args.agent_prompts,
         coding_tasks=args.coding_tasks,
         attempts=args.attempts,
+        generic_prompts=args.generic_prompts,
+        direct_prompts=args.direct_prompts,
         seed=args.seed,
     )
     text = json.dumps(result.model_dump(), indent=2)

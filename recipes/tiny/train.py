@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 
 from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, render_chat
 
-from .corpus import Dialogue, dialogue
+from .corpus import Dialogue, build_corpus
+from .warm import load_ftw
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def model_config(vocab_size: int, eos_id: int, pad_id: int) -> Any:
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        max_position_embeddings=1024,
+        max_position_embeddings=2048,
         tie_word_embeddings=True,
         router_aux_loss_coef=0.01,
         output_router_logits=False,
@@ -68,7 +69,11 @@ def model_config(vocab_size: int, eos_id: int, pad_id: int) -> Any:
 # have a fixed length per alternative, hence one alternative per position (words up to 16 letters).
 _AFTER_CAPITAL = "|".join(r"\b[A-Z]" + "[a-z]" * k for k in range(16))
 _AFTER_UNDERSCORE = "|".join("_" + "[a-z0-9]" * k for k in range(16))
-NAME_CHARACTERS = rf"(?<={_AFTER_CAPITAL}|{_AFTER_UNDERSCORE})[a-z0-9]|[a-z](?=[a-z0-9]*_)|_"
+# Upper-case letters (tickers, codes, "CA") and non-ASCII characters are alone too, so a value in
+# another script is copied character by character (its bytes, when BPE never merged them).
+NAME_CHARACTERS = (
+    rf"(?<={_AFTER_CAPITAL}|{_AFTER_UNDERSCORE})[a-z0-9]|[a-z](?=[a-z0-9]*_)|_|[A-Z]|[^\x00-\x7f]"
+)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
@@ -107,7 +112,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         chat_template=DEFAULT_CHAT_TEMPLATE,
-        model_max_length=1024,
+        model_max_length=2048,
     )
 
 
@@ -142,6 +147,7 @@ def encode(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> tuple[lis
     return enc["input_ids"], labels
 
 
+MAX_TOKENS = 1536  # longer dialogues (rare: four tools with long schemas, two exchanges) are left out
 Example = tuple[tuple[int, ...], list[int], list[int]]  # (system-block ids, conversation ids, labels)
 
 
@@ -191,6 +197,21 @@ def batches(examples: list[Example], tokens_per_batch: int, pad_id: int, rng: ra
         yield block, ids, labels, mask
 
 
+def steps_of(micro_batches, tokens_per_batch: int):
+    """Group batches into optimizer steps of at least `tokens_per_batch` conversation tokens: a
+    generic tool set's eight dialogues are one small batch (their own system block), so a step
+    accumulates gradients over several."""
+    step, tokens = [], 0
+    for batch in micro_batches:
+        step.append(batch)
+        tokens += batch[1].numel()
+        if tokens >= tokens_per_batch:
+            yield step
+            step, tokens = [], 0
+    if step:
+        yield step
+
+
 def shared_block_forward(model: Any, block: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, **kw: Any):
     """The model's forward over `block` [P] followed by each row of `ids` [B, T]: the block runs
     once (with gradients) and its KV cache is repeated for the rows."""
@@ -227,8 +248,13 @@ def train(
     lr: float = 3e-3,
     threads: int | None = None,
     quant: str = "bf16",
+    init: Path | None = None,
+    save_every: int = 0,
 ) -> Path:
-    """Train and write `out/hf` (the checkpoint) and `out/model.ftw`; returns the FTW path."""
+    """Train and write `out/hf` (the checkpoint) and `out/model.ftw`; returns the FTW path.
+
+    `init`: an FTW file to start from (its tokenizer and weights, see `warm.py`) instead of a new
+    tokenizer and a random initialisation."""
     from transformers import AutoModelForCausalLM
 
     from freetoken_agents.engine.ftw.convert import convert_checkpoint
@@ -237,7 +263,7 @@ def train(
         torch.set_num_threads(threads)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    corpus = [dialogue(rng) for _ in tqdm(range(dialogues), desc="corpus", leave=False)]
+    corpus = build_corpus(rng, dialogues)
 
     from transformers import PreTrainedTokenizerFast
 
@@ -245,10 +271,14 @@ def train(
         tokenizer_object=_character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE
     )  # renders text before the real tokenizer exists (rendering does not depend on the vocabulary)
     rendered = [render(bootstrap, d) for d in tqdm(corpus, desc="render", leave=False)]
-    tokenizer = train_tokenizer([t for t, _ in rendered[:20_000]], vocab_size)
+    if init:
+        model, tokenizer = load_ftw(init, max_position_embeddings=2048)
+    else:
+        tokenizer = train_tokenizer([t for t, _ in rendered[:20_000]], vocab_size)
     examples = [
         split_system_block(*encode(tokenizer, t, s)) for t, s in tqdm(rendered, desc="tokenize", leave=False)
     ]
+    examples = [e for e in examples if len(e[0]) + len(e[1]) <= MAX_TOKENS]
     logger.info(
         "corpus: %d dialogues, %d conversation tokens, %d distinct system blocks",
         len(examples),
@@ -257,10 +287,12 @@ def train(
     )
 
     eos_id, pad_id = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    config = model_config(len(tokenizer), eos_id, pad_id)
-    model = AutoModelForCausalLM.from_config(
-        config, experts_implementation="eager", attn_implementation="sdpa"
-    )
+    if not init:
+        model = AutoModelForCausalLM.from_config(
+            model_config(len(tokenizer), eos_id, pad_id),
+            experts_implementation="eager",
+            attn_implementation="sdpa",
+        )
     logger.info("model: %.2f M parameters", sum(p.numel() for p in model.parameters()) / 1e6)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -277,11 +309,16 @@ def train(
     step, t0, epoch = 0, time.perf_counter(), 0
     bar = tqdm(total=steps, desc="train")
     while step < steps:
-        for block, ids, labels, mask in batches(
-            examples, tokens_per_batch, pad_id, random.Random(seed + epoch)
+        for micro in steps_of(
+            batches(examples, tokens_per_batch, pad_id, random.Random(seed + epoch)), tokens_per_batch
         ):
-            loss = shared_block_forward(model, block, ids, mask, labels=labels).loss
-            loss.backward()
+            labelled = sum(int((y != -100).sum()) for _, _, y, _ in micro)
+            loss = torch.zeros(())
+            for block, ids, labels, mask in micro:
+                part = shared_block_forward(model, block, ids, mask, labels=labels).loss
+                weight = int((labels != -100).sum()) / labelled
+                (part * weight).backward()
+                loss += part.detach() * weight
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
@@ -291,6 +328,9 @@ def train(
             bar.set_postfix(loss=f"{loss.item():.3f}")
             if step % 100 == 0:
                 logger.info("step %d loss %.4f (%.0f s)", step, loss.item(), time.perf_counter() - t0)
+            if save_every and step % save_every == 0 and step < steps:  # to evaluate a run in progress
+                model.save_pretrained(out / f"step-{step}")
+                tokenizer.save_pretrained(out / f"step-{step}")
             if step >= steps:
                 break
         epoch += 1
@@ -321,6 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quant", default="bf16", help="FTW expert quantization")
+    p.add_argument("--init", type=Path, default=None, help="an FTW file to continue training from")
+    p.add_argument("--save-every", type=int, default=0, help="also save a checkpoint every N steps")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     train(
@@ -332,6 +374,8 @@ def main(argv: list[str] | None = None) -> None:
         lr=args.lr,
         threads=args.threads,
         quant=args.quant,
+        init=args.init,
+        save_every=args.save_every,
     )
 
 
