@@ -34,9 +34,10 @@ def test_forced_get_weather_copies_the_city(city: str) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="a model limit, not the decoder's: the embedded model's training places "
-    "(recipes/tiny/world.py place_name) all start with a consonant onset, so a city starting with "
-    "a vowel gets P(first letter) < 0.001; it writes 'Fassaka'. Needs vowel onsets and retraining.",
+    reason="a model limit, not the decoder's: the shipped model's training places all started with "
+    "a consonant onset, so a city starting with a vowel gets P(first letter) < 0.001; it writes "
+    "'Fassaka'. The corpus now has vowel onsets (place_name(vowel_onsets=True)) and a model "
+    "trained on it writes 'Osaka', but that model is not shipped yet (issue 22).",
 )
 def test_forced_get_weather_copies_osaka() -> None:
     msg = llm().bind_tools([GET_WEATHER], tool_choice="get_weather").invoke("What is the weather in Osaka?")
