@@ -1,6 +1,6 @@
 """Agent soak on the embedded model: concurrent agents, hundreds of tool calls, 30% failing.
 
-    python bench/agent_soak.py [--agents 4] [--calls 250] [--per-run 10] [--fail 0.3] [--model PATH]
+    python bench/agent_soak.py [--agents 4] [--calls 250] [--per-run 6] [--fail 0.3] [--model PATH]
 
 `--agents` Agents share one `FreeTokenModel` over the embedded model (each `arun` gets a context of
 its own: `FreeTokenModel.new_context()`) and run concurrently under asyncio until each has made
@@ -39,6 +39,7 @@ import torch
 
 from freetoken_agents import Agent, AgentResult, FreeTokenModel, RetryableToolError, RetryPolicy, Tool, tool
 from freetoken_agents.embedded import default_model
+from freetoken_agents.engine import ContextOverflowError
 from freetoken_agents.recipes.tiny.world import SYSTEM_PROMPT, weather_report
 
 logger = logging.getLogger("bench.agent_soak")
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--agents", type=int, default=4)
     parser.add_argument("--calls", type=int, default=250, help="tool calls per agent")
-    parser.add_argument("--per-run", type=int, default=10, help="tool calls per run")
+    parser.add_argument("--per-run", type=int, default=6, help="tool calls per run (one context)")
     parser.add_argument("--fail", type=float, default=0.3, help="share of tool executions that fail")
     parser.add_argument("--model", type=Path, default=None, help="model (default: the embedded one)")
     parser.add_argument("--threads", type=int, default=2)
@@ -152,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     number = 0
     while min(calls) < args.calls:
         t0 = time.perf_counter()
-        results = asyncio.run(one_round(number))
+        try:
+            results = asyncio.run(one_round(number))
+        except ContextOverflowError as exc:
+            print(f"a run outgrew the model's context ({exc}): use a smaller --per-run")
+            return 1
         round_seconds.append(time.perf_counter() - t0)
         for i, result in enumerate(results):
             try:
