@@ -219,3 +219,27 @@ def test_cache_argument_follows_the_transformers_release(tiny_checkpoint):
         kv = {cache_argument(model): DynamicCache()}
         out = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **kv)
     assert out.logits.shape[:2] == (1, 3)
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [("cuda:99", "--device cuda:99: this machine has"), ("tpu", "--device: expected cpu, cuda or cuda:N")],
+)
+def test_training_on_a_device_the_machine_lacks_is_a_one_line_error(tmp_path, capsys, device, message):
+    from freetoken_agents.recipes.tiny.train import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(tmp_path), "--steps", "1", "--device", device])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
+    assert not any(tmp_path.iterdir())  # refused before any work
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_training_smoke_run_on_cuda_writes_an_ftw_the_engine_runs(tmp_path):
+    torch.manual_seed(0)
+    ftw = train(tmp_path, steps=2, dialogues=120, tokens_per_batch=2048, vocab_size=700, device="cuda")
+    engine = Engine.from_pretrained(ftw)
+    ids = engine.apply_chat_template([{"role": "user", "content": "What is 2 plus 3?"}], corpus.TOOL_SCHEMAS)
+    assert len(engine.generate(ids, max_new_tokens=4).token_ids) >= 1

@@ -6,6 +6,7 @@ small functions of `coding.py`.
     python -m freetoken_agents.recipes.tiny.train --out build/tiny-generic \
         --init freetoken_agents/data/freetoken-tiny.ftw --steps 420 --dialogues 16000 --lr 1.5e-3 --threads 1
     python -m freetoken_agents.recipes.tiny.train --out /tmp/t --steps 20     # a smoke run
+    python -m freetoken_agents.recipes.tiny.train --out build/tiny --device cuda  # on a GPU (bf16 autocast)
 
 The shipped freetoken-tiny.ftw was trained by this module at commit 8526d06 (the four tools and
 coding only, ~26 min on 2 cores); `--init` continues from an FTW file with its tokenizer (see
@@ -226,7 +227,7 @@ def shared_block_forward(model: Any, block: torch.Tensor, ids: torch.Tensor, mas
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
     cache.batch_repeat_interleave(ids.shape[0])
     p = block.shape[0]
-    positions = torch.arange(p, p + ids.shape[1]).expand_as(ids)
+    positions = torch.arange(p, p + ids.shape[1], device=ids.device).expand_as(ids)
     return model(
         input_ids=ids,
         attention_mask=mask,
@@ -257,11 +258,13 @@ def train(
     quant: str = "bf16",
     init: Path | None = None,
     save_every: int = 0,
+    device: str = "cpu",
 ) -> Path:
     """Train and write `out/hf` (the checkpoint) and `out/model.ftw`; returns the FTW path.
 
     `init`: an FTW file to start from (its tokenizer and weights, see `warm.py`) instead of a new
-    tokenizer and a random initialisation."""
+    tokenizer and a random initialisation. `device`: where to train ("cuda": fp32 master weights,
+    bf16 autocast); the corpus, the batches' order and the saved files do not depend on it."""
     from transformers import AutoModelForCausalLM
 
     from freetoken_agents.engine.ftw.convert import convert_checkpoint
@@ -301,6 +304,8 @@ def train(
             attn_implementation="sdpa",
         )
     logger.info("model: %.2f M parameters", sum(p.numel() for p in model.parameters()) / 1e6)
+    model.to(device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -320,9 +325,11 @@ def train(
             batches(examples, tokens_per_batch, pad_id, random.Random(seed + epoch)), tokens_per_batch
         ):
             labelled = sum(int((y != -100).sum()) for _, _, y, _ in micro)
-            loss = torch.zeros(())
-            for block, ids, labels, mask in micro:
-                part = shared_block_forward(model, block, ids, mask, labels=labels).loss
+            loss = torch.zeros((), device=device)
+            for batch in micro:
+                block, ids, labels, mask = (t.to(device) for t in batch)
+                with autocast:
+                    part = shared_block_forward(model, block, ids, mask, labels=labels).loss
                 weight = int((labels != -100).sum()) / labelled
                 (part * weight).backward()
                 loss += part.detach() * weight
@@ -342,7 +349,7 @@ def train(
                 break
         epoch += 1
     bar.close()
-    model.eval()
+    model.eval().to("cpu")
     hf = out / "hf"
     model.save_pretrained(hf)
     tokenizer.save_pretrained(hf)
@@ -370,7 +377,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quant", default="bf16", help="FTW expert quantization")
     p.add_argument("--init", type=Path, default=None, help="an FTW file to continue training from")
     p.add_argument("--save-every", type=int, default=0, help="also save a checkpoint every N steps")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (bf16 autocast on CUDA)")
     args = p.parse_args(argv)
+    if args.device != "cpu":
+        index = args.device.partition(":")[2]
+        if not args.device.startswith("cuda") or (index and not index.isdigit()):
+            p.error(f"--device: expected cpu, cuda or cuda:N, got {args.device!r}")
+        if int(index or 0) >= torch.cuda.device_count():
+            p.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     train(
         args.out,
@@ -383,6 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         quant=args.quant,
         init=args.init,
         save_every=args.save_every,
+        device=args.device,
     )
 
 
