@@ -29,6 +29,7 @@ from .experts import ExpertProvider, ExpertWeights, InMemoryExpertProvider
 from .generate import GenerationResult, SamplingParams, TokenEvent
 from .memory import MemoryBudget
 from .options import PLACEMENTS, EngineOptions, Placement, TieringOptions
+from .placement import check_device
 from .session import Session
 from .spec import ModelSpec
 
@@ -62,6 +63,7 @@ __all__ = [
     "SamplingParams",
     "TieringOptions",
     "Session",
+    "check_device",
     "TokenEvent",
     "UnsupportedModelError",
     "render_chat",

@@ -13,7 +13,6 @@ Placements (`Placement`):
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import EngineError
 from .memory import MemoryBudget
+from .placement import DEVICE_PATTERN
 
 Placement = Literal["auto", "resident", "qstar", "stream"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
@@ -38,8 +38,6 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 """dtype names the options accept (besides a torch.dtype)."""
-
-_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
 @dataclass(frozen=True)
@@ -92,7 +90,7 @@ class EngineOptions(BaseModel):
     @classmethod
     def _device(cls, value: Any) -> str:
         text = str(value).strip()
-        if not _DEVICE.match(text):
+        if not DEVICE_PATTERN.match(text):
             raise ValueError(f"must be 'cpu' or 'cuda[:N]', got {text!r}")
         return text
 

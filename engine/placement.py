@@ -8,6 +8,7 @@ inject), so the decision is testable without a machine of any particular size.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 import torch
@@ -54,8 +55,15 @@ def module_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
+"""The devices an engine runs on: "cpu", "cuda" or "cuda:N"."""
+
+
 def check_device(device: str) -> torch.device:
-    """The torch device for `device` ("cpu", "cuda", "cuda:N"); EngineError if it is not there."""
+    """The torch device for `device` ("cpu", "cuda", "cuda:N"); EngineError if it is malformed
+    or not on this machine."""
+    if not DEVICE_PATTERN.match(device):
+        raise EngineError(f"device must be 'cpu' or 'cuda[:N]', got '{device}'")
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -63,8 +71,6 @@ def check_device(device: str) -> torch.device:
         count = torch.cuda.device_count()
         if dev.index is not None and dev.index >= count:
             raise EngineError(f"device '{device}' does not exist: this machine has {count} CUDA device(s)")
-    elif dev.type != "cpu":
-        raise EngineError(f"device must be 'cpu' or 'cuda[:N]', got '{device}'")
     return dev
 
 

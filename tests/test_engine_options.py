@@ -190,3 +190,12 @@ def test_gpt_oss_configs_without_swiglu_constants_use_the_architectures():
     spec = adapter_for("gpt_oss").build_spec(config)
     moe = spec.layers[0].moe
     assert moe is not None and (moe.swiglu_limit, moe.swiglu_alpha) == (7.0, 1.702)
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda:", " cpu"])
+def test_check_device_refuses_a_malformed_device_with_an_engine_error(device: str) -> None:
+    from freetoken_agents.engine import check_device
+
+    with pytest.raises(EngineError, match=r"device must be 'cpu' or 'cuda\[:N\]'"):
+        check_device(device)  # was: torch's RuntimeError for 'tpu' and 'cuda:x'
+    assert check_device("cpu") == torch.device("cpu")

@@ -221,9 +221,17 @@ def test_cache_argument_follows_the_transformers_release(tiny_checkpoint):
     assert out.logits.shape[:2] == (1, 3)
 
 
+MISSING_CUDA_99 = (
+    "does not exist: this machine has" if torch.cuda.is_available() else "requested but CUDA is not available"
+)
+
+
 @pytest.mark.parametrize(
     ("device", "message"),
-    [("cuda:99", "--device cuda:99: this machine has"), ("tpu", "--device: expected cpu, cuda or cuda:N")],
+    [
+        ("cuda:99", f"--device: device 'cuda:99' {MISSING_CUDA_99}"),
+        ("tpu", "--device: device must be 'cpu' or 'cuda[:N]', got 'tpu'"),
+    ],
 )
 def test_training_on_a_device_the_machine_lacks_is_a_one_line_error(tmp_path, capsys, device, message):
     from freetoken_agents.recipes.tiny.train import main

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, render_chat
+from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, EngineError, check_device, render_chat
 
 from .corpus import Dialogue, build_corpus
 from .warm import load_ftw
@@ -379,12 +379,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--save-every", type=int, default=0, help="also save a checkpoint every N steps")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (bf16 autocast on CUDA)")
     args = p.parse_args(argv)
-    if args.device != "cpu":
-        index = args.device.partition(":")[2]
-        if not args.device.startswith("cuda") or (index and not index.isdigit()):
-            p.error(f"--device: expected cpu, cuda or cuda:N, got {args.device!r}")
-        if int(index or 0) >= torch.cuda.device_count():
-            p.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    try:
+        check_device(args.device)
+    except EngineError as exc:
+        p.error(f"--device: {exc}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     train(
         args.out,
