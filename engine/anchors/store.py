@@ -108,8 +108,8 @@ class AnchorStore:
         self._byte_budget = byte_budget
         self._metadata_budget = metadata_budget
         self._holders: Counter[int] = Counter()  # block -> stored anchors holding it
-        self._states: dict[ExpertState, int] = {}  # each distinct expert state, once: -> anchors with it
-        self._state_objects: dict[ExpertState, ExpertState] = {}
+        # each distinct expert state once: -> (the one stored object, anchors that have it)
+        self._states: dict[ExpertState, tuple[ExpertState, int]] = {}
         self._metadata_bytes = 0
         self.evictions = 0
 
@@ -208,7 +208,7 @@ class AnchorStore:
         engine = self.engine
         fingerprint = engine.model_fingerprint
         state = snapshot_expert_state(engine.experts)
-        state = self._state_objects.get(state, state)  # a state already stored: that one object
+        state = self._states.get(state, (state, 0))[0]  # a state already stored: that one object
         identity = identify(table, token_ids, fingerprint, state)
         existing = self._anchors.get(identity[0])
         if existing is not None:
@@ -355,10 +355,10 @@ class AnchorStore:
     def _add(self, anchor: Anchor) -> Anchor:
         """Store `anchor` (its expert state shared with the stored anchors that have the same);
         returns the stored record."""
-        state = self._state_objects.setdefault(anchor.expert_state, anchor.expert_state)
+        state, count = self._states.get(anchor.expert_state, (anchor.expert_state, 0))
         if state is not anchor.expert_state:
             anchor = dataclasses.replace(anchor, expert_state=state)
-        self._states[state] = self._states.get(state, 0) + 1
+        self._states[state] = (state, count + 1)
         self._anchors[anchor.id] = anchor
         self._holders.update(set(anchor.table.blocks))
         self._metadata_bytes += _record_bytes(anchor)
@@ -372,9 +372,11 @@ class AnchorStore:
             if self._holders[block] <= 0:
                 del self._holders[block]
         self._metadata_bytes -= _record_bytes(anchor)
-        self._states[anchor.expert_state] -= 1
-        if not self._states[anchor.expert_state]:
-            del self._states[anchor.expert_state], self._state_objects[anchor.expert_state]
+        state, count = self._states[anchor.expert_state]
+        if count > 1:
+            self._states[state] = (state, count - 1)
+        else:
+            del self._states[state]
         anchor.table.release()
         if reason in ("byte budget", "metadata budget", "KV pool full"):
             self.evictions += 1
