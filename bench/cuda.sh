@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one go: the `cuda` tests, bench/gpu_decode.py (decode at the memory bound:
-# resident with CUDA graphs, tiered, transformers, HBM and PCIe bounds), then bench/offload.py with
-# tier 1 in GPU memory.
+# resident with CUDA graphs, tiered, transformers, HBM and PCIe bounds), the same tiered with
+# compact expert codecs (bf16, fp8, int8, mxfp4), then bench/offload.py with tier 1 in GPU memory.
 #   bash bench/cuda.sh [OUT_DIR]        (needs the package installed and a CUDA GPU; ~12-15 min)
 # FT_GPU_DECODE_ARGS passes options to gpu_decode.py (e.g. "--layers 4 --budgets 0.25,1.0" to halve
 # its time); FT_SKIP_OFFLOAD=1 skips the offload benchmark.
@@ -20,11 +20,16 @@ mkdir -p "$FT_BENCH_DIR"
     df -h /tmp "$FT_BENCH_DIR"
     nproc; free -g
 } 2>&1 | tee "$out/machine.txt"
-timeout "${FT_TEST_TIMEOUT:-300}" python3 -m pytest -q -s -m cuda -p no:cacheprovider \
-    tests/test_memory_cuda.py tests/test_engine_cuda.py tests/test_cuda_decode.py 2>&1 | tee "$out/cuda_tests.log"
+timeout "${FT_TEST_TIMEOUT:-300}" python3 -m pytest -q -s -m cuda -p no:cacheprovider tests/ \
+    2>&1 | tee "$out/cuda_tests.log"
 # shellcheck disable=SC2086  # FT_GPU_DECODE_ARGS is a list of options
 timeout "${FT_GPU_DECODE_TIMEOUT:-540}" python3 bench/gpu_decode.py ${FT_GPU_DECODE_ARGS:-} \
     --json "$out/gpu_decode.json" 2>&1 | tee "$out/gpu_decode.log"
+# Compact experts over the link (issue 21): each codec tiered at a quarter of the expert bytes.
+# shellcheck disable=SC2086
+timeout "${FT_GPU_QUANT_TIMEOUT:-360}" python3 bench/gpu_decode.py \
+    ${FT_GPU_QUANT_ARGS:---tiered-only --layers 4 --budgets 0.25 --quant bf16,fp8,int8,mxfp4} \
+    --json "$out/gpu_quant.json" 2>&1 | tee "$out/gpu_quant.log"
 if [ "${FT_SKIP_OFFLOAD:-0}" != 1 ]; then
     timeout "${FT_BENCH_TIMEOUT:-420}" python3 bench/offload.py --device cuda --sweep \
         --json "$out/offload_cuda.json" 2>&1 | tee "$out/offload_cuda.log"

@@ -2,6 +2,7 @@
 vs what the HBM and the PCIe link allow.
 
     python bench/gpu_decode.py [--layers 8] [--tokens 32] [--budgets 0.25,0.5,1.0] [--json OUT]
+    python bench/gpu_decode.py --tiered-only --budgets 0.25 --quant bf16,fp8,int8,mxfp4
 
 Needs a CUDA GPU (without one it says so in one line and exits 1). Model: Qwen3-30B-A3B
 dimensions (hidden 2048, 128 experts top-8, moe_intermediate 768, 32 q / 4 kv heads, head_dim
@@ -17,6 +18,8 @@ Contenders, all from the same 16-token prompt, --tokens teacher-forced decode to
   engine tiered f=<b>        placement "qstar", fast budget b x the expert bytes (+ KV room),
                              every expert in pinned host RAM (tier 2); steady state: timed after
                              --warmup rounds
+  engine tiered <q> f=<b>    the same with the experts stored as --quant q (fp8, int8, mxfp4:
+                             tier 2 holds the compact bytes, the link moves them, the GPU decodes)
 Bounds:
   HBM: bytes one decode token reads (top-8 routed experts, attention, norms, one embedding row,
        lm_head) / the device-to-device copy bandwidth measured here (read + write bytes).
@@ -24,6 +27,9 @@ Bounds:
        pinned host -> device bandwidth measured here.
 Targets (issue 24): resident >= 2x transformers' best, >= 30% of the HBM bound, per-layer
 overhead <= 100 us; tiered at 1.0 >= 90% of resident, at 0.25 within 1.5x of the PCIe bound.
+Issue 21 (--quant): at 0.25, MXFP4 moves <= 0.3x the host -> device bytes per token of bf16 and
+decodes >= 2x its tokens per second; the report says how many experts each codec fits in the
+host budget of the bf16 experts.
 """
 
 from __future__ import annotations
@@ -158,15 +164,18 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3, help="tiered: rounds before timing")
     parser.add_argument("--budgets", default="0.25,0.5,1.0", help="tiered fast budgets ('' to skip)")
+    parser.add_argument("--quant", default="bf16", help="tiered: expert codecs to compare, e.g. bf16,mxfp4")
+    parser.add_argument("--tiered-only", action="store_true", help="skip transformers and resident")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    quants = [q for q in args.quant.split(",") if q]
+    unknown = sorted(set(quants) - {"bf16", "fp8", "int8", "mxfp4"})
+    if unknown:
+        parser.error(f"--quant: unknown codec(s) {', '.join(unknown)}; choose from bf16, fp8, int8, mxfp4")
     if not torch.cuda.is_available():
         print("bench/gpu_decode.py needs a CUDA GPU: torch.cuda.is_available() is False here")
         return 1
     sys.path.insert(0, str(Path(__file__).parent))
-    from freetoken_agents.engine import Engine
-    from freetoken_agents.engine.memory import MemoryBudget
-
     torch.set_grad_enabled(False)
     root = Path(os.environ.get("FT_BENCH_DIR", Path(__file__).resolve().parents[1] / ".bench-tmp"))
     root.mkdir(parents=True, exist_ok=True)
@@ -191,69 +200,103 @@ def main() -> int:
             f"{need / 1e9:.2f} GB read per decode token -> HBM bound {1 / bound_s:.0f} tok/s"
         )
         rates: dict[str, float] = {}
-        for impl in ("eager", "grouped_mm", "batched_mm"):
-            try:
-                hf.set_experts_implementation(impl)
-                rates[f"transformers {impl}"] = 1 / time_hf(hf, prompt, forced, args.reps)
-            except Exception as e:  # an implementation this transformers/torch lacks
-                print(f"transformers {impl}: not measured ({type(e).__name__}: {str(e)[:120]})")
+        if not args.tiered_only:
+            baselines(hf, folder, prompt, forced, args.reps, rates, out)
         del hf
         torch.cuda.empty_cache()
-
-        resident = Engine.from_pretrained(folder, device="cuda", dtype=torch.bfloat16, placement="resident")
-        rates["engine resident (graph)"] = 1 / time_engine(resident, prompt, forced, args.reps)
-        graphs = resident.model._graphs
-        out["graph"] = None if graphs is None else {"captures": graphs.captures, "replays": graphs.replays}
-        del resident
-        torch.cuda.empty_cache()
-        os.environ["FREETOKEN_CUDA_GRAPHS"] = "0"
-        eager = Engine.from_pretrained(folder, device="cuda", dtype=torch.bfloat16, placement="resident")
-        rates["engine resident (eager)"] = 1 / time_engine(eager, prompt, forced, args.reps)
-        del os.environ["FREETOKEN_CUDA_GRAPHS"]
-        del eager
-        torch.cuda.empty_cache()
-
         tiered: dict[str, Any] = {}
-        for b in [float(x) for x in args.budgets.split(",") if x]:
-            memory = MemoryBudget(fast_bytes=int(b * expert_bytes) + (256 << 20), host_bytes=expert_bytes)
-            engine = Engine.from_pretrained(
-                folder, device="cuda", dtype=torch.bfloat16, placement="qstar", memory=memory,
-                cache_dir=Path(tmp) / "ftw", progress=False,
-            )  # fmt: skip
-            time_engine(engine, prompt, forced, args.warmup)  # fill the tiers: steady state after
-            before = engine.stats()["bytes_moved"]["host->fast"]
-            s = time_engine(engine, prompt, forced, args.reps)
-            moved = (engine.stats()["bytes_moved"]["host->fast"] - before) / (args.reps * len(forced))
-            rates[f"engine tiered f={b}"] = 1 / s
-            tiered[str(b)] = {
-                "tok_s": 1 / s,
-                "bytes_per_token": moved,
-                # nothing copied at steady state (every expert stays in tier 1): no link bound
-                "pcie_bound_tok_s": pcie / moved if moved > 0 else None,
-            }
-            engine.experts.close()
-            del engine
-            torch.cuda.empty_cache()
+        for quant in quants:
+            for b in [float(x) for x in args.budgets.split(",") if x]:
+                name = f"engine tiered f={b}" if quant == "bf16" else f"engine tiered {quant} f={b}"
+                cache = Path(tmp) / "ftw"
+                tiered[name] = run_tiered(folder, cache, quant, b, expert_bytes, prompt, forced, args)
+                tiered[name]["pcie_bound_tok_s"] = (
+                    pcie / tiered[name]["bytes_per_token"] if tiered[name]["bytes_per_token"] > 0 else None
+                )  # nothing copied at steady state (every expert stays in tier 1): no link bound
+                rates[name] = tiered[name]["tok_s"]
     report(rates, tiered, bound_s, args.layers, out)
     if args.json:
         args.json.write_text(json.dumps({**out, "tok_s": rates, "tiered": tiered}, indent=2))
     return 0
 
 
+def baselines(
+    hf: Any, folder: Path, prompt: list[int], forced: list[int], reps: int, rates: dict, out: dict
+) -> None:
+    """transformers' experts implementations and the all-resident engine (graph and eager)."""
+    from freetoken_agents.engine import Engine
+
+    for impl in ("eager", "grouped_mm", "batched_mm"):
+        try:
+            hf.set_experts_implementation(impl)
+            rates[f"transformers {impl}"] = 1 / time_hf(hf, prompt, forced, reps)
+        except Exception as e:  # an implementation this transformers/torch lacks
+            print(f"transformers {impl}: not measured ({type(e).__name__}: {str(e)[:120]})")
+    resident = Engine.from_pretrained(folder, device="cuda", dtype=torch.bfloat16, placement="resident")
+    rates["engine resident (graph)"] = 1 / time_engine(resident, prompt, forced, reps)
+    graphs = resident.model._graphs
+    out["graph"] = None if graphs is None else {"captures": graphs.captures, "replays": graphs.replays}
+    del resident
+    torch.cuda.empty_cache()
+    os.environ["FREETOKEN_CUDA_GRAPHS"] = "0"
+    eager = Engine.from_pretrained(folder, device="cuda", dtype=torch.bfloat16, placement="resident")
+    rates["engine resident (eager)"] = 1 / time_engine(eager, prompt, forced, reps)
+    del os.environ["FREETOKEN_CUDA_GRAPHS"]
+    del eager
+    torch.cuda.empty_cache()
+
+
+def run_tiered(
+    folder: Path, cache: Path, quant: str, budget: float, expert_bytes: int, prompt: list[int],
+    forced: list[int], args: argparse.Namespace,
+) -> dict[str, Any]:  # fmt: skip
+    """The tiered engine on the experts stored as `quant`: fast budget `budget` x the (bf16)
+    expert bytes plus KV room, tier 2 = the bf16 expert bytes; steady-state tok/s and host ->
+    device bytes per token, and how many experts the host budget holds in this codec."""
+    from freetoken_agents.engine import Engine
+    from freetoken_agents.engine.memory import MemoryBudget
+
+    memory = MemoryBudget(fast_bytes=int(budget * expert_bytes) + (256 << 20), host_bytes=expert_bytes)
+    engine = Engine.from_pretrained(
+        folder, device="cuda", dtype=torch.bfloat16, placement="qstar", memory=memory,
+        cache_dir=cache, quant=quant, progress=False,
+    )  # fmt: skip
+    tp = engine.experts
+    time_engine(engine, prompt, forced, args.warmup)  # fill the tiers: steady state after
+    before = engine.stats()["bytes_moved"]["host->fast"]
+    s = time_engine(engine, prompt, forced, args.reps)
+    moved = (engine.stats()["bytes_moved"]["host->fast"] - before) / (args.reps * len(forced))
+    block = max(tp.moves.host_nbytes(k) for k in tp.ftw.expert_keys())  # tier-2 bytes per expert
+    result = {
+        "quant": quant,
+        "tok_s": 1 / s,
+        "bytes_per_token": moved,
+        "tier2_bytes_per_expert": block,
+        "experts_in_host_budget": expert_bytes // block,
+        "experts": len(tp.ftw.expert_keys()),
+        "decisions": engine.stats()["policy"]["decisions"],
+    }
+    tp.close()
+    del engine
+    torch.cuda.empty_cache()
+    return result
+
+
 def report(rates: dict[str, float], tiered: dict[str, Any], bound_s: float, layers: int, out: dict) -> None:
     best_hf = max((v for k, v in rates.items() if k.startswith("transformers")), default=float("nan"))
-    print(f"\n{'contender':<30} {'tok/s':>8} {'ms/token':>9} {'us/layer':>9} {'of HBM bound':>13}")
+    print(f"\n{'contender':<34} {'tok/s':>8} {'ms/token':>9} {'us/layer':>9} {'of HBM bound':>13}")
     for name, r in rates.items():
-        print(f"{name:<30} {r:8.1f} {1e3 / r:9.2f} {1e6 / r / layers:9.0f} {bound_s * r:12.1%}")
-    res = rates.get("engine resident (graph)", float("nan"))
-    overhead_us = (1 / res - bound_s) / layers * 1e6
-    print(
-        f"\nresident (graph): {res / best_hf:.2f}x transformers' best (target >= 2), "
-        f"{bound_s * res:.1%} of the HBM bound (target >= 30%), {overhead_us:.0f} us per layer above "
-        "the bound (target <= 100); "
-        f"graph {out.get('graph')}"
-    )
-    for b, t in tiered.items():
+        print(f"{name:<34} {r:8.1f} {1e3 / r:9.2f} {1e6 / r / layers:9.0f} {bound_s * r:12.1%}")
+    res = rates.get("engine resident (graph)")
+    if res is not None:
+        overhead_us = (1 / res - bound_s) / layers * 1e6
+        out["per_layer_overhead_us"] = overhead_us
+        print(
+            f"\nresident (graph): {res / best_hf:.2f}x transformers' best (target >= 2), "
+            f"{bound_s * res:.1%} of the HBM bound (target >= 30%), {overhead_us:.0f} us per layer above "
+            f"the bound (target <= 100); graph {out.get('graph')}"
+        )
+    for name, t in tiered.items():
         bound = t["pcie_bound_tok_s"]
         link = (
             f"{t['bytes_per_token'] / 1e6:.0f} MB/token host->device -> PCIe bound {bound:.0f} tok/s "
@@ -261,11 +304,27 @@ def report(rates: dict[str, float], tiered: dict[str, Any], bound_s: float, laye
             if bound is not None
             else "no host->device copies at steady state (the link does not bound it)"
         )
+        of_resident = f" = {t['tok_s'] / res:.0%} of resident" if res else ""
         print(
-            f"tiered f={b}: {t['tok_s']:.1f} tok/s = {t['tok_s'] / res:.0%} of resident; {link}; "
-            "targets: f=1.0 >= 90% of resident, f=0.25 within 1.5x of the PCIe bound"
+            f"{name}: {t['tok_s']:.1f} tok/s{of_resident}; {link}; tier 2 (the bf16 expert bytes) "
+            f"holds {t['experts_in_host_budget']} experts of {t['tier2_bytes_per_expert'] / 1e6:.2f} MB; "
+            f"q* {t['decisions']}"
         )
-    out["per_layer_overhead_us"] = overhead_us
+    print("targets: f=1.0 >= 90% of resident, f=0.25 within 1.5x of the PCIe bound (issue 24)")
+    for name, t in tiered.items():  # issue 21: each compact codec against bf16 at the same budget
+        if t["quant"] == "bf16":
+            continue
+        base = tiered.get(name.replace(f" {t['quant']}", ""))
+        if base is None:
+            continue
+        bf16_bytes = base["bytes_per_token"]
+        bytes_ratio = t["bytes_per_token"] / bf16_bytes if bf16_bytes else float("nan")
+        print(
+            f"{name} vs bf16: {bytes_ratio:.2f}x the host->device bytes per token, "
+            f"{t['tok_s'] / base['tok_s']:.2f}x the tok/s, "
+            f"{t['experts_in_host_budget'] / base['experts_in_host_budget']:.1f}x the experts in tier 2 "
+            "(targets for mxfp4 at 0.25: bytes <= 0.3x, tok/s >= 2x)"
+        )
 
 
 if __name__ == "__main__":

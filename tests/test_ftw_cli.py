@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from freetoken_agents.cli import main
 from freetoken_agents.engine.ftw import FTWFile
@@ -68,6 +69,7 @@ def test_inspect_verify_names_the_corrupted_block(ftw_file, tmp_path, capsys):
         (["inspect", "{tmp}/missing.ftw"], "cannot open FTW file"),
         (["inspect", "{tmp}/foreign.ftw"], "not an FTW file"),
         (["convert", "{tmp}/no-folder", "{tmp}/x.ftw"], "does not exist"),
+        (["convert", "{tmp}/no-folder", "{tmp}/x.ftw", "--device", "tpu"], "device"),
     ],
 )
 def test_errors_are_one_line_with_nonzero_exit(argv, match, tmp_path, capsys):
@@ -75,3 +77,37 @@ def test_errors_are_one_line_with_nonzero_exit(argv, match, tmp_path, capsys):
     assert main([a.format(tmp=tmp_path) for a in argv]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and match in err[0]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_convert_quant_auto_calibrates_on_the_gpu_and_streams_there(tiny_checkpoint, tmp_path, capsys):
+    """`freetoken convert --quant auto --device cuda` end to end: routing measured by the model on
+    the GPU, hot experts bf16 and cold ones MXFP4, and the tiered CUDA engine (compact blocks
+    decoded on the GPU) gives the logits of a CPU engine on the same file."""
+    from freetoken_agents.engine import Engine
+    from freetoken_agents.engine.ftw import FTWFile
+    from freetoken_agents.engine.memory import MemoryBudget
+
+    folder = tiny_checkpoint("qwen3_moe")
+    out = tmp_path / "auto.ftw"
+    assert (
+        main(["convert", str(folder), str(out), "--quant", "auto", "--device", "cuda", "--no-progress"]) == 0
+    )
+    with FTWFile(out) as f:
+        codecs = {t.codec for k in f.expert_keys() for t in f.expert_info(*k).tensors.values()}
+        assert f.metadata["auto"]["calibration_tokens"] > 0
+    assert codecs == {"bf16", "mxfp4"}
+    cpu = Engine.from_pretrained(
+        out, device="cpu", dtype=torch.float32, placement="resident", expert_quant="none"
+    )
+    gpu = Engine.from_pretrained(
+        out, device="cuda", dtype=torch.float32, placement="qstar", memory=MemoryBudget()
+    )
+    gpu.experts.fast.resize(gpu.experts.min_working_set * 2)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    torch.testing.assert_close(
+        gpu.new_session().prefill(ids).cpu(), cpu.new_session().prefill(ids), rtol=1e-4, atol=1e-4
+    )
+    assert gpu.stats()["bytes_moved"]["host->fast"] > 0
+    gpu.close()

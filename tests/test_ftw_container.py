@@ -221,6 +221,36 @@ def test_decode_stored_checks_given_bytes(ftw_path: Path) -> None:
             f.decode_stored(0, 0, bytes(stored[:-1]), torch.float32, verify=False)
 
 
+NEEDS_CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_raw_where_the_bytes_are_equals_the_host_decode(ftw_path: Path, device: str, dtype) -> None:
+    """The compact block as a GPU tier receives it (raw bytes in a uint8 tensor on the device)
+    decodes there to exactly the host decode of the same block: every codec, zstd blocks too."""
+    with FTWFile(ftw_path) as f:
+        for key in PLAN:
+            stored = f.read_expert_bytes(*key)
+            host = f.decode_stored(*key, stored, dtype)
+            raw = f.raw_bytes(*key, stored)
+            assert len(raw) == f.expert_info(*key).raw_length
+            on_device = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+            decoded = f.decode_raw(*key, on_device, dtype)
+            assert set(decoded) == set(host)
+            for name, t in decoded.items():
+                assert t.device.type == device and t.dtype == dtype
+                assert torch.equal(t.cpu(), host[name]), (key, name)
+
+
+def test_decode_raw_rejects_bytes_of_the_wrong_length(ftw_path: Path) -> None:
+    with FTWFile(ftw_path) as f:
+        raw = torch.frombuffer(bytearray(f.raw_bytes(0, 0, f.read_expert_bytes(0, 0))), dtype=torch.uint8)
+        with pytest.raises(FTWFormatError, match="raw bytes must be"):
+            f.decode_raw(0, 0, raw[:-1])
+
+
 def test_corrupt_dense_detected_by_verify(ftw_path: Path) -> None:
     with FTWFile(ftw_path) as f:
         off = f.dense_info("embed.weight").offset

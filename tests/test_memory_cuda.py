@@ -72,8 +72,9 @@ def test_cuda_tiered_provider_is_exact_under_tight_budget(mixtral_ftw, prefetch_
     assert s["bytes_moved"]["host->fast"] > 0
     assert s["bandwidth"]["host->fast"]["samples"] > 0  # CUDA events were folded in
     assert any(k.startswith("cuda/decoded") for k in s["policy"]["compute_ema_s"])  # event timings
-    value = tp.host.peek(tp.host.keys()[0])
-    assert value.storage.is_pinned()  # tier 2 on CUDA is page-locked host memory
+    for key in tp.host.keys():  # tier 2 on CUDA is page-locked host memory: raw bytes or spilled
+        value = tp.host.peek(key)
+        assert (value if isinstance(value, torch.Tensor) else value.storage).is_pinned()
     for key in tp.fast.keys():
         assert tp.fast.peek(key).storage.device.type == "cuda"
     # q* keeps the tiers exclusive: what tier 1 evicted was copied back into tier 2 (one
@@ -100,3 +101,88 @@ def test_cuda_host_placement_moves_only_activations(mixtral_ftw):
     got = eng.generate(ids, max_new_tokens=4, stop_token_ids=()).token_ids
     assert got == want
     tp.close()
+
+
+@pytest.fixture(scope="module")
+def compact_ftws(tiny_checkpoint, tmp_path_factory):
+    folder = tiny_checkpoint("mixtral")
+    out = {}
+    for quant in ("bf16", "fp8", "int8", "mxfp4"):
+        out[quant] = tmp_path_factory.mktemp("ftw") / f"mixtral-{quant}.ftw"
+        convert_checkpoint(folder, out[quant], quant=quant, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "int8", "mxfp4"])
+def test_compact_blocks_cross_the_link_and_decode_on_the_gpu(compact_ftws, quant):
+    """Tier 2 holds the stored (compact) bytes; a STREAM copies exactly those and the GPU decodes
+    them: the tier-1 weights equal the CPU decode of the same block bit for bit, and the logits
+    equal a CPU engine's on the same file within fp32 device tolerance."""
+    from freetoken_agents.engine.memory.weights import decode_block
+
+    ftw = compact_ftws[quant]
+    # expert_quant="none": the reference decodes every codec to fp32, as the GPU tier does
+    cpu = Engine.from_pretrained(
+        ftw, device="cpu", dtype=torch.float32, placement="resident", expert_quant="none"
+    )
+    eng = Engine.from_pretrained(
+        ftw,
+        device="cuda",
+        dtype=torch.float32,
+        memory=MemoryBudget(),
+        placement="qstar",
+        tiering=TieringOptions(prefetch=False),
+    )
+    tp = eng.experts
+    tp.fast.resize(tp.min_working_set * 2)  # streaming, with evictions
+    prompt = [5, 3, 8, 1, 9, 2, 7, 4, 6, 0, 11, 12]
+    want = cpu.new_session().prefill(prompt)
+    got = eng.new_session().prefill(prompt).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.cuda.synchronize()
+    raw = {k: tp.ftw.expert_info(*k).raw_length for k in tp.ftw.expert_keys()}
+    (block,) = set(raw.values())  # one expert shape and codec: every copy is one compact block
+    copies = tp.stats()["bytes_moved"]["host->fast"]
+    assert copies > 0 and copies % block == 0
+    for key in tp.fast.keys():
+        w = tp.fast.peek(key)
+        ref = decode_block(tp.ftw, key, tp.ftw.read_expert_bytes(*key), torch.float32)
+        for name, t in w.tensors().items():
+            assert t.device.type == "cuda"
+            assert torch.equal(t.cpu(), getattr(ref, name)), (key, name)
+    # Every codec here is compact next to fp32: tier 2 keeps the compact bytes (it holds more
+    # experts than decoded ones would fill) and the GPU's decodes are timed for q*.
+    assert tp.host.keys()
+    for key in tp.host.keys():
+        value = tp.host.peek(key)
+        assert isinstance(value, torch.Tensor) and value.is_pinned()
+        assert value.numel() == raw[key] < tp.fast_bytes[key]
+    assert any(k.startswith(f"cuda/decode/{quant}") for k in tp.stats()["policy"]["compute_ema_s"])
+    tp.close()
+
+
+def test_corrupted_block_in_tier_2_or_on_disk_is_caught_before_use_on_cuda(compact_ftws, tmp_path):
+    """A flipped byte on disk fails its checksum when read, before anything reaches tier 2 or
+    the GPU (FTWFormatError naming the block), as on CPU."""
+    import shutil
+
+    from freetoken_agents.engine.errors import FTWFormatError
+    from freetoken_agents.engine.ftw import FTWFile
+
+    bad = tmp_path / "bad.ftw"
+    shutil.copy(compact_ftws["mxfp4"], bad)
+    with FTWFile(bad) as f:
+        info = f.expert_info(0, 0)
+    with open(bad, "r+b") as fh:
+        fh.seek(info.data_offset + 10)
+        byte = fh.read(1)
+        fh.seek(info.data_offset + 10)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    eng = Engine.from_pretrained(
+        bad, device="cuda", dtype=torch.float32, memory=MemoryBudget(), placement="qstar",
+        tiering=TieringOptions(prefetch=False),
+    )  # fmt: skip
+    named = r"expert block \(layer=0, expert=0\) at byte offset \d+: checksum"
+    with pytest.raises(FTWFormatError, match=named):
+        eng.experts.get(0, 0)
+    eng.experts.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from freetoken_agents.engine.memory import (
     BandwidthOracle,
     ComputeCostModel,
@@ -119,3 +121,26 @@ def test_throttled_link_mid_run_oracle_follows_within_300ms_and_qstar_flips_and_
         assert flipped_at is not None and flipped_at <= 0.3, flipped_at
         assert all(c is want for c in seen[seen.index(want) :])  # no flapping once moved
     assert fast.changes == 2
+
+
+def test_stream_is_priced_by_the_bytes_the_link_moves_plus_the_device_decode():
+    """CUDA tier 2 holds compact blocks: a 4x smaller MXFP4 copy makes STREAM win where the bf16
+    copy lost to HOST, and a measured device decode is added to the copy."""
+    p = _policy()
+    p.compute.set("cuda", "decoded", 1, 50e-6)
+    p.compute.set("cpu", "mxfp4", 1, 0.3e-3)
+    bf16 = _case(codec="mxfp4", stored_bytes=10 * MB)  # 0.4 ms copy: HOST (0.3 ms) wins
+    assert p.decide((0, 1), bf16) is Placement.HOST
+    compact = _case(codec="mxfp4", stored_bytes=10 * MB, link_bytes=10 * MB // 4)  # 0.1 ms copy
+    costs = p.costs(compact)
+    assert costs[Placement.STREAM] < costs[Placement.HOST]
+    slow_decode = _case(codec="mxfp4", stored_bytes=10 * MB, link_bytes=10 * MB // 4, decode_s=1e-3)
+    assert p.costs(slow_decode)[Placement.STREAM] == pytest.approx(costs[Placement.STREAM] + 1e-3)
+    assert p.decide((0, 1), slow_decode) is Placement.HOST
+
+
+def test_measured_answers_only_from_measurements():
+    c = ComputeCostModel(prior_seconds=1e-3)
+    assert c.measured("cuda", "decode/mxfp4", 1) is None and c.estimate("cuda", "decode/mxfp4", 1) == 1e-3
+    c.observe("cuda", "decode/mxfp4", 1, 20e-6)
+    assert c.measured("cuda", "decode/mxfp4", 1) == 20e-6

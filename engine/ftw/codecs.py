@@ -289,13 +289,15 @@ def _e8m0_lut(dtype: torch.dtype) -> torch.Tensor:
     return lut.to(dtype)
 
 
-_LUTS: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+_LUTS: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _luts(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    if dtype not in _LUTS:
-        _LUTS[dtype] = (_mxfp4_pair_lut(dtype), _e8m0_lut(dtype))
-    return _LUTS[dtype]
+def _luts(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode tables where the blocks are (a GPU decodes stored bytes it received in place)."""
+    key = (dtype, device)
+    if key not in _LUTS:
+        _LUTS[key] = (_mxfp4_pair_lut(dtype).to(device), _e8m0_lut(dtype).to(device))
+    return _LUTS[key]
 
 
 class MXFP4Codec(Codec):
@@ -347,7 +349,7 @@ class MXFP4Codec(Codec):
         # E2M1 values times powers of two are exact in fp32 and bf16 (same exponent range), so
         # those dtypes compute directly; others (fp16 range) compute in fp32 and cast.
         work = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
-        pair_lut, scale_lut = _luts(work)
+        pair_lut, scale_lut = _luts(work, blocks.device)
         nb = blocks.shape[1]
         vals = torch.index_select(pair_lut, 0, blocks.reshape(-1).to(torch.int32))
         vals = vals.view(out, nb, MXFP4_BLOCK)

@@ -144,6 +144,7 @@ def convert_checkpoint(
     progress: bool = True,
     auto_policy: AutoPolicy | None = None,
     dense_dtype: torch.dtype | None = None,
+    calibration_device: str = "cpu",
 ) -> ConvertReport:
     """Write the Hugging Face checkpoint in `hf_dir` as the FTW file `out_path` (see module doc).
 
@@ -153,6 +154,8 @@ def convert_checkpoint(
         progress: show a tqdm bar over the experts.
         auto_policy: hot/cold split for ``quant="auto"`` (default `AutoPolicy()`); ignored otherwise.
         dense_dtype: override the dense float dtype policy (float32, bfloat16 or float16).
+        calibration_device: where ``quant="auto"`` runs the model to measure routing ("cpu",
+            "cuda" or "cuda:N"; on CUDA in bfloat16, placed by the engine's "auto" placement).
 
     Raises CheckpointError / UnsupportedModelError for an unreadable or unsupported checkpoint,
     ValueError for a bad argument. The file appears atomically: on error nothing is left at
@@ -190,7 +193,7 @@ def convert_checkpoint(
     hot: dict[int, list[int]] | None = None
     policy = auto_policy or AutoPolicy()
     if quant == "auto":
-        hot = _calibrate(folder, policy, metadata)
+        hot = _calibrate(folder, policy, metadata, calibration_device)
     tokenizer_files = {n: (folder / n).read_bytes() for n in EMBEDDED_FILES if (folder / n).is_file()}
 
     stats: Counter[str] = Counter()
@@ -247,12 +250,18 @@ def _report(
     )
 
 
-def _calibrate(folder: Path, policy: AutoPolicy, metadata: dict[str, Any]) -> dict[int, list[int]]:
+def _calibrate(
+    folder: Path, policy: AutoPolicy, metadata: dict[str, Any], device: str
+) -> dict[int, list[int]]:
     """Measure routing on the source checkpoint; record policy, counts and hot sets in `metadata`."""
     from ..engine import Engine
 
-    engine = Engine.from_pretrained(folder)
-    counts, tokens = measure_routing(engine, policy)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    engine = Engine.from_pretrained(folder, device=device, dtype=dtype)
+    try:
+        counts, tokens = measure_routing(engine, policy)
+    finally:
+        engine.close()
     hot = hot_experts(counts, policy.hot_fraction)
     metadata["auto"] = {
         "policy": policy.to_dict(),

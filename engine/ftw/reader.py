@@ -65,6 +65,16 @@ def _view(buf: Buffer, dtype: torch.dtype, shape: tuple[int, ...], offset: int) 
     return t.view(shape)
 
 
+def _tensor_view(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
+    """Zero-copy tensor over the uint8 tensor ``raw[offset:]`` (parts start PART_ALIGN-aligned,
+    so the reinterpretation is always aligned)."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return raw[offset : offset + nbytes].view(dtype).view(shape)
+
+
 class FTWFile:
     """A read-only FTW file.
 
@@ -341,12 +351,13 @@ class FTWFile:
             )
         return raw
 
-    def _encoded(self, info: ExpertInfo, raw: Buffer) -> dict[str, EncodedTensor]:
+    def _encoded(self, info: ExpertInfo, raw: Buffer | torch.Tensor) -> dict[str, EncodedTensor]:
         key = (info.layer, info.expert)
+        view = _tensor_view if isinstance(raw, torch.Tensor) else _view
         out: dict[str, EncodedTensor] = {}
         for pname, t in info.tensors.items():
             parts = {
-                part_name: _view(raw, DTYPES[p.dtype], p.shape, p.offset_in_block)
+                part_name: view(raw, DTYPES[p.dtype], p.shape, p.offset_in_block)
                 for part_name, p in t.parts.items()
             }
             enc = EncodedTensor(t.codec, t.shape, parts)
@@ -391,6 +402,33 @@ class FTWFile:
         elif len(stored) != info.stored_length:
             self._check_stored(info, stored)
         encs = self._encoded(info, self._raw(info, stored))
+        return {pname: get_codec(enc.codec).decode(enc, dtype) for pname, enc in encs.items()}
+
+    def raw_bytes(self, layer: int, expert: int, stored: Buffer) -> Buffer:
+        """The raw (decompressed) bytes of a block whose verified stored bytes are `stored`: the
+        form `decode_raw` takes, and the bytes a GPU tier receives (the same object when the
+        block is not compressed)."""
+        info = self.expert_info(layer, expert)
+        if len(stored) != info.stored_length:
+            self._check_stored(info, stored)
+        return self._raw(info, stored)
+
+    def decode_raw(
+        self, layer: int, expert: int, raw: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> dict[str, torch.Tensor]:
+        """Decode a block's raw bytes held in a uint8 tensor on any device (see `raw_bytes`):
+        the codec runs where the bytes are, so a GPU that received the compact block decodes it
+        itself. The bytes must have been verified when read (the checksum covers the stored
+        form); the length is checked. Returns what `decode_stored` returns, on `raw.device`."""
+        info = self.expert_info(layer, expert)
+        if raw.dtype != torch.uint8 or raw.dim() != 1 or raw.numel() != info.raw_length:
+            raise self._err(
+                f"raw bytes must be a 1-D uint8 tensor of {info.raw_length} bytes, got "
+                f"{raw.dtype} {list(raw.shape)}",
+                offset=info.data_offset,
+                key=(layer, expert),
+            )
+        encs = self._encoded(info, raw)
         return {pname: get_codec(enc.codec).decode(enc, dtype) for pname, enc in encs.items()}
 
     def decode_expert(

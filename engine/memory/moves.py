@@ -1,19 +1,21 @@
 """`TierMover`: moves expert blocks between the tiers and counts the bytes on each link.
 
 - tier 3 -> tier 2 (`read_block`, `host_value`): `BlockReader` reads a verified block past the
-  page cache; on CUDA it is decoded into pinned host memory (`cuda_path`).
+  page cache; on CUDA its raw (compact: fp8, int8, MXFP4 as stored) bytes are copied into one
+  pinned host buffer (`weights.pinned_raw`), so tier 2 holds as many experts as their stored
+  size allows (~4x more MXFP4 than bf16 experts in the same RAM).
 - tier 2 -> tier 1 (`promote`): CPU: decode the stored bytes. With exclusive tiers and a block
   that decodes zero-copy (stored codec = compute dtype) the bytes *move*: the tier-1 weights are
   views of the tier-2 buffer, which leaves tier 2 (no copy, no second copy in RAM). Otherwise
   tier 1 gets a decoded copy and the compact bytes stay in tier 2 (the baseline design always
-  copies: `ExpertWeights.packed`). CUDA: a non_blocking copy on a side stream.
+  copies: `ExpertWeights.packed`). CUDA: the compact bytes cross the link (a non_blocking copy
+  on a side stream) and the GPU decodes them (`FTWFile.decode_raw`, event-timed for q*).
 - tier 1 -> tier 2 (`demote`, tier 1's `on_evict`): an evicted zero-copy block returns to tier 2
   (it is already in RAM); one tier 2 cannot take leaves RAM and its buffer is recycled. CUDA with
-  exclusive tiers (`spill`, tier 1's `on_evict` there):
-  a promoted expert leaves tier 2 and an evicted one is copied back into pinned memory: a
-  device -> host copy (~1 ms for 25 MB) instead of a disk read if it is needed again,
-  and GPU and host memory hold twice as many distinct experts as when tier 2 kept a copy of
-  everything in tier 1.
+  exclusive tiers (`spill`, tier 1's `on_evict` there): an expert whose decoded form is no
+  larger than its compact one (bf16 stored, bf16 compute) moves up and, evicted, is copied back
+  into pinned memory (a device -> host copy, ~1 ms for 25 MB, instead of a disk read); a compact
+  expert keeps its bytes in tier 2 and its decoded copy is simply dropped.
 Thread-safe: the loader threads read and insert into tier 2 under `lock` while the compute thread
 promotes.
 """
@@ -33,7 +35,7 @@ from .prefetch import SKIPPED
 from .stats import PhaseTimer
 from .storage import BlockReader
 from .tiers import FastTier, HostTier, LayerLRUTier
-from .weights import decode_block, pinned_storage, rebase
+from .weights import codec_name, decode_block, decode_raw, pinned_raw, pinned_storage, rebase
 
 
 class TierMover:
@@ -45,8 +47,10 @@ class TierMover:
     cache). Tier 2 holds `host_bytes`; `rank` orders its evictions; `protected` names keys both
     tiers evict last (needed soon).
     `exclusive`: tier 1 and tier 2 never both hold an expert (q* placement; CPU: zero-copy blocks
-    move up, others keep their compact bytes in tier 2; CUDA: every expert moves).
-    `backing`: tier-1 key -> the stored bytes its weights are views of.
+    move up, others keep their compact bytes in tier 2; CUDA: experts that do not grow when
+    decoded move, compact ones keep their bytes in tier 2).
+    `backing`: tier-1 key -> the stored bytes its weights are views of. `timer`: CUDA, times the
+    device decodes for q* (`ComputeTimer`, kind "decode/<codec>").
     """
 
     def __init__(
@@ -68,6 +72,7 @@ class TierMover:
         max_pinned_fraction: float = 0.5,
         rank: Callable[[Any], float] | None = None,
         protected: Callable[[Any], bool] | None = None,
+        timer: Any = None,
     ) -> None:
         self.ftw, self.dtype, self.reader = ftw, dtype, reader
         self.storage_link, self.fast_link = links
@@ -75,6 +80,10 @@ class TierMover:
         self.stored_bytes, self.fast_bytes = stored_bytes, fast_bytes
         self.lock = threading.RLock()
         self.backing: dict[ExpertKey, Any] = {}
+        self.timer = timer
+        self.raw_bytes = {k: ftw.expert_info(*k).raw_length for k in stored_bytes}
+        # CUDA, exclusive: the experts that leave tier 2 when promoted (spilled back on eviction)
+        self.moves_up = {k for k in stored_bytes if exclusive and fast_bytes[k] <= self.raw_bytes[k]}
         self.bytes_moved = {"storage->host": 0, "host->fast": 0, "fast->host": 0}
         self.copies: Any = None
         if cuda:
@@ -100,25 +109,32 @@ class TierMover:
     def read_block(
         self, key: ExpertKey, *, urgent: bool = True, still_wanted: Callable[[], bool] | None = None
     ) -> Any:
-        """Tier 3 -> a tier-2 value (CPU: verified stored bytes; CUDA: pinned decoded expert).
-        FTWFormatError for a corrupted or truncated block. Inserts nothing. `urgent`: a demand
-        read, served before queued prefetch reads. None if `still_wanted` said no (prefetch)."""
+        """Tier 3 -> a tier-2 value (CPU: verified stored bytes; CUDA: the raw compact bytes in
+        pinned memory). FTWFormatError for a corrupted or truncated block (the checksum is
+        checked before anything is kept). Inserts nothing. `urgent`: a demand read, served
+        before queued prefetch reads. None if `still_wanted` said no (prefetch)."""
         n = self.stored_bytes[key]
         value = self.reader.read(*key, urgent=urgent, still_wanted=still_wanted)  # timed: __init__
         if value is None:
             return None
-        if self.cuda:  # tier 2 on CUDA: decoded, packed into pinned (page-locked) host memory
-            w = self.decode(key, value)
-            pinned = rebase(w, pinned_storage(w, self.dtype))
-            del w
+        if self.cuda:  # tier 2 on CUDA: the compact bytes in pinned (page-locked) host memory
+            pinned = pinned_raw(self.ftw.raw_bytes(*key, value))
             self.reader.buffers.retire(value)  # the read buffer is free once copied
             value = pinned
         with self.lock:
             self.bytes_moved["storage->host"] += n
         return value
 
-    def host_nbytes(self, key: ExpertKey) -> int:
-        return self.fast_bytes[key] if self.cuda else self.stored_bytes[key]
+    def host_nbytes(self, key: ExpertKey, value: Any = None) -> int:
+        """Tier-2 size of `key` held as `value` (CUDA: compact raw bytes, or a spilled decoded
+        expert)."""
+        if not self.cuda:
+            return self.stored_bytes[key]
+        return self.fast_bytes[key] if isinstance(value, ExpertWeights) else self.raw_bytes[key]
+
+    def link_bytes(self, key: ExpertKey) -> int:
+        """Bytes a STREAM of `key` moves over the host -> fast link (what q* prices)."""
+        return self.raw_bytes[key] if self.cuda else self.stored_bytes[key]
 
     def host_value(self, key: ExpertKey, *, keep: bool = True) -> Any:
         """Tier-2 value of `key` (a counted hit or miss), read from tier 3 on a miss and, with
@@ -131,11 +147,29 @@ class TierMover:
             value = self.read_block(key)
         if keep:
             with self.lock:
-                self.host.put(key, value, self.host_nbytes(key))
+                self.host.put(key, value, self.host_nbytes(key, value))
         return value
 
     def decode(self, key: ExpertKey, stored: Any) -> ExpertWeights:
+        """A tier-2 value as weights where its bytes are (CUDA tier 2: pinned raw bytes or a
+        spilled decoded expert; CPU: stored bytes)."""
+        if isinstance(stored, ExpertWeights):
+            return stored
+        if isinstance(stored, torch.Tensor):
+            return decode_raw(self.ftw, key, stored, self.dtype)
         return decode_block(self.ftw, key, stored, self.dtype)
+
+    def _device_decode(self, key: ExpertKey, arrived: Any) -> ExpertWeights:
+        """CUDA: what a copy brought to the device -> tier-1 weights. Compact bytes are decoded
+        on the compute stream, timed by events (q* adds the decode to a STREAM's price)."""
+        if isinstance(arrived, ExpertWeights):
+            return arrived
+        if self.timer is None:
+            return decode_raw(self.ftw, key, arrived, self.dtype)
+        start = self.timer.start()
+        w = decode_raw(self.ftw, key, arrived, self.dtype)
+        self.timer.stop(start, 1, kind=f"decode/{codec_name(self.ftw, key)}")
+        return w
 
     def demote(self, key: ExpertKey, _w: ExpertWeights) -> None:
         """CPU (`fast.on_evict`): a zero-copy block leaving tier 1 goes back to tier 2 (its bytes
@@ -148,26 +182,28 @@ class TierMover:
             self.reader.buffers.retire(stored)
 
     def spill(self, key: ExpertKey, w: ExpertWeights) -> None:
-        """CUDA, exclusive tiers (`fast.on_evict`): an expert leaving tier 1 goes back to tier 2,
-        copied into pinned memory. The copy is ordered after the compute that still reads `w`."""
-        src = w.storage
-        if src is None:
+        """CUDA, exclusive tiers (`fast.on_evict`): an expert that moved up goes back to tier 2,
+        copied into pinned memory (the copy is ordered after the compute that still reads `w`).
+        A compact expert's bytes never left tier 2: its decoded copy is dropped."""
+        if key not in self.moves_up:
             return
         pinned = pinned_storage(w, self.dtype)
         with self.lock:
-            self.bytes_moved["fast->host"] += src.numel() * src.element_size()
+            self.bytes_moved["fast->host"] += self.fast_bytes[key]
             self.host.put(key, rebase(w, pinned), self.fast_bytes[key])
 
     def promote(self, key: ExpertKey, staged: Any) -> ExpertWeights:
         """Bring `key` into tier 1 from a finished prefetch (`staged`), tier 2 or tier 3."""
         if self.cuda:
+            moves_up = key in self.moves_up
             if staged is not None:
-                w = self.copies.ready(*staged)
+                arrived = self.copies.ready(*staged)
             else:
-                w = self.copies.ready(*self.copies.start(self.host_value(key, keep=not self.exclusive)))
+                arrived = self.copies.ready(*self.copies.start(self.host_value(key, keep=not moves_up)))
+            w = self._device_decode(key, arrived)
             with self.lock:
                 self.bytes_moved["host->fast"] = self.copies.bytes_copied
-                if self.exclusive:  # it moved up (the pinned buffer is reused once the copy ends)
+                if moves_up:  # it moved up (the pinned buffer is reused once the copy ends)
                     self.host.pop(key)
                 self.fast.put(key, w, self.fast_bytes[key])  # evictions: `spill`
             return w
@@ -215,8 +251,9 @@ class TierMover:
                     return SKIPPED
             else:
                 with self.lock:  # a demand load may have promoted it meanwhile: no second copy
-                    if not (self.exclusive and key in self.fast):
-                        self.host.put(key, value, self.host_nbytes(key))
+                    moved = key in self.moves_up if self.cuda else self.exclusive
+                    if not (moved and key in self.fast):
+                        self.host.put(key, value, self.host_nbytes(key, value))
         if self.cuda:
             return self.copies.start(value) if stage else None
         return value

@@ -3,13 +3,15 @@
 Costs in seconds for one expert and T tokens routed to it (DESIGN.md section 5):
 
     t_resident = t_compute(fast, T)
-    t_stream   = t_fetch + bytes / bw(host->fast) - overlap + t_compute(fast, T) + loss - gain
+    t_stream   = t_fetch + link bytes / bw(host->fast) + t_decode(fast) - overlap + t_compute(fast, T)
+                 + loss - gain
     t_host     = t_fetch + t_compute(host, T) + activation bytes / bw(activations)
 
-`t_fetch` = stored bytes / bw(storage->host) when the block is not in tier 2 (else 0); `overlap`
-is the part of the copy a prefetch already hid. Residency is valued by expected future uses, the
-decayed routing frequency f: each later use of a resident expert saves
-`s + reload` with `s = max(0, t_compute(host, 1) - t_compute(fast, 1))` (a decode step on the
+`t_fetch` = stored bytes / bw(storage->host) when the block is not in tier 2 (else 0); link bytes
+are what the copy moves (CUDA: the compact raw bytes, which the GPU then decodes in t_decode,
+measured per codec); `overlap` is the part of the copy a prefetch already hid. Residency is
+valued by expected future uses, the decayed routing frequency f: each later use of a resident
+expert saves `s + reload` with `s = max(0, t_compute(host, 1) - t_compute(fast, 1))` (a decode step on the
 host instead of tier 1) and `reload` = what bringing it back costs (copy + host-tier miss rate x
 fetch). `gain = f_candidate x (s + reload_candidate)`, `loss = sum over the victims a STREAM must
 evict of f_v x (s + reload_v)`. So a STREAM that only pushes out an equally hot expert is not
@@ -74,13 +76,18 @@ class ComputeCostModel:
         self._ema[(device, codec, tokens_bucket(tokens))] = seconds
 
     def estimate(self, device: str, codec: str, tokens: int) -> float:
+        known = self.measured(device, codec, tokens)
+        return self.prior_seconds * max(1, tokens) if known is None else known
+
+    def measured(self, device: str, codec: str, tokens: int) -> float | None:
+        """`estimate` from measurements only: None while (device, codec) has none."""
         b = tokens_bucket(tokens)
         exact = self._ema.get((device, codec, b))
         if exact is not None:
             return exact
         measured = sorted(k[2] for k in self._ema if k[0] == device and k[1] == codec)
         if not measured:
-            return self.prior_seconds * max(1, tokens)
+            return None
         below = [m for m in measured if m <= b]
         if below:
             m = below[-1]
@@ -95,7 +102,9 @@ class ComputeCostModel:
 class ExpertCase:
     """What the policy needs to know about one expert this step.
 
-    `stored_bytes`: bytes of its FTW block (tier 2/3 form); `fast_bytes`: its tier-1 size;
+    `stored_bytes`: bytes of its FTW block (tier 3 form, what a disk read moves); `link_bytes`:
+    what a STREAM copies host -> fast (default `stored_bytes`; CUDA: the raw compact bytes) and
+    `decode_s` the fast side's measured decode of them; `fast_bytes`: its tier-1 size;
     `activation_bytes`: bytes of its input + output activations (HOST moves them);
     `prefetched_s`: seconds of copy a prefetch already hid (0 if none); `victims`: reload times
     (s) and decayed frequencies of what a STREAM would evict; `frequency`: its own.
@@ -108,6 +117,8 @@ class ExpertCase:
     stored_bytes: int
     fast_bytes: int
     activation_bytes: int = 0
+    link_bytes: int | None = None
+    decode_s: float = 0.0
     prefetched_s: float = 0.0
     frequency: float = 0.0
     victims: Sequence[tuple[float, float]] = ()
@@ -148,7 +159,8 @@ class QStarPolicy:
         fetch = 0.0 if case.in_host else self.storage.seconds_for(case.stored_bytes)
         out: dict[Placement, float] = {}
         if case.can_stream:
-            full_copy = self.host_fast.seconds_for(case.stored_bytes)
+            moved = case.stored_bytes if case.link_bytes is None else case.link_bytes
+            full_copy = self.host_fast.seconds_for(moved) + case.decode_s
             copy = max(0.0, full_copy - case.prefetched_s)
             saving = max(
                 0.0,

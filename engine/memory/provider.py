@@ -9,15 +9,19 @@ Tiers on a CPU-only machine (tier 1 and tier 2 are both RAM; what differs is the
 With placement "qstar" the two RAM tiers are exclusive for blocks that decode zero-copy (stored
 codec = compute dtype): promoting one moves its buffer from tier 2 to tier 1 and an eviction
 demotes it back (`moves.TierMover`), so both budgets hold distinct experts.
-On CUDA: tier 1 = device tensors, tier 2 = decoded experts in pinned host memory (`cuda_path`);
-with q* exclusive too: a promoted expert leaves tier 2, an evicted one is copied back into it.
+On CUDA: tier 1 = device tensors, tier 2 = the compact stored bytes in pinned host memory
+(`cuda_path`): a STREAM copies those (MXFP4: ~0.27x the bytes of bf16) and the GPU decodes them.
+With q*, an expert whose decoded form is no larger (bf16 stored, bf16 compute) leaves tier 2 when
+promoted and is copied back when evicted; a compact one keeps its bytes in tier 2.
 
 Placements (per expert per step, `QStarPolicy`):
 - RESIDENT: in tier 1; compute there.
 - STREAM: bring it into tier 1 (reading tier 3 if needed; CPU: decode or move; CUDA: async copy
-  on a side stream that compute waits for by event), keep it there (may evict), compute there.
+  of the compact bytes on a side stream that compute waits for by event, then a GPU decode),
+  keep it there (may evict), compute there.
 - HOST: compute where the weights are: CPU: from the tier-2 bytes (decoded transiently; read from
-  tier 3 into tier 2 first if absent); CUDA: on the CPU from pinned memory, moving activations.
+  tier 3 into tier 2 first if absent); CUDA: on the CPU from the pinned compact bytes (decoded
+  there transiently), moving activations.
 `placement="stream"` is the mixtral-offloading design kept as a baseline: a per-layer LRU of
 decoded copies in tier 1 (`LayerLRUTier` + `AlwaysStreamPolicy`), tier 2 independent of it.
 
@@ -141,6 +145,21 @@ class TieredExpertProvider:
         self.fast_link = BandwidthOracle("host->fast", clock=clock, prior_bps=1e10)
         # The transfer alone is timed (not queueing or checksums).
         self.reader = BlockReader(self.ftw, direct=direct_io, on_transfer=self.storage_link.record)
+        self.act_link = BandwidthOracle("activations", clock=clock, prior_bps=1e10) if self.cuda else None
+        policy_cls = AlwaysStreamPolicy if placement == "stream" else QStarPolicy
+        self.policy = policy or policy_cls(
+            self.storage_link,
+            self.fast_link,
+            self.act_link,
+            ComputeCostModel(),
+            fast_device=self.device.type,
+            host_device="cpu-host",
+        )
+        self._timer: Any = None
+        if self.cuda:  # expert compute and device decodes, event-timed for q*
+            from .cuda_path import ComputeTimer
+
+            self._timer = ComputeTimer(self.policy.compute, self.device.type)
         self.phases = PhaseTimer()
         self.moves = TierMover(
             self.ftw,
@@ -162,20 +181,11 @@ class TieredExpertProvider:
             # of 8.9 disk reads per decode token (bench/eviction.py).
             rank=self.routing.of if self.exclusive else None,
             protected=self._needed_soon if prefetch else None,
+            timer=self._timer,
         )
         self.fast, self.host = self.moves.fast, self.moves.host
         self._lock = self.moves.lock
         self._apply_fast_budget()
-        self.act_link = BandwidthOracle("activations", clock=clock, prior_bps=1e10) if self.cuda else None
-        policy_cls = AlwaysStreamPolicy if placement == "stream" else QStarPolicy
-        self.policy = policy or policy_cls(
-            self.storage_link,
-            self.fast_link,
-            self.act_link,
-            ComputeCostModel(),
-            fast_device=self.device.type,
-            host_device="cpu-host",
-        )
         # Two loader threads: one verifies (and on CUDA decodes into pinned memory) the block it
         # read while the other reads the next; the reader keeps reads one at a time.
         self.prefetcher = (
@@ -185,11 +195,6 @@ class TieredExpertProvider:
         self.routers: dict[int, torch.nn.Module] = dict(routers or {})
         self.steps = 0
         self._hooks: list[Any] = [h for module in attention for h in self.phases.hook(module, "attention")]
-        self._timer: Any = None
-        if self.cuda:
-            from .cuda_path import ComputeTimer
-
-            self._timer = ComputeTimer(self.policy.compute, self.device.type)
 
     # ---- budget ---------------------------------------------------------------------------
     def _apply_fast_budget(self) -> None:
@@ -314,11 +319,12 @@ class TieredExpertProvider:
 
     def _host_compute(self, key: ExpertKey, x: torch.Tensor, spec: MoESpec, staged: Any) -> torch.Tensor:
         """HOST: compute from the tier-2 weights (CPU: the stored bytes, decoded transiently;
-        CUDA: pinned decoded weights on the CPU, moving only the activations)."""
+        CUDA: the pinned compact bytes decoded on the CPU, moving only the activations)."""
         value = self.moves.host_value(key) if self.cuda or staged is None else staged
         t0 = time.perf_counter()  # after any disk read: q* prices that with the storage link
         if self.cuda:
-            y = expert_forward(value, x.to("cpu"), spec).to(self.device, non_blocking=True)
+            w = self.moves.decode(key, value)
+            y = expert_forward(w, x.to("cpu"), spec).to(self.device, non_blocking=True)
         else:
             with self.phases.time("experts"):
                 y = expert_forward(self.moves.decode(key, value), x, spec)
@@ -337,6 +343,8 @@ class TieredExpertProvider:
             resident=resident,
             in_host=in_host or staged,
             stored_bytes=self.stored_bytes[key],
+            link_bytes=self.moves.link_bytes(key),
+            decode_s=self._decode_s(key),
             fast_bytes=self.fast_bytes[key],
             activation_bytes=2 * x.numel() * x.element_size(),
             prefetched_s=float("inf") if staged and self.cuda else 0.0,
@@ -347,10 +355,17 @@ class TieredExpertProvider:
             free_room=self.fast.has_room(self.fast_bytes[key], key),
         )
 
+    def _decode_s(self, key: ExpertKey) -> float:
+        """CUDA: measured seconds the GPU takes to decode `key`'s compact bytes (0 until measured,
+        and for blocks that arrive in the compute dtype: their decode is a view)."""
+        if not self.cuda or key in self.moves.moves_up:
+            return 0.0
+        return self.policy.compute.measured(self.device.type, f"decode/{self.codec[key]}", 1) or 0.0
+
     def _reload_s(self, key: ExpertKey, host_miss: float) -> float:
         """Predicted seconds to bring `key` back into tier 1 after an eviction."""
-        n = self.stored_bytes[key]
-        return self.fast_link.seconds_for(n) + host_miss * self.storage_link.seconds_for(n)
+        copy = self.fast_link.seconds_for(self.moves.link_bytes(key)) + self._decode_s(key)
+        return copy + host_miss * self.storage_link.seconds_for(self.stored_bytes[key])
 
     # ---- routing statistics, hot set, prefetch --------------------------------------------
     def _note_routing(self, layer: int, used: list[int]) -> None:

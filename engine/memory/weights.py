@@ -3,6 +3,7 @@ buffers and rebuilding an expert's projection views over another flat storage (d
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -31,6 +32,24 @@ def decode_block(ftw: FTWFile, key: ExpertKey, stored: Any, dtype: torch.dtype) 
     when the codec is `dtype` itself: no copy; treat them as read-only)."""
     decoded = ftw.decode_stored(key[0], key[1], stored, dtype, verify=False)
     return ExpertWeights(**canonical_expert(decoded, path=ftw.path, key=key))
+
+
+def decode_raw(ftw: FTWFile, key: ExpertKey, raw: torch.Tensor, dtype: torch.dtype) -> ExpertWeights:
+    """A block's raw bytes in a uint8 tensor (pinned host or device) -> its canonical weights in
+    `dtype`, decoded where the bytes are (views into `raw` when the codec is `dtype` itself)."""
+    decoded = ftw.decode_raw(key[0], key[1], raw, dtype)
+    return ExpertWeights(**canonical_expert(decoded, path=ftw.path, key=key))
+
+
+def pinned_raw(raw: bytes | bytearray | memoryview) -> torch.Tensor:
+    """A block's raw bytes copied into one page-locked uint8 host buffer (tier 2 on CUDA: the
+    host -> device copy of the compact bytes can then be asynchronous)."""
+    out = torch.empty(len(raw), dtype=torch.uint8, pin_memory=True)
+    if len(raw):
+        with warnings.catch_warnings():  # read-only source (decompressed bytes): only read here
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            out.copy_(torch.frombuffer(raw, dtype=torch.uint8))
+    return out
 
 
 def pinned_storage(w: ExpertWeights, dtype: torch.dtype) -> torch.Tensor:

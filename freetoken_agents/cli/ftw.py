@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections import Counter, defaultdict
 
+from ..engine import check_device
 from ..engine.ftw import CODECS, ExpertInfo, FTWFile
 from ..engine.ftw.calibrate import AutoPolicy
 from ..engine.ftw.convert import QUANTS, convert_checkpoint
@@ -26,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hot-fraction", type=float, default=0.25, help="auto: share of hot experts per layer")
     p.add_argument("--hot-codec", choices=CODECS, default="bf16", help="auto: codec of hot experts")
     p.add_argument("--cold-codec", choices=CODECS, default="mxfp4", help="auto: codec of cold experts")
+    p.add_argument(
+        "--device", default="cpu", help="auto: where the model runs to measure routing (cpu, cuda, cuda:N)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run_convert)
 
@@ -41,6 +45,7 @@ def _progress(args: argparse.Namespace) -> bool:
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    check_device(args.device)  # a bad --device fails before any work, with or without --quant auto
     policy = AutoPolicy(hot_fraction=args.hot_fraction, hot_codec=args.hot_codec, cold_codec=args.cold_codec)
     report = convert_checkpoint(
         args.hf_dir,
@@ -49,6 +54,7 @@ def run_convert(args: argparse.Namespace) -> int:
         compress=args.compress,
         progress=_progress(args),
         auto_policy=policy,
+        calibration_device=args.device,
     )
     print(report.summary())  # noqa: T201
     return 0
