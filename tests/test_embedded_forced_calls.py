@@ -32,14 +32,9 @@ def test_forced_get_weather_copies_the_city(city: str) -> None:
     assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("get_weather", {"city": city})]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a model limit, not the decoder's: the shipped model's training places all started with "
-    "a consonant onset, so a city starting with a vowel gets P(first letter) < 0.001; it writes "
-    "'Fassaka'. The corpus now has vowel onsets (place_name(vowel_onsets=True)) and a model "
-    "trained on it writes 'Osaka', but that model is not shipped yet (issue 22).",
-)
 def test_forced_get_weather_copies_osaka() -> None:
+    """A vowel-initial city: the first shipped model (all training places consonant-initial) wrote
+    'Fassaka'; the model trained on names with vowel onsets copies it."""
     msg = llm().bind_tools([GET_WEATHER], tool_choice="get_weather").invoke("What is the weather in Osaka?")
     assert msg.tool_calls[0]["args"] == {"city": "Osaka"}
 

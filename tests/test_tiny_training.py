@@ -16,6 +16,7 @@ from freetoken_agents.recipes.tiny.train import (
     batches,
     cache_argument,
     encode,
+    encode_all,
     render,
     shared_block_forward,
     train,
@@ -137,6 +138,8 @@ def test_loss_mask_covers_the_conversation_but_not_the_system_block():
             assert m["content"].split("\n")[0] in learned
         assert "<tools>" not in learned and "<|im_start|>system" not in learned
         assert learned.startswith("<|im_start|>user")
+    # the batched encoding of the training run gives exactly the per-dialogue encoding
+    assert encode_all(tok, rendered, chunk=7) == [encode(tok, t, s) for t, s in rendered]
 
 
 def test_tokenizer_splits_a_name_into_the_same_tokens_in_prose_json_and_code():

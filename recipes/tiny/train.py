@@ -9,8 +9,16 @@ small functions of `coding.py`.
     python -m freetoken_agents.recipes.tiny.train --out build/tiny --device cuda  # on a GPU (bf16 autocast)
 
 The shipped freetoken-tiny.ftw was trained by this module at commit 8526d06 (the four tools and
-coding only, ~26 min on 2 cores); `--init` continues from an FTW file with its tokenizer (see
-`warm.py`). On 2 shared cores a step of 4,096 conversation tokens takes ~4-10 s.
+coding only, ~26 min on 2 cores), then continued for 200 steps on the world's tools (place names
+that may start with a vowel: the first model wrote "Fassaka" for Osaka) and coding, 14 min:
+
+    git show 1420e20:freetoken_agents/data/freetoken-tiny.ftw > build/first.ftw  # that model
+    python -m freetoken_agents.recipes.tiny.train --out build/tiny-vowels \
+        --init build/first.ftw --steps 200 --dialogues 6000 --lr 5e-4 --threads 2 \
+        --code-share 0.45 --world-share 0.55
+
+`--init` continues from an FTW file with its tokenizer (see `warm.py`). On 2 shared cores a step
+of 4,096 conversation tokens takes ~3-10 s.
 
 Reproducible: the corpus, the tokenizer, the initialisation and the batch order all follow `--seed`
 (bit-identical reruns need the same torch build and thread count). The text is rendered by the
@@ -148,11 +156,29 @@ def render(tokenizer: Any, d: Dialogue) -> tuple[str, list[tuple[int, int]]]:
 def encode(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
     """Token ids and labels (-100 outside `spans`)."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    labels = [
+    return enc["input_ids"], _labels(enc["input_ids"], enc["offset_mapping"], spans)
+
+
+def encode_all(
+    tokenizer: Any, rendered: list[tuple[str, list[tuple[int, int]]]], chunk: int = 2048
+) -> list[tuple[list[int], list[int]]]:
+    """`encode` over many dialogues, a chunk per tokenizer call: the Rust tokenizer encodes a batch
+    on every core (a 16-core GPU machine tokenizes a 100k-dialogue corpus in seconds, not minutes).
+    Equal to `encode` one by one."""
+    out: list[tuple[list[int], list[int]]] = []
+    for i in tqdm(range(0, len(rendered), chunk), desc="tokenize", leave=False):
+        part = rendered[i : i + chunk]
+        enc = tokenizer([t for t, _ in part], add_special_tokens=False, return_offsets_mapping=True)
+        for ids, offsets, (_, spans) in zip(enc["input_ids"], enc["offset_mapping"], part, strict=True):
+            out.append((ids, _labels(ids, offsets, spans)))
+    return out
+
+
+def _labels(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    return [
         tid if any(a <= start < b for a, b in spans) else -100
-        for tid, (start, _) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)
+        for tid, (start, _) in zip(ids, offsets, strict=True)
     ]
-    return enc["input_ids"], labels
 
 
 MAX_TOKENS = 1536  # longer dialogues (rare: four tools with long schemas, two exchanges) are left out
@@ -259,12 +285,15 @@ def train(
     init: Path | None = None,
     save_every: int = 0,
     device: str = "cpu",
+    code_share: float = 0.3,
+    world_share: float = 0.15,
 ) -> Path:
     """Train and write `out/hf` (the checkpoint) and `out/model.ftw`; returns the FTW path.
 
     `init`: an FTW file to start from (its tokenizer and weights, see `warm.py`) instead of a new
     tokenizer and a random initialisation. `device`: where to train ("cuda": fp32 master weights,
-    bf16 autocast); the corpus, the batches' order and the saved files do not depend on it."""
+    bf16 autocast); the corpus, the batches' order and the saved files do not depend on it.
+    `code_share`, `world_share`: the corpus mix (the rest is generic tool use, see `build_corpus`)."""
     from transformers import AutoModelForCausalLM
 
     from freetoken_agents.engine.ftw.convert import convert_checkpoint
@@ -273,7 +302,7 @@ def train(
         torch.set_num_threads(threads)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    corpus = build_corpus(rng, dialogues)
+    corpus = build_corpus(rng, dialogues, code_share=code_share, world_share=world_share)
 
     from transformers import PreTrainedTokenizerFast
 
@@ -285,9 +314,7 @@ def train(
         model, tokenizer = load_ftw(init, max_position_embeddings=2048)
     else:
         tokenizer = train_tokenizer([t for t, _ in rendered[:20_000]], vocab_size)
-    examples = [
-        split_system_block(*encode(tokenizer, t, s)) for t, s in tqdm(rendered, desc="tokenize", leave=False)
-    ]
+    examples = [split_system_block(ids, labels) for ids, labels in encode_all(tokenizer, rendered)]
     examples = [e for e in examples if len(e[0]) + len(e[1]) <= MAX_TOKENS]
     logger.info(
         "corpus: %d dialogues, %d conversation tokens, %d distinct system blocks",
@@ -378,7 +405,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--init", type=Path, default=None, help="an FTW file to continue training from")
     p.add_argument("--save-every", type=int, default=0, help="also save a checkpoint every N steps")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (bf16 autocast on CUDA)")
+    p.add_argument("--code-share", type=float, default=0.3, help="share of coding dialogues")
+    p.add_argument("--world-share", type=float, default=0.15, help="share of the four world tools' dialogues")
     args = p.parse_args(argv)
+    if min(args.code_share, args.world_share) < 0 or args.code_share + args.world_share > 1:
+        p.error("--code-share and --world-share must be >= 0 and add up to at most 1")
     try:
         check_device(args.device)
     except EngineError as exc:
@@ -396,6 +427,8 @@ def main(argv: list[str] | None = None) -> None:
         init=args.init,
         save_every=args.save_every,
         device=args.device,
+        code_share=args.code_share,
+        world_share=args.world_share,
     )
 
 
