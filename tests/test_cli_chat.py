@@ -27,11 +27,11 @@ SYSTEM = "You are a helpful assistant."
 
 
 def test_an_over_long_line_is_refused_and_the_chat_goes_on(monkeypatch, capsys) -> None:
-    long_line = "hello " * 600
+    engine = Engine.from_pretrained(default_model())
+    long_line = "hello " * engine.max_context  # longer than the context whatever the model's is
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{long_line}\nHi\n/anchors\n/quit\n"))
     assert main(["chat", "--max-new-tokens", "4", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    engine = Engine.from_pretrained(default_model())
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": long_line.strip()}]
     tokens = len(engine.apply_chat_template(messages))
     assert tokens > engine.max_context
