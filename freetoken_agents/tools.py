@@ -238,20 +238,22 @@ async def _in_process(fn: Callable[..., Any], kwargs: dict[str, Any], name: str)
     process.start()
     sender.close()  # the child holds its own end: EOF here when it exits
 
-    def receive() -> tuple[bool, Any]:
+    def receive() -> tuple[bool, Any] | None:
         try:
             return receiver.recv()
-        except EOFError:
-            process.join()
-            return False, RuntimeError(f"the tool's process exited with code {process.exitcode}, no result")
+        except EOFError:  # it exited without a result; only the `finally` below joins it: two
+            return None  # threads in waitpid let one return before the child is reaped
 
     try:
-        ok, value = await _in_thread(receive, {}, f"{name}-result")
+        outcome = await _in_thread(receive, {}, f"{name}-result")
     finally:
         if process.is_alive():
             process.kill()
         await _in_thread(process.join, {}, f"{name}-join")
         receiver.close()
+    if outcome is None:
+        raise RuntimeError(f"the tool's process exited with code {process.exitcode}, no result")
+    ok, value = outcome
     if ok:
         return value
     raise value

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import tracemalloc
 from typing import Literal
 
@@ -151,6 +153,34 @@ def test_a_process_tool_runs_elsewhere_is_killed_at_its_timeout_and_reports_erro
     assert multiprocessing.active_children() == []  # the spinning process was killed and reaped
     with pytest.raises(ValueError, match="no reason"):
         refuse.call(refuse.validate({"reason": "no reason"}))
+
+
+def test_a_timed_out_tool_process_is_joined_by_one_thread_only(monkeypatch) -> None:
+    """Regression (failed 1 of 2 full-suite runs on a busy machine): after a timeout's kill, the
+    abandoned result thread saw EOF and joined the process while the caller joined it too; two
+    threads in waitpid let the caller's join return before the child was reaped, so it still
+    showed in `active_children()`. Each join is slowed here so two would overlap."""
+    inside, most = [0], [0]
+    guard = threading.Lock()
+    real_join = multiprocessing.process.BaseProcess.join
+
+    def slow_join(self, timeout=None):
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.3)
+        try:
+            return real_join(self, timeout)
+        finally:
+            with guard:
+                inside[0] -= 1
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "join", slow_join)
+    with pytest.raises(ToolTimeout):
+        spin.call(spin.validate({}))
+    time.sleep(0.5)  # the abandoned result thread has seen EOF by now
+    assert most[0] == 1
+    assert multiprocessing.active_children() == []
 
 
 def test_a_process_tool_must_be_a_module_level_sync_function() -> None:
