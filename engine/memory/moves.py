@@ -50,7 +50,7 @@ class TierMover:
     move up, others keep their compact bytes in tier 2; CUDA: experts that do not grow when
     decoded move, compact ones keep their bytes in tier 2).
     `backing`: tier-1 key -> the stored bytes its weights are views of. `timer`: CUDA, times the
-    device decodes for q* (`ComputeTimer`, kind "decode/<codec>").
+    device decodes for q* (`ComputeTimer`, kind "decode/<codec>"); `codecs`: key -> codec name.
     """
 
     def __init__(
@@ -73,6 +73,7 @@ class TierMover:
         rank: Callable[[Any], float] | None = None,
         protected: Callable[[Any], bool] | None = None,
         timer: Any = None,
+        codecs: dict[ExpertKey, str] | None = None,
     ) -> None:
         self.ftw, self.dtype, self.reader = ftw, dtype, reader
         self.storage_link, self.fast_link = links
@@ -81,6 +82,7 @@ class TierMover:
         self.lock = threading.RLock()
         self.backing: dict[ExpertKey, Any] = {}
         self.timer = timer
+        self.codecs = codecs if codecs is not None else {k: codec_name(ftw, k) for k in stored_bytes}
         self.raw_bytes = {k: ftw.expert_info(*k).raw_length for k in stored_bytes}
         # CUDA, exclusive: the experts that leave tier 2 when promoted (spilled back on eviction)
         self.moves_up = {k for k in stored_bytes if exclusive and fast_bytes[k] <= self.raw_bytes[k]}
@@ -168,7 +170,7 @@ class TierMover:
             return decode_raw(self.ftw, key, arrived, self.dtype)
         start = self.timer.start()
         w = decode_raw(self.ftw, key, arrived, self.dtype)
-        self.timer.stop(start, 1, kind=f"decode/{codec_name(self.ftw, key)}")
+        self.timer.stop(start, 1, kind=f"decode/{self.codecs[key]}")
         return w
 
     def demote(self, key: ExpertKey, _w: ExpertWeights) -> None:

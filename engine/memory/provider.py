@@ -182,11 +182,12 @@ class TieredExpertProvider:
             rank=self.routing.of if self.exclusive else None,
             protected=self._needed_soon if prefetch else None,
             timer=self._timer,
+            codecs=self.codec,
         )
         self.fast, self.host = self.moves.fast, self.moves.host
         self._lock = self.moves.lock
         self._apply_fast_budget()
-        # Two loader threads: one verifies (and on CUDA decodes into pinned memory) the block it
+        # Two loader threads: one verifies (and on CUDA copies into pinned memory) the block it
         # read while the other reads the next; the reader keeps reads one at a time.
         self.prefetcher = (
             Prefetcher(self._prefetch_load, use_thread=prefetch_thread, loaders=2) if prefetch else None
