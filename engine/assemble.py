@@ -90,11 +90,6 @@ def assemble(engine_cls: type[Engine], path: str | Path, options: EngineOptions)
             assert hf is not None
             experts = InMemoryExpertProvider(load_hf_experts(hf, dtype, dev, int8=expert_quant == "int8"))
     else:
-        if expert_quant == "int8":
-            raise EngineError(
-                f"expert_quant='int8' runs with placement 'resident' only (placement is "
-                f"'{choice.placement}': {choice.reason}); to tier int8 experts convert with --quant int8"
-            )
         if ftw_path is None:
             assert hf is not None
             ftw_path = _converted(hf, path, dtype, options)
@@ -166,5 +161,6 @@ def _tiered_provider(
         routers=routers,
         attention=[layer.self_attn for layer in model.layers],
         placement=choice.placement,
+        expert_quant=options.expert_quant,
         **options.tiering.provider_kwargs(),
     )

@@ -124,9 +124,10 @@ class Engine:
                 (default: lossless); cache_dir: where it is cached (default $FREETOKEN_CACHE,
                 else the user cache dir).
             expert_quant / dense_quant: int8 weight-only compute (`int8.py`): "auto" keeps expert
-                projections stored in FTW's int8 codec in int8; "int8" quantizes every expert
-                projection at load (resident placement only); "none" decodes every codec to
-                `dtype`. dense_quant: a subset of ("attention", "lm_head").
+                projections stored in FTW's int8 codec in int8 (tiered too: tier 1 on the CPU
+                and HOST compute); "int8" quantizes every expert projection at load (not with
+                tiers on a GPU); "none" decodes every codec to `dtype`. dense_quant: a subset of
+                ("attention", "lm_head").
 
         Raises CheckpointError (missing/garbled files or tensors), FTWFormatError (a corrupted,
         truncated or foreign FTW file), UnsupportedModelError (unknown model_type), EngineError

@@ -144,7 +144,7 @@ def test_a_fast_budget_below_one_layers_working_set_names_the_smallest_that_work
         ({"dtype": "int4"}, EngineError, "dtype: must be one of"),
         ({"memory": {"fast_bytes": "lots"}}, MemoryBudgetError, "cannot read 'lots' as a size"),
         ({"memory": {"fast_bytes": 1}, "placement": "resident"}, MemoryBudgetError, "placement 'resident'"),
-        ({"expert_quant": "int8", "placement": "qstar"}, EngineError, "expert_quant='int8'"),
+        ({"expert_quant": "int4", "placement": "qstar"}, EngineError, "unknown expert_quant 'int4'"),
     ],
 )
 def test_bad_engine_options_are_named_one_line_errors(sources, options, error, text):

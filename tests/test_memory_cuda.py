@@ -103,6 +103,42 @@ def test_cuda_host_placement_moves_only_activations(mixtral_ftw):
     tp.close()
 
 
+def test_cuda_host_placement_computes_int8_blocks_with_the_int8_kernel_on_the_cpu(tiny_checkpoint, tmp_path):
+    """expert_quant "auto" on CUDA: tier 1 on the GPU holds decoded experts, but an int8 block q*
+    runs on the CPU (HOST) is computed from its pinned int8 bytes by the fused kernel, as the
+    resident CPU engine computes it (same tolerance as int8 vs fp32: bf16 activations)."""
+    ftw = tmp_path / "mixtral-int8.ftw"
+    folder = tiny_checkpoint("mixtral")
+    convert_checkpoint(folder, ftw, quant="int8", progress=False, dense_dtype=torch.float32)
+    cpu = Engine.from_pretrained(ftw, device="cpu", dtype=torch.float32, placement="resident")
+    eng = Engine.from_pretrained(
+        ftw, device="cuda", dtype=torch.float32, memory=MemoryBudget(), placement="qstar",
+        tiering=TieringOptions(prefetch=False),
+    )  # fmt: skip
+    tp = eng.experts
+    tp.policy.compute.set("cuda", "decoded", 1, 1.0)  # tier-1 compute looks expensive: HOST
+    tp.fast.resize(tp.min_working_set)
+    calls: list[tuple[int, ...]] = []
+    real = torch._weight_int8pack_mm
+
+    def counting(x, q, scales):
+        calls.append(tuple(q.shape))
+        return real(x, q, scales)
+
+    torch._weight_int8pack_mm = counting
+    try:
+        with cpu.new_session() as a, eng.new_session() as b:
+            a.prefill([5, 3, 8, 1])
+            b.prefill([5, 3, 8, 1])
+            for tok in (9, 2, 7):
+                want, got = a.decode(tok), b.decode(tok).cpu()
+                assert ((got - want).abs().max() / want.abs().max()) < 1e-2
+    finally:
+        torch._weight_int8pack_mm = real
+    assert tp.stats()["policy"]["decisions_by_phase"].get("decode/host", 0) > 0 and calls
+    tp.close()
+
+
 @pytest.fixture(scope="module")
 def compact_ftws(tiny_checkpoint, tmp_path_factory):
     folder = tiny_checkpoint("mixtral")
@@ -132,6 +168,7 @@ def test_compact_blocks_cross_the_link_and_decode_on_the_gpu(compact_ftws, quant
         memory=MemoryBudget(),
         placement="qstar",
         tiering=TieringOptions(prefetch=False),
+        expert_quant="none",  # an expert q* runs on the CPU (HOST) is decoded too, not int8-computed
     )
     tp = eng.experts
     tp.fast.resize(tp.min_working_set * 2)  # streaming, with evictions

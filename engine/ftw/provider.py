@@ -19,7 +19,9 @@ decodes everything, int8 included, to the engine dtype.
 from __future__ import annotations
 
 import logging
+import math
 import threading
+from collections.abc import Mapping
 
 import torch
 
@@ -62,6 +64,54 @@ def canonical_expert(
         if name not in out:
             raise FTWFormatError(f"{where}: missing projection {name!r}")
     return out
+
+
+def int8_names(codecs: Mapping[str, str], expert_quant: str) -> set[str]:
+    """The weight projections of a block (projection name -> stored codec) held in int8 under
+    `expert_quant` (module doc). A split gate/up is joined: both int8 or neither."""
+    if expert_quant == "none":
+        return set()
+    keep = {n for n, c in codecs.items() if n in _WEIGHTS and (c == "int8" or expert_quant == "int8")}
+    if ("gate" in keep) != ("up" in keep):
+        keep -= {"gate", "up"}
+    return keep
+
+
+def expert_tensors(
+    encs: Mapping[str, EncodedTensor],
+    dtype: torch.dtype,
+    expert_quant: str,
+    *,
+    path: str = "",
+    key: ExpertKey | None = None,
+) -> dict[str, torch.Tensor]:
+    """A block's encoded projections -> canonical `ExpertWeights` tensors: the projections
+    `int8_names` picks stay int8 (weight + fp32 row scale: the stored parts themselves, zero-copy,
+    when stored as int8; quantized otherwise), every other one is decoded to `dtype` (views of the
+    stored parts when the codec is `dtype` itself). Raises FTWFormatError as `canonical_expert`."""
+    keep = int8_names({n: e.codec for n, e in encs.items()}, expert_quant)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, enc in encs.items():
+        if name not in keep:
+            tensors[name] = decode(enc, dtype)
+        elif enc.codec == "int8":  # as stored: no requantization
+            tensors[name], tensors[f"{name}_scale"] = enc.parts["weight"], enc.parts["scale"]
+        else:
+            tensors[name], tensors[f"{name}_scale"] = quantize(decode(enc, torch.float32))
+    return canonical_expert(tensors, path=path, key=key)
+
+
+def int8_bytes(
+    codecs: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]], expert_quant: str, elem: int
+) -> int:
+    """Bytes of one expert held as `expert_tensors` holds it: int8 weights with their fp32 row
+    scales, the other projections at `elem` bytes per value."""
+    keep = int8_names(codecs, expert_quant)
+    total = 0
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        total += n + 4 * shape[0] if name in keep else n * elem
+    return total
 
 
 class FTWExpertProvider:
@@ -123,7 +173,7 @@ class FTWExpertProvider:
         if w is not None:
             return w
         info = self.ftw.expert_info(layer, expert)
-        if self._int8_names({n: t.codec for n, t in info.tensors.items()}):
+        if int8_names({n: t.codec for n, t in info.tensors.items()}, self.expert_quant):
             w = self._load_int8(layer, expert)
         else:
             decoded = self.ftw.decode_expert(layer, expert, self.dtype)
@@ -141,30 +191,10 @@ class FTWExpertProvider:
         logger.debug("loaded expert %s from %s (%d bytes)", key, self.ftw.path, info.block_length)
         return w
 
-    def _int8_names(self, codecs: dict[str, str]) -> set[str]:
-        """The weight projections of a block (by name -> codec) that this provider keeps in int8."""
-        if self.expert_quant == "none":
-            return set()
-        keep = {
-            n for n, c in codecs.items() if n in _WEIGHTS and (c == "int8" or self.expert_quant == "int8")
-        }
-        if ("gate" in keep) != ("up" in keep):  # a split gate/up is joined: both int8 or neither
-            keep -= {"gate", "up"}
-        return keep
-
     def _load_int8(self, layer: int, expert: int) -> ExpertWeights:
         """Read one block; keep its int8 projections (weight + scale), decode the rest."""
-        encs: dict[str, EncodedTensor] = self.ftw.encoded_expert(layer, expert)
-        keep = self._int8_names({n: e.codec for n, e in encs.items()})
-        tensors: dict[str, torch.Tensor] = {}
-        for name, enc in encs.items():
-            if name not in keep:
-                tensors[name] = decode(enc, self.dtype)
-            elif enc.codec == "int8":  # as stored: no requantization
-                tensors[name], tensors[f"{name}_scale"] = enc.parts["weight"], enc.parts["scale"]
-            else:
-                tensors[name], tensors[f"{name}_scale"] = quantize(decode(enc, torch.float32))
-        tensors = canonical_expert(tensors, path=self.ftw.path, key=(layer, expert))
+        encs = self.ftw.encoded_expert(layer, expert)
+        tensors = expert_tensors(encs, self.dtype, self.expert_quant, path=self.ftw.path, key=(layer, expert))
         # packed_mixed() copies into one owned storage: the parts are views of the read buffer.
         return ExpertWeights.packed_mixed(tensors, self.device)
 

@@ -376,6 +376,17 @@ class FTWFile:
         info = self.expert_info(layer, expert)
         return self._encoded(info, self._raw(info, self.read_expert_bytes(layer, expert)))
 
+    def encoded_stored(
+        self, layer: int, expert: int, stored: Buffer, *, verify: bool = True
+    ) -> dict[str, EncodedTensor]:
+        """Stored bytes already read with `read_expert_bytes` -> the block's projections undecoded
+        (parts as stored: zero-copy views of `stored` unless the block is compressed; treat them
+        as read-only). `verify`: as in `decode_stored`."""
+        info = self.expert_info(layer, expert)
+        if verify or len(stored) != info.stored_length:
+            self._check_stored(info, stored)
+        return self._encoded(info, self._raw(info, stored))
+
     def decode_stored(
         self,
         layer: int,
@@ -396,12 +407,7 @@ class FTWFile:
         Returns ``{projection name: tensor of its logical shape}``. Tensors may share memory with
         ``stored`` (fp32/bf16 codecs decoded to their own dtype); treat them as read-only.
         """
-        info = self.expert_info(layer, expert)
-        if verify:
-            self._check_stored(info, stored)
-        elif len(stored) != info.stored_length:
-            self._check_stored(info, stored)
-        encs = self._encoded(info, self._raw(info, stored))
+        encs = self.encoded_stored(layer, expert, stored, verify=verify)
         return {pname: get_codec(enc.codec).decode(enc, dtype) for pname, enc in encs.items()}
 
     def raw_bytes(self, layer: int, expert: int, stored: Buffer) -> Buffer:
@@ -413,13 +419,10 @@ class FTWFile:
             self._check_stored(info, stored)
         return self._raw(info, stored)
 
-    def decode_raw(
-        self, layer: int, expert: int, raw: torch.Tensor, dtype: torch.dtype = torch.float32
-    ) -> dict[str, torch.Tensor]:
-        """Decode a block's raw bytes held in a uint8 tensor on any device (see `raw_bytes`):
-        the codec runs where the bytes are, so a GPU that received the compact block decodes it
-        itself. The bytes must have been verified when read (the checksum covers the stored
-        form); the length is checked. Returns what `decode_stored` returns, on `raw.device`."""
+    def encoded_raw(self, layer: int, expert: int, raw: torch.Tensor) -> dict[str, EncodedTensor]:
+        """A block's raw bytes held in a uint8 tensor on any device (see `raw_bytes`) -> its
+        projections undecoded (parts: views of `raw`). The bytes must have been verified when
+        read (the checksum covers the stored form); the length is checked."""
         info = self.expert_info(layer, expert)
         if raw.dtype != torch.uint8 or raw.dim() != 1 or raw.numel() != info.raw_length:
             raise self._err(
@@ -428,7 +431,15 @@ class FTWFile:
                 offset=info.data_offset,
                 key=(layer, expert),
             )
-        encs = self._encoded(info, raw)
+        return self._encoded(info, raw)
+
+    def decode_raw(
+        self, layer: int, expert: int, raw: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> dict[str, torch.Tensor]:
+        """Decode a block's raw bytes held in a uint8 tensor on any device (`encoded_raw`): the
+        codec runs where the bytes are, so a GPU that received the compact block decodes it
+        itself. Returns what `decode_stored` returns, on `raw.device`."""
+        encs = self.encoded_raw(layer, expert, raw)
         return {pname: get_codec(enc.codec).decode(enc, dtype) for pname, enc in encs.items()}
 
     def decode_expert(

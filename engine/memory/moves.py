@@ -74,6 +74,7 @@ class TierMover:
         protected: Callable[[Any], bool] | None = None,
         timer: Any = None,
         codecs: dict[ExpertKey, str] | None = None,
+        expert_quant: str = "none",
     ) -> None:
         self.ftw, self.dtype, self.reader = ftw, dtype, reader
         self.storage_link, self.fast_link = links
@@ -81,7 +82,7 @@ class TierMover:
         self.stored_bytes, self.fast_bytes = stored_bytes, fast_bytes
         self.lock = threading.RLock()
         self.backing: dict[ExpertKey, Any] = {}
-        self.timer = timer
+        self.timer, self.expert_quant = timer, expert_quant
         self.codecs = codecs if codecs is not None else {k: codec_name(ftw, k) for k in stored_bytes}
         self.raw_bytes = {k: ftw.expert_info(*k).raw_length for k in stored_bytes}
         # CUDA, exclusive: the experts that leave tier 2 when promoted (spilled back on eviction)
@@ -154,12 +155,13 @@ class TierMover:
 
     def decode(self, key: ExpertKey, stored: Any) -> ExpertWeights:
         """A tier-2 value as weights where its bytes are (CUDA tier 2: pinned raw bytes or a
-        spilled decoded expert; CPU: stored bytes)."""
+        spilled decoded expert; CPU: stored bytes), int8 projections kept per `expert_quant`
+        (zero-copy views of the stored int8 parts)."""
         if isinstance(stored, ExpertWeights):
             return stored
         if isinstance(stored, torch.Tensor):
-            return decode_raw(self.ftw, key, stored, self.dtype)
-        return decode_block(self.ftw, key, stored, self.dtype)
+            return decode_raw(self.ftw, key, stored, self.dtype, self.expert_quant)
+        return decode_block(self.ftw, key, stored, self.dtype, self.expert_quant)
 
     def _device_decode(self, key: ExpertKey, arrived: Any) -> ExpertWeights:
         """CUDA: what a copy brought to the device -> tier-1 weights. Compact bytes are decoded
@@ -214,7 +216,11 @@ class TierMover:
         with self.phases.time("decode"), self.fast_link.time_transfer(n):
             w = self.decode(key, stored)
             if not self.exclusive:  # the mixtral-offloading design: tier 1 holds its own copy
-                w = ExpertWeights.packed(w.tensors(), self.dtype)
+                w = (
+                    ExpertWeights.packed_mixed(w.tensors())
+                    if w.is_quantized
+                    else ExpertWeights.packed(w.tensors(), self.dtype)
+                )
         shares = self.exclusive and shares_memory(w, stored)
         with self.lock:
             self.bytes_moved["host->fast"] += n

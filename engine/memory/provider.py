@@ -2,13 +2,15 @@
 
 Tiers on a CPU-only machine (tier 1 and tier 2 are both RAM; what differs is the form):
 - tier 1 "fast": decoded `ExpertWeights` ready for matmul (budget shared with the KV cache);
+  projections stored as int8 stay int8 (`expert_quant` "auto", as in the resident engine): views
+  of their stored bytes computed by the fused int8 kernel, a quarter of an fp32 expert's room;
 - tier 2 "host": stored FTW block bytes, one tier for all layers; with q* what leaves it (and RAM)
   is the least used expert by decayed routing frequency (`routing.RoutingFrequency`);
 - tier 3: the FTW file, read past the page cache (`storage.BlockReader`, O_DIRECT), so the byte
   budgets are the RAM the experts really get and a tier-2 miss really costs a disk read.
 With placement "qstar" the two RAM tiers are exclusive for blocks that decode zero-copy (stored
-codec = compute dtype): promoting one moves its buffer from tier 2 to tier 1 and an eviction
-demotes it back (`moves.TierMover`), so both budgets hold distinct experts.
+codec = compute dtype, or int8 kept as stored): promoting one moves its buffer from tier 2 to
+tier 1 and an eviction demotes it back (`moves.TierMover`), so both budgets hold distinct experts.
 On CUDA: tier 1 = device tensors, tier 2 = the compact stored bytes in pinned host memory
 (`cuda_path`): a STREAM copies those (MXFP4: ~0.27x the bytes of bf16) and the GPU decodes them.
 With q*, an expert whose decoded form is no larger (bf16 stored, bf16 compute) leaves tier 2 when
@@ -52,9 +54,10 @@ from typing import Any
 
 import torch
 
-from ..errors import MemoryBudgetError
+from ..errors import EngineError, MemoryBudgetError
 from ..experts import ExpertKey, ExpertWeights, dispatch_experts, expert_forward
 from ..ftw import FTWFile
+from ..int8 import check_quant_options
 from ..spec import MoESpec
 from .budget import MemoryBudget, format_size
 from .moves import TierMover
@@ -64,7 +67,7 @@ from .prefetch import Prefetcher
 from .routing import RoutingFrequency
 from .stats import PhaseTimer, provider_stats
 from .storage import BlockReader
-from .weights import codec_name, decoded_bytes
+from .weights import codec_name, tier1_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +94,11 @@ class TieredExpertProvider:
             "stream" (baseline: always stream into a per-layer LRU of copies, no hot set).
         direct_io: read tier 3 with O_DIRECT where the filesystem allows (else buffered reads
             dropped from the page cache after each read).
-    Raises MemoryBudgetError if fast_bytes cannot hold one layer's top_k largest experts.
+        expert_quant: "auto" | "int8" | "none" (`int8.EXPERT_QUANTS`): which projections tier 1
+            (CPU) and HOST compute keep in int8, as the resident engine does ("int8" on a GPU:
+            EngineError).
+    Raises MemoryBudgetError if fast_bytes cannot hold one layer's top_k largest experts;
+    EngineError for an unknown `expert_quant` or "int8" on a GPU.
     """
 
     def __init__(
@@ -114,17 +121,27 @@ class TieredExpertProvider:
         placement: str = "qstar",
         direct_io: bool = True,
         prefetch_depth: int = 3,
+        expert_quant: str = "auto",
     ) -> None:
         if placement not in ("qstar", "stream"):
             raise ValueError(f"placement must be 'qstar' or 'stream', got {placement!r}")
+        self.expert_quant, _ = check_quant_options(expert_quant, ())
         self.ftw = ftw if isinstance(ftw, FTWFile) else FTWFile(Path(ftw))
         self.budget, self.dtype, self.device = budget, dtype, torch.device(device)
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        if self.cuda and self.expert_quant == "int8":
+            raise EngineError(
+                "expert_quant='int8' with tiered experts runs on the CPU only: tier 1 on the GPU holds "
+                f"experts decoded to {dtype} (int8 blocks are still computed in int8 when q* runs "
+                "them on the CPU); use expert_quant='auto' with an FTW file converted with --quant int8"
+            )
         self.clock, self.hot_every, self.placement = clock, hot_every, placement
         keys = self.ftw.expert_keys()
-        elem = torch.empty((), dtype=dtype).element_size()
         self.stored_bytes = {k: self.ftw.expert_info(*k).stored_length for k in keys}
-        self.fast_bytes = {k: decoded_bytes(self.ftw, k, elem) for k in keys}
+        # Tier 1 on the GPU holds experts decoded to `dtype` (no fused int8 kernel there); on
+        # the CPU it keeps int8 projections in int8, as the resident engine does.
+        tier1_quant = "none" if self.cuda else self.expert_quant
+        self.fast_bytes = {k: tier1_bytes(self.ftw, k, dtype, tier1_quant) for k in keys}
         self.codec = {k: codec_name(self.ftw, k) for k in keys}
         self.layers = sorted({k[0] for k in keys})
         self.routing = RoutingFrequency(self.layers, decay)
@@ -183,6 +200,7 @@ class TieredExpertProvider:
             protected=self._needed_soon if prefetch else None,
             timer=self._timer,
             codecs=self.codec,
+            expert_quant=self.expert_quant,
         )
         self.fast, self.host = self.moves.fast, self.moves.host
         self._lock = self.moves.lock

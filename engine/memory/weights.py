@@ -10,35 +10,39 @@ import torch
 
 from ..experts import PROJECTIONS, ExpertKey, ExpertWeights
 from ..ftw import FTWFile
-from ..ftw.provider import canonical_expert
-
-
-def decoded_bytes(ftw: FTWFile, key: ExpertKey, elem: int) -> int:
-    total = 0
-    for t in ftw.expert_info(*key).tensors.values():
-        n = 1
-        for d in t.shape:
-            n *= d
-        total += n * elem
-    return total
+from ..ftw.provider import expert_tensors, int8_bytes
 
 
 def codec_name(ftw: FTWFile, key: ExpertKey) -> str:
     return "+".join(sorted({t.codec for t in ftw.expert_info(*key).tensors.values()}))
 
 
-def decode_block(ftw: FTWFile, key: ExpertKey, stored: Any, dtype: torch.dtype) -> ExpertWeights:
-    """Verified stored bytes of `key` -> its canonical weights in `dtype` (views into `stored`
-    when the codec is `dtype` itself: no copy; treat them as read-only)."""
-    decoded = ftw.decode_stored(key[0], key[1], stored, dtype, verify=False)
-    return ExpertWeights(**canonical_expert(decoded, path=ftw.path, key=key))
+def tier1_bytes(ftw: FTWFile, key: ExpertKey, dtype: torch.dtype, expert_quant: str) -> int:
+    """Bytes of `key` decoded for tier 1: projections `expert_quant` keeps in int8 at one byte a
+    weight plus fp32 row scales, the rest in `dtype`."""
+    tensors = ftw.expert_info(*key).tensors
+    elem = torch.empty((), dtype=dtype).element_size()
+    codecs = {n: t.codec for n, t in tensors.items()}
+    return int8_bytes(codecs, {n: tuple(t.shape) for n, t in tensors.items()}, expert_quant, elem)
 
 
-def decode_raw(ftw: FTWFile, key: ExpertKey, raw: torch.Tensor, dtype: torch.dtype) -> ExpertWeights:
-    """A block's raw bytes in a uint8 tensor (pinned host or device) -> its canonical weights in
-    `dtype`, decoded where the bytes are (views into `raw` when the codec is `dtype` itself)."""
-    decoded = ftw.decode_raw(key[0], key[1], raw, dtype)
-    return ExpertWeights(**canonical_expert(decoded, path=ftw.path, key=key))
+def decode_block(
+    ftw: FTWFile, key: ExpertKey, stored: Any, dtype: torch.dtype, expert_quant: str = "none"
+) -> ExpertWeights:
+    """Verified stored bytes of `key` -> its canonical weights: int8 projections kept per
+    `expert_quant` (`ftw.provider.expert_tensors`), the rest in `dtype`; views into `stored` where
+    no conversion is needed (int8 kept, or the codec is `dtype` itself): treat them as read-only."""
+    encs = ftw.encoded_stored(key[0], key[1], stored, verify=False)
+    return ExpertWeights(**expert_tensors(encs, dtype, expert_quant, path=ftw.path, key=key))
+
+
+def decode_raw(
+    ftw: FTWFile, key: ExpertKey, raw: torch.Tensor, dtype: torch.dtype, expert_quant: str = "none"
+) -> ExpertWeights:
+    """A block's raw bytes in a uint8 tensor (pinned host or device) -> its canonical weights as
+    `decode_block` gives them, decoded where the bytes are."""
+    encs = ftw.encoded_raw(key[0], key[1], raw)
+    return ExpertWeights(**expert_tensors(encs, dtype, expert_quant, path=ftw.path, key=key))
 
 
 def pinned_raw(raw: bytes | bytearray | memoryview) -> torch.Tensor:
