@@ -27,6 +27,7 @@ from .errors import (
 )
 from .experts import ExpertProvider, ExpertWeights, InMemoryExpertProvider
 from .generate import GenerationResult, SamplingParams, TokenEvent
+from .int8 import EXPERT_QUANTS
 from .memory import MemoryBudget
 from .options import PLACEMENTS, EngineOptions, Placement, TieringOptions
 from .placement import check_device
@@ -36,6 +37,7 @@ from .spec import ModelSpec
 __all__ = [
     "ANCHOR_KINDS",
     "DEFAULT_CHAT_TEMPLATE",
+    "EXPERT_QUANTS",
     "SUPPORTED_MODEL_TYPES",
     "Anchor",
     "AnchorError",

@@ -1,5 +1,6 @@
 """What the recipes (and the `freetoken` command, which sits above them) share: the model and
-engine arguments (`--model`, `--device`, `--dtype`, `--fast-mem`, `--host-mem`, `--placement`),
+engine arguments (`--model`, `--device`, `--dtype`, `--fast-mem`, `--host-mem`, `--placement`,
+`--expert-quant`),
 loading the model with them, the writer recipes print through, and running a recipe as a program
 (`python -m freetoken_agents.recipes.NAME`) with one-line errors.
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from freetoken_agents import AgentError, FreeTokenModel, default_model
-from freetoken_agents.engine import PLACEMENTS, EngineError, EngineOptions, MemoryBudgetError
+from freetoken_agents.engine import EXPERT_QUANTS, PLACEMENTS, EngineError, EngineOptions, MemoryBudgetError
 from freetoken_agents.engine.memory import MemoryBudget
 from freetoken_agents.engine.memory.budget import format_size
 
@@ -81,12 +82,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="where experts go: auto (tiered q* when a budget is given or the experts do not fit "
         "free memory), resident, qstar, stream (default auto)",
     )
+    group.add_argument(
+        "--expert-quant",
+        default="auto",
+        choices=EXPERT_QUANTS,
+        help="int8 expert compute: auto (projections stored as int8 stay int8), int8 (quantize "
+        "every expert projection), none (decode everything to --dtype) (default auto)",
+    )
 
 
 def engine_options(args: argparse.Namespace, **extra: Any) -> EngineOptions:
     """The EngineOptions the engine arguments in `args` ask for (MemoryBudgetError naming the
     flag for an unreadable size; EngineError for a bad device)."""
-    options = EngineOptions.parse(device=args.device, dtype=args.dtype, placement=args.placement, **extra)
+    quant = args.expert_quant
+    options = EngineOptions.parse(
+        device=args.device, dtype=args.dtype, placement=args.placement, expert_quant=quant, **extra
+    )
     memory = MemoryBudget.from_strings(
         args.fast_mem,
         args.host_mem,

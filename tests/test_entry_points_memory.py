@@ -4,6 +4,7 @@ budget run the tiered q* engine and answer exactly as the all-resident engine do
 
 from __future__ import annotations
 
+import argparse
 import io
 import re
 import sys
@@ -15,6 +16,7 @@ from freetoken_agents.cli import main
 from freetoken_agents.engine import Engine, EngineError, MemoryBudget
 from freetoken_agents.integrations.langchain import ChatFreeToken, clear_engines
 from freetoken_agents.recipes import tool_loop
+from freetoken_agents.recipes._common import add_engine_arguments, engine_options
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,6 +92,32 @@ def test_generate_with_memory_flags_prints_the_resident_engines_text(embedded_ex
     resident = capsys.readouterr().out
     assert main([*args, *memory_flags(embedded_expert_bytes), "--placement", "qstar"]) == 0
     assert capsys.readouterr().out == resident
+
+
+def test_expert_quant_reaches_the_engine_from_the_cli_and_langchain(embedded_expert_bytes, capsys):
+    """`--expert-quant int8`: the tiered engine holds its experts in int8 and prints what the
+    resident int8 engine prints; ChatFreeToken(expert_quant=...) loads its engine with it."""
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_options(parser.parse_args(["--expert-quant", "int8"])).expert_quant == "int8"
+    assert engine_options(parser.parse_args([])).expert_quant == "auto"
+    args = ["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "8", "--expert-quant", "int8"]
+    assert main(args) == 0
+    resident = capsys.readouterr().out
+    assert main([*args, *memory_flags(embedded_expert_bytes), "--placement", "qstar"]) == 0
+    assert capsys.readouterr().out == resident
+    with pytest.raises(SystemExit) as exit_info:  # argparse refuses a bad choice (exit 2, usage)
+        main(["generate", "--prompt", "hi", "--expert-quant", "int4"])
+    assert exit_info.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
+    clear_engines()
+    chat = ChatFreeToken(
+        model=str(default_model()), max_tokens=4, expert_quant="int8", memory=quarter(embedded_expert_bytes)
+    )
+    assert chat.engine.describe()["expert_quant"] == "int8"
+    chat.invoke("Hello there")
+    tp = chat.engine.experts
+    assert all(tp.fast.peek(k).is_quantized for k in tp.fast.keys())  # type: ignore[attr-defined]
+    clear_engines()
 
 
 def test_chat_stats_shows_the_tiers(embedded_expert_bytes, monkeypatch, capsys):

@@ -80,6 +80,9 @@ class ChatFreeToken(BaseChatModel):
     tiers the experts (q*), as `Engine.from_pretrained(memory=...)` does."""
     placement: Placement = "auto"
     """'auto' | 'resident' | 'qstar' | 'stream': where the experts go (see `Engine.from_pretrained`)."""
+    expert_quant: str = "auto"
+    """'auto' | 'int8' | 'none': which expert projections the engine computes in int8 (resident or
+    tiered; see `Engine.from_pretrained`)."""
     tool_format: str | None = None
     """Tool-call family ('hermes', 'mistral', 'deepseek', 'harmony'); None: from the template."""
     timeout: float | None = None
@@ -103,6 +106,7 @@ class ChatFreeToken(BaseChatModel):
             "dtype": self.dtype,
             "device": self.device,
             "placement": self.placement,
+            "expert_quant": self.expert_quant,
         }
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
@@ -184,7 +188,11 @@ class ChatFreeToken(BaseChatModel):
     def engine_options(self) -> EngineOptions:
         """The options the engine is loaded with (EngineError, one line, for bad ones)."""
         return EngineOptions.parse(
-            device=self.device, dtype=self.dtype, memory=self.memory, placement=self.placement
+            device=self.device,
+            dtype=self.dtype,
+            memory=self.memory,
+            placement=self.placement,
+            expert_quant=self.expert_quant,
         )
 
     @property
