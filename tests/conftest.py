@@ -47,3 +47,21 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[tuple[int, ...]]:
+    """Weight shapes of the calls of the fused int8 kernel (torch._weight_int8pack_mm) made
+    during the test (its one-time self-check runs before counting starts)."""
+    from freetoken_agents.engine.int8 import kernel_available
+
+    kernel_available()
+    calls: list[tuple[int, ...]] = []
+    real = torch._weight_int8pack_mm
+
+    def counting(x, q, scales):
+        calls.append(tuple(q.shape))
+        return real(x, q, scales)
+
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", counting)
+    return calls

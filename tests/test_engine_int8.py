@@ -79,21 +79,6 @@ def runs(engines):
     return get
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """Counts calls of torch._weight_int8pack_mm by weight shape."""
-    kernel_available()  # its one-time self-check runs before counting starts
-    calls: list[tuple[int, ...]] = []
-    real = torch._weight_int8pack_mm
-
-    def counting(x, q, scales):
-        calls.append(tuple(q.shape))
-        return real(x, q, scales)
-
-    monkeypatch.setattr(torch, "_weight_int8pack_mm", counting)
-    return calls
-
-
 def test_kernel_is_available_here():
     assert kernel_available(), "torch._weight_int8pack_mm missing or wrong in this torch build"
 

@@ -5,7 +5,6 @@ an int8 block moves between the RAM tiers without a copy."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,20 +12,12 @@ import torch
 
 from freetoken_agents.engine import Engine, EngineError
 from freetoken_agents.engine.ftw.convert import convert_checkpoint
-from freetoken_agents.engine.int8 import kernel_available
 from freetoken_agents.engine.memory import MemoryBudget, TieredExpertProvider
 from freetoken_agents.engine.memory.moves import shares_memory
 from freetoken_agents.engine.options import TieringOptions
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 IDS = torch.randint(5, 400, (14,), generator=torch.Generator().manual_seed(5)).tolist()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +37,6 @@ def files(tiny_checkpoint, tmp_path_factory):
         return cache[arch]
 
     return get
-
-
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """Counts calls of the fused int8 kernel."""
-    kernel_available()
-    calls: list[tuple[int, ...]] = []
-    real = torch._weight_int8pack_mm
-
-    def counting(x, q, scales):
-        calls.append(tuple(q.shape))
-        return real(x, q, scales)
-
-    monkeypatch.setattr(torch, "_weight_int8pack_mm", counting)
-    return calls
 
 
 def _top_k(eng: Engine) -> dict[int, int]:
@@ -182,24 +158,21 @@ def test_host_compute_runs_the_int8_kernel_on_the_stored_bytes(files, kernel_cal
     ref.close()
 
 
-def test_expert_quant_int8_quantizes_float_blocks_in_tier_1(files):
-    _, fp32_ftw = files("qwen3_moe")
-    ref = Engine.from_pretrained(fp32_ftw, expert_quant="int8")
-    eng = _tight(fp32_ftw, ref, 0.3, expert_quant="int8")
+@pytest.mark.parametrize(
+    ("mode", "quant", "arch"), [("int8", "fp32", "qwen3_moe"), ("none", "int8", "mixtral")]
+)
+def test_expert_quant_int8_and_none_hold_tier_1_as_the_resident_engine_does(mode, quant, arch, files):
+    """ "int8": float blocks are quantized into tier 1 (the fp32 bytes stay in tier 2); "none":
+    int8 blocks are decoded to fp32. Either way the logits are the resident engine's."""
+    int8_ftw, fp32_ftw = files(arch)
+    ftw = int8_ftw if quant == "int8" else fp32_ftw
+    ref = Engine.from_pretrained(ftw, expert_quant=mode)
+    eng = _tight(ftw, ref, 0.3, expert_quant=mode)
     assert all(torch.equal(a, b) for a, b in zip(_logits(ref), _logits(eng), strict=True))
-    tp = eng.experts
-    assert _tier1(tp) and all(w.is_quantized for w in _tier1(tp))
-    assert not tp.moves.backing  # quantized copies: the fp32 bytes stay in tier 2
-    eng.close()
-    ref.close()
-
-
-def test_expert_quant_none_decodes_int8_blocks_as_the_resident_engine_does(files):
-    int8_ftw, _ = files("mixtral")
-    ref = Engine.from_pretrained(int8_ftw, expert_quant="none")
-    eng = _tight(int8_ftw, ref, 0.3, expert_quant="none")
-    assert all(torch.equal(a, b) for a, b in zip(_logits(ref), _logits(eng), strict=True))
-    assert all(w.gate_up.dtype == torch.float32 for w in _tier1(eng.experts))
+    tier1 = _tier1(eng.experts)
+    assert tier1 and all(w.is_quantized == (mode == "int8") for w in tier1)
+    if mode == "int8":
+        assert not eng.experts.moves.backing
     eng.close()
     ref.close()
 
