@@ -30,6 +30,9 @@ timeout "${FT_GPU_DECODE_TIMEOUT:-540}" python3 bench/gpu_decode.py ${FT_GPU_DEC
 timeout "${FT_GPU_QUANT_TIMEOUT:-360}" python3 bench/gpu_decode.py \
     ${FT_GPU_QUANT_ARGS:---tiered-only --layers 4 --budgets 0.25 --quant bf16,fp8,int8,mxfp4} \
     --json "$out/gpu_quant.json" 2>&1 | tee "$out/gpu_quant.log"
+# MXFP4 experts held 4-bit on the GPU (expert_quant="compact", the GEMV kernel) vs bf16 resident.
+timeout "${FT_GPU_COMPACT_TIMEOUT:-240}" python3 bench/gpu_decode.py --tiered-only --budgets '' \
+    --layers 4 --compact --json "$out/gpu_compact.json" 2>&1 | tee "$out/gpu_compact.log"
 if [ "${FT_SKIP_OFFLOAD:-0}" != 1 ]; then
     timeout "${FT_BENCH_TIMEOUT:-420}" python3 bench/offload.py --device cuda --sweep \
         --json "$out/offload_cuda.json" 2>&1 | tee "$out/offload_cuda.log"

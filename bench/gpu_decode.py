@@ -3,6 +3,7 @@ vs what the HBM and the PCIe link allow.
 
     python bench/gpu_decode.py [--layers 8] [--tokens 32] [--budgets 0.25,0.5,1.0] [--json OUT]
     python bench/gpu_decode.py --tiered-only --budgets 0.25 --quant bf16,fp8,int8,mxfp4
+    python bench/gpu_decode.py --tiered-only --budgets '' --compact     # 4-bit resident experts
 
 Needs a CUDA GPU (without one it says so in one line and exits 1). Model: Qwen3-30B-A3B
 dimensions (hidden 2048, 128 experts top-8, moe_intermediate 768, 32 q / 4 kv heads, head_dim
@@ -20,6 +21,10 @@ Contenders, all from the same 16-token prompt, --tokens teacher-forced decode to
                              --warmup rounds
   engine tiered <q> f=<b>    the same with the experts stored as --quant q (fp8, int8, mxfp4:
                              tier 2 holds the compact bytes, the link moves them, the GPU decodes)
+  engine resident mxfp4 compact (eager)    --compact: the experts stored as MXFP4 and held in
+                             that form on the GPU (expert_quant="compact"), decode steps through
+                             the MXFP4 GEMV kernel (engine/mxfp4.py), against the bf16 resident
+                             engine (eager); its "of HBM bound" column is against bf16's bytes
 Bounds:
   HBM: bytes one decode token reads (top-8 routed experts, attention, norms, one embedding row,
        lm_head) / the device-to-device copy bandwidth measured here (read + write bytes).
@@ -166,6 +171,7 @@ def main() -> int:
     parser.add_argument("--budgets", default="0.25,0.5,1.0", help="tiered fast budgets ('' to skip)")
     parser.add_argument("--quant", default="bf16", help="tiered: expert codecs to compare, e.g. bf16,mxfp4")
     parser.add_argument("--tiered-only", action="store_true", help="skip transformers and resident")
+    parser.add_argument("--compact", action="store_true", help="also resident MXFP4 experts held 4-bit")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     quants = [q for q in args.quant.split(",") if q]
@@ -204,6 +210,8 @@ def main() -> int:
             baselines(hf, folder, prompt, forced, args.reps, rates, out)
         del hf
         torch.cuda.empty_cache()
+        if args.compact:
+            compact_resident(folder, Path(tmp) / "compact.ftw", prompt, forced, args, rates, out)
         tiered: dict[str, Any] = {}
         for quant in quants:
             for b in [float(x) for x in args.budgets.split(",") if x]:
@@ -244,6 +252,37 @@ def baselines(
     del os.environ["FREETOKEN_CUDA_GRAPHS"]
     del eager
     torch.cuda.empty_cache()
+
+
+def compact_resident(
+    folder: Path, ftw: Path, prompt: list[int], forced: list[int], args: argparse.Namespace,
+    rates: dict, out: dict,
+) -> None:  # fmt: skip
+    """Resident experts stored as MXFP4 and held 4-bit on the GPU (expert_quant="compact") vs the
+    bf16 resident engine, both eager (compact experts are not stacked, so not graph-captured)."""
+    from freetoken_agents.engine import Engine
+    from freetoken_agents.engine.ftw.convert import convert_checkpoint
+    from freetoken_agents.engine.mxfp4 import kernel_ok
+
+    os.environ["FREETOKEN_CUDA_GRAPHS"] = "0"
+    if "engine resident (eager)" not in rates:
+        eager = Engine.from_pretrained(folder, device="cuda", dtype=torch.bfloat16, placement="resident")
+        rates["engine resident (eager)"] = 1 / time_engine(eager, prompt, forced, args.reps)
+        del eager
+        torch.cuda.empty_cache()
+    convert_checkpoint(folder, ftw, quant="mxfp4", progress=False)
+    compact = Engine.from_pretrained(
+        ftw, device="cuda", dtype=torch.bfloat16, placement="resident", expert_quant="compact"
+    )
+    rates["engine resident mxfp4 compact (eager)"] = 1 / time_engine(compact, prompt, forced, args.reps)
+    out["compact"] = {
+        "kernel_ok": kernel_ok(torch.device("cuda", torch.cuda.current_device())),
+        "expert_bytes_resident": compact.experts.resident_bytes(),
+    }
+    del os.environ["FREETOKEN_CUDA_GRAPHS"]
+    del compact
+    torch.cuda.empty_cache()
+    print(f"compact: {out['compact']}")
 
 
 def run_tiered(

@@ -78,7 +78,8 @@ def assemble(engine_cls: type[Engine], path: str | Path, options: EngineOptions)
         spec, model, hf_config = hf.spec, hf.model, hf.hf_config
         tokenizer, tokenizer_error = load_hf_tokenizer(path)
 
-    needed = expert_bytes(spec, dtype)
+    # What resident experts take: an FTW file's compact projections count as kept (expert_quant).
+    needed = loaded_ftw.experts.resident_bytes() if loaded_ftw is not None else expert_bytes(spec, dtype)
     choice = resolve_placement(options.placement, options.memory, needed, free_fast_bytes(device))
     logger.info("placement %s for %s: %s", choice.placement, path, choice.reason)
     memory = options.memory

@@ -126,8 +126,9 @@ class Engine:
             expert_quant / dense_quant: int8 weight-only compute (`int8.py`): "auto" keeps expert
                 projections stored in FTW's int8 codec in int8 (tiered too: tier 1 on the CPU
                 and HOST compute); "int8" quantizes every expert projection at load (not with
-                tiers on a GPU); "none" decodes every codec to `dtype`. dense_quant: a subset of
-                ("attention", "lm_head").
+                tiers on a GPU); "compact" also keeps MXFP4 projections 4-bit (`mxfp4.py`; not
+                with tiers on a GPU); "none" decodes every codec to `dtype`. dense_quant: a
+                subset of ("attention", "lm_head").
 
         Raises CheckpointError (missing/garbled files or tensors), FTWFormatError (a corrupted,
         truncated or foreign FTW file), UnsupportedModelError (unknown model_type), EngineError

@@ -9,6 +9,8 @@ A projection may instead be held in int8 (`int8.py`, FTW's ``int8`` codec): then
 are int8 and `gate_up_scale [2I]` / `down_scale [H]` hold its fp32 per-row scales; such experts are
 packed with `ExpertWeights.packed_mixed` and `expert_forward` computes them with `int8_linear`
 (fused int8 GEMV for decode, dequantize per block for prefill) without ever holding a float copy.
+Or in MXFP4 (`mxfp4.py`, ``expert_quant="compact"``): `gate_up [2I, H/2]` uint8 blocks with
+`gate_up_scale [2I, H/32]` uint8 E8M0 scales (likewise `down`), computed by `mxfp4_linear`.
 
 Letters: T tokens, H hidden, I expert intermediate size, A active experts per token.
 """
@@ -31,6 +33,7 @@ from .grouped_experts import (
     use_grouped,
 )
 from .int8 import int8_linear, quantize
+from .mxfp4 import mxfp4_linear
 from .spec import MoESpec
 
 ExpertKey = tuple[int, int]  # (layer, expert)
@@ -48,8 +51,8 @@ class ExpertWeights:
     gate_up_bias: torch.Tensor | None = None  # [2I]
     down_bias: torch.Tensor | None = None  # [H]
     storage: torch.Tensor | None = None  # flat buffer all of the above live in
-    gate_up_scale: torch.Tensor | None = None  # [2I] fp32, present iff gate_up is int8
-    down_scale: torch.Tensor | None = None  # [H] fp32, present iff down is int8
+    gate_up_scale: torch.Tensor | None = None  # [2I] fp32 iff gate_up is int8; [2I, H/32] uint8 iff MXFP4
+    down_scale: torch.Tensor | None = None  # [H] fp32 iff down is int8; [H, I/32] uint8 iff MXFP4
 
     @classmethod
     def packed(
@@ -120,7 +123,7 @@ class ExpertWeights:
 
     @property
     def is_quantized(self) -> bool:
-        """True when any projection is held in int8."""
+        """True when any projection is held compact (int8 or MXFP4)."""
         return self.gate_up_scale is not None or self.down_scale is not None
 
     @property
@@ -157,6 +160,8 @@ def _project(
         # the grouped GEMM path (`grouped_experts.run_grouped`).
         y = F.linear(x, weight)
         return y if bias is None else y + bias
+    if weight.dtype == torch.uint8:  # MXFP4 blocks [N, K/2] with E8M0 scales [N, K/32]
+        return mxfp4_linear(x, weight, scale, bias)
     return int8_linear(x, weight, scale, bias)
 
 

@@ -86,8 +86,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--expert-quant",
         default="auto",
         choices=EXPERT_QUANTS,
-        help="int8 expert compute: auto (projections stored as int8 stay int8), int8 (quantize "
-        "every expert projection), none (decode everything to --dtype) (default auto)",
+        help="compact expert compute: auto (projections stored as int8 stay int8), int8 (quantize "
+        "every expert projection), compact (int8 and MXFP4 stay as stored), none (decode "
+        "everything to --dtype) (default auto)",
     )
 
 

@@ -215,7 +215,7 @@ def test_split_gate_up_int8_scales_are_joined():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"expert_quant": "int4"}, "unknown expert_quant 'int4'; expected one of auto, int8, none"),
+        ({"expert_quant": "int4"}, "unknown expert_quant 'int4'; expected one of auto, int8, compact, none"),
         ({"dense_quant": ("mlp",)}, "unknown dense_quant parts ['mlp']"),
         ({"dense_quant": "lm_head"}, "must be a sequence of part names"),
     ],

@@ -12,8 +12,9 @@ optional ``gate_up_bias [2I]`` and ``down_bias [H]``.
 Int8 (``expert_quant``, see `int8.EXPERT_QUANTS`): with ``"auto"`` (the default) a projection
 stored in FTW's ``int8`` codec is kept as stored, int8 weight + fp32 row scales, never decoded to a
 float copy, and computed by `int8.int8_linear`; every other codec is decoded to the engine dtype as
-before. ``"int8"`` also quantizes the other codecs' projections to int8 at first use; ``"none"``
-decodes everything, int8 included, to the engine dtype.
+before. ``"int8"`` also quantizes the other codecs' projections to int8 at first use;
+``"compact"`` also keeps MXFP4 projections in their 4-bit form (blocks + E8M0 scales, computed by
+`mxfp4.mxfp4_linear`); ``"none"`` decodes everything, int8 included, to the engine dtype.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..errors import FTWFormatError
 from ..experts import ExpertKey, ExpertWeights, run_experts
 from ..int8 import check_quant_options, quantize
 from ..spec import MoESpec
-from .codecs import EncodedTensor, decode
+from .codecs import MXFP4_BLOCK, EncodedTensor, decode
 from .reader import FTWFile
 
 logger = logging.getLogger(__name__)
@@ -66,14 +67,24 @@ def canonical_expert(
     return out
 
 
-def int8_names(codecs: Mapping[str, str], expert_quant: str) -> set[str]:
-    """The weight projections of a block (projection name -> stored codec) held in int8 under
-    `expert_quant` (module doc). A split gate/up is joined: both int8 or neither."""
+def kept_forms(codecs: Mapping[str, str], expert_quant: str) -> dict[str, str]:
+    """The weight projections of a block (projection name -> stored codec) held compact under
+    `expert_quant` (`int8.EXPERT_QUANTS`), each with its form: "int8" (stored int8, or any codec
+    under "int8") or "mxfp4" (stored MXFP4 under "compact"). A split gate/up is joined: both in
+    one form or neither."""
+    keep: dict[str, str] = {}
     if expert_quant == "none":
-        return set()
-    keep = {n for n, c in codecs.items() if n in _WEIGHTS and (c == "int8" or expert_quant == "int8")}
-    if ("gate" in keep) != ("up" in keep):
-        keep -= {"gate", "up"}
+        return keep
+    for name, codec in codecs.items():
+        if name not in _WEIGHTS:
+            continue
+        if codec == "int8" or expert_quant == "int8":
+            keep[name] = "int8"
+        elif codec == "mxfp4" and expert_quant == "compact":
+            keep[name] = "mxfp4"
+    if keep.get("gate") != keep.get("up"):
+        keep.pop("gate", None)
+        keep.pop("up", None)
     return keep
 
 
@@ -86,14 +97,20 @@ def expert_tensors(
     key: ExpertKey | None = None,
 ) -> dict[str, torch.Tensor]:
     """A block's encoded projections -> canonical `ExpertWeights` tensors: the projections
-    `int8_names` picks stay int8 (weight + fp32 row scale: the stored parts themselves, zero-copy,
-    when stored as int8; quantized otherwise), every other one is decoded to `dtype` (views of the
-    stored parts when the codec is `dtype` itself). Raises FTWFormatError as `canonical_expert`."""
-    keep = int8_names({n: e.codec for n, e in encs.items()}, expert_quant)
+    `kept_forms` picks stay compact: int8 (weight + fp32 row scale: the stored parts themselves,
+    zero-copy, when stored as int8; quantized otherwise) or MXFP4 (blocks [N, K/2] + E8M0 scales
+    [N, K/32], the stored parts); every other one is decoded to `dtype` (views of the stored parts
+    when the codec is `dtype` itself). Raises FTWFormatError as `canonical_expert`."""
+    keep = kept_forms({n: e.codec for n, e in encs.items()}, expert_quant)
     tensors: dict[str, torch.Tensor] = {}
     for name, enc in encs.items():
-        if name not in keep:
+        form = keep.get(name)
+        if form is None:
             tensors[name] = decode(enc, dtype)
+        elif form == "mxfp4":
+            blocks = enc.parts["blocks"]
+            tensors[name] = blocks.view(blocks.shape[0], -1)
+            tensors[f"{name}_scale"] = enc.parts["scales"]
         elif enc.codec == "int8":  # as stored: no requantization
             tensors[name], tensors[f"{name}_scale"] = enc.parts["weight"], enc.parts["scale"]
         else:
@@ -101,16 +118,22 @@ def expert_tensors(
     return canonical_expert(tensors, path=path, key=key)
 
 
-def int8_bytes(
+def kept_bytes(
     codecs: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]], expert_quant: str, elem: int
 ) -> int:
     """Bytes of one expert held as `expert_tensors` holds it: int8 weights with their fp32 row
-    scales, the other projections at `elem` bytes per value."""
-    keep = int8_names(codecs, expert_quant)
+    scales, MXFP4 blocks with their E8M0 scales, the other projections at `elem` bytes a value."""
+    keep = kept_forms(codecs, expert_quant)
     total = 0
     for name, shape in shapes.items():
         n = math.prod(shape)
-        total += n + 4 * shape[0] if name in keep else n * elem
+        form = keep.get(name)
+        if form == "int8":
+            total += n + 4 * shape[0]
+        elif form == "mxfp4":
+            total += n // 2 + n // MXFP4_BLOCK
+        else:
+            total += n * elem
     return total
 
 
@@ -161,6 +184,19 @@ class FTWExpertProvider:
         with self._lock:
             return sum(w.nbytes for w in self._experts.values())
 
+    def resident_bytes(self) -> int:
+        """Bytes every expert of the file takes once loaded in this provider's form (compact
+        projections as kept, the rest in the compute dtype): what all-resident placement needs."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        total = 0
+        for key in self.ftw.expert_keys():
+            tensors = self.ftw.expert_info(*key).tensors
+            codecs = {n: t.codec for n, t in tensors.items()}
+            total += kept_bytes(
+                codecs, {n: tuple(t.shape) for n, t in tensors.items()}, self.expert_quant, elem
+            )
+        return total
+
     def get(self, layer: int, expert: int) -> ExpertWeights:
         """The decoded expert, reading and verifying its block on first use.
 
@@ -173,8 +209,8 @@ class FTWExpertProvider:
         if w is not None:
             return w
         info = self.ftw.expert_info(layer, expert)
-        if int8_names({n: t.codec for n, t in info.tensors.items()}, self.expert_quant):
-            w = self._load_int8(layer, expert)
+        if kept_forms({n: t.codec for n, t in info.tensors.items()}, self.expert_quant):
+            w = self._load_kept(layer, expert)
         else:
             decoded = self.ftw.decode_expert(layer, expert, self.dtype)
             tensors = canonical_expert(decoded, path=self.ftw.path, key=key)
@@ -191,8 +227,9 @@ class FTWExpertProvider:
         logger.debug("loaded expert %s from %s (%d bytes)", key, self.ftw.path, info.block_length)
         return w
 
-    def _load_int8(self, layer: int, expert: int) -> ExpertWeights:
-        """Read one block; keep its int8 projections (weight + scale), decode the rest."""
+    def _load_kept(self, layer: int, expert: int) -> ExpertWeights:
+        """Read one block; keep its compact projections (int8 or MXFP4 with their scales),
+        decode the rest."""
         encs = self.ftw.encoded_expert(layer, expert)
         tensors = expert_tensors(encs, self.dtype, self.expert_quant, path=self.ftw.path, key=(layer, expert))
         # packed_mixed() copies into one owned storage: the parts are views of the read buffer.

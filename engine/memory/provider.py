@@ -94,11 +94,11 @@ class TieredExpertProvider:
             "stream" (baseline: always stream into a per-layer LRU of copies, no hot set).
         direct_io: read tier 3 with O_DIRECT where the filesystem allows (else buffered reads
             dropped from the page cache after each read).
-        expert_quant: "auto" | "int8" | "none" (`int8.EXPERT_QUANTS`): which projections tier 1
-            (CPU) and HOST compute keep in int8, as the resident engine does ("int8" on a GPU:
-            EngineError).
+        expert_quant: "auto" | "int8" | "compact" | "none" (`int8.EXPERT_QUANTS`): which
+            projections tier 1 (CPU) and HOST compute keep compact (int8, MXFP4), as the resident
+            engine does ("int8" and "compact" on a GPU: EngineError).
     Raises MemoryBudgetError if fast_bytes cannot hold one layer's top_k largest experts;
-    EngineError for an unknown `expert_quant` or "int8" on a GPU.
+    EngineError for an unknown `expert_quant`, or "int8" / "compact" on a GPU.
     """
 
     def __init__(
@@ -129,11 +129,11 @@ class TieredExpertProvider:
         self.ftw = ftw if isinstance(ftw, FTWFile) else FTWFile(Path(ftw))
         self.budget, self.dtype, self.device = budget, dtype, torch.device(device)
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
-        if self.cuda and self.expert_quant == "int8":
+        if self.cuda and self.expert_quant in ("int8", "compact"):
             raise EngineError(
-                "expert_quant='int8' with tiered experts runs on the CPU only: tier 1 on the GPU holds "
-                f"experts decoded to {dtype} (int8 blocks are still computed in int8 when q* runs "
-                "them on the CPU); use expert_quant='auto' with an FTW file converted with --quant int8"
+                f"expert_quant={self.expert_quant!r} with tiered experts runs on the CPU only: tier 1 on "
+                f"the GPU holds experts decoded to {dtype} (int8 blocks are still computed in int8 when "
+                "q* runs them on the CPU); use expert_quant='auto', or placement='resident' if they fit"
             )
         self.clock, self.hot_every, self.placement = clock, hot_every, placement
         keys = self.ftw.expert_keys()

@@ -81,8 +81,8 @@ class ChatFreeToken(BaseChatModel):
     placement: Placement = "auto"
     """'auto' | 'resident' | 'qstar' | 'stream': where the experts go (see `Engine.from_pretrained`)."""
     expert_quant: str = "auto"
-    """'auto' | 'int8' | 'none': which expert projections the engine computes in int8 (resident or
-    tiered; see `Engine.from_pretrained`)."""
+    """'auto' | 'int8' | 'compact' | 'none': which expert projections the engine keeps compact (int8,
+    MXFP4) and computes from that form (resident or tiered; see `Engine.from_pretrained`)."""
     tool_format: str | None = None
     """Tool-call family ('hermes', 'mistral', 'deepseek', 'harmony'); None: from the template."""
     timeout: float | None = None

@@ -1,0 +1,178 @@
+"""MXFP4 experts held in their 4-bit form (`expert_quant="compact"`, engine/mxfp4.py): the GEMV
+kernel against the codec's decode (CPU, through Triton's interpreter: TRITON_INTERPRET=1 must be
+set before triton is imported, so it runs in a fresh interpreter), the decode path bit-equal to
+decoding at load, the engine resident and tiered on CPU, placement counting compact bytes, and the
+kernel on a GPU (`-m cuda`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from freetoken_agents.engine import Engine, EngineError
+from freetoken_agents.engine.ftw.codecs import get_codec
+from freetoken_agents.engine.ftw.convert import convert_checkpoint
+from freetoken_agents.engine.memory import MemoryBudget, TieredExpertProvider
+from freetoken_agents.engine.memory.moves import shares_memory
+from freetoken_agents.engine.mxfp4 import decode_weight, mxfp4_linear
+from freetoken_agents.engine.options import TieringOptions
+from freetoken_agents.engine.placement import expert_bytes
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+IDS = torch.randint(5, 400, (14,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+def _encoded(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    enc = get_codec("mxfp4").encode(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 3)
+    return enc.parts["blocks"].reshape(n, k // 2), enc.parts["scales"]
+
+
+_KERNEL_CHECK = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from freetoken_agents.engine.ftw.codecs import get_codec
+    from freetoken_agents.engine.mxfp4 import decode_weight, kernel_linear
+
+    g = torch.Generator().manual_seed(0)
+    # Rows not a multiple of the program's 32, inputs not a multiple of a step's 128, 1-8 tokens,
+    # all 16 codes and scales from 2**-20 to 2**20.
+    for n, k, t in [(48, 160, 3), (7, 64, 1), (33, 288, 8), (64, 128, 2)]:
+        w = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-20, 20, (n, 1), generator=g).float())
+        enc = get_codec("mxfp4").encode(w)
+        blocks, scales = enc.parts["blocks"].reshape(n, k // 2), enc.parts["scales"]
+        codes = torch.cat([(blocks & 15).flatten(), (blocks >> 4).flatten()])
+        assert n < 33 or set(codes.tolist()) == set(range(16))
+        x = torch.randn(t, k, generator=g)
+        want = F.linear(x, decode_weight(blocks, scales, torch.float32))
+        got = kernel_linear(x, blocks, scales)
+        err = float(((got - want).abs() / want.abs().amax(dim=1, keepdim=True)).max())
+        assert err < 1e-5, (n, k, t, err)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_gemv_kernel_equals_the_codecs_decode_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_path_is_bit_equal_to_decoding_at_load(tokens, dtype):
+    blocks, scales = _encoded(24, 96)
+    x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(1)).to(dtype)
+    bias = torch.randn(24).to(dtype)
+    w = decode_weight(blocks, scales, dtype)
+    assert torch.equal(mxfp4_linear(x, blocks, scales, bias), F.linear(x, w) + bias)  # CPU: no kernel
+
+
+@pytest.fixture(scope="module")
+def mxfp4_ftw(tiny_checkpoint, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("mxfp4") / "mixtral-mxfp4.ftw"
+    convert_checkpoint(
+        tiny_checkpoint("mixtral"), path, quant="mxfp4", progress=False, dense_dtype=torch.float32
+    )
+    return path
+
+
+def _logits(engine: Engine) -> list[torch.Tensor]:
+    with engine.new_session() as s:
+        return [s.prefill(IDS[:8]), *(s.decode(t) for t in IDS[8:])]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_compact_experts_stay_4_bit_and_give_the_decoded_engines_logits(mxfp4_ftw):
+    decoded = Engine.from_pretrained(mxfp4_ftw, expert_quant="none")
+    compact = Engine.from_pretrained(mxfp4_ftw, expert_quant="compact")
+    assert _same(_logits(decoded), _logits(compact))
+    w = compact.experts.get(0, 0)
+    assert (
+        w.gate_up.dtype == torch.uint8
+        and w.gate_up_scale is not None
+        and w.gate_up_scale.dtype == torch.uint8
+    )
+    h = compact.spec.hidden_size
+    assert w.gate_up.shape[1] == h // 2 and w.gate_up_scale.shape[1] == h // 32
+    # ~0.53 bytes a weight: 7.5x fewer than fp32; the placement counts what will be held.
+    fp32 = expert_bytes(compact.spec, torch.float32)
+    assert compact.experts.resident_bytes() < fp32 / 7 and decoded.experts.resident_bytes() == fp32
+    keys = compact.experts.keys()
+    for key in keys:
+        compact.experts.get(*key)
+    held, counted = compact.experts.nbytes, compact.experts.resident_bytes()
+    assert counted <= held <= counted + 4 * 64 * len(keys)  # each part padded to 64 bytes
+
+
+def test_tiers_on_cpu_hold_mxfp4_blocks_without_a_decode_and_match_resident(mxfp4_ftw):
+    ref = Engine.from_pretrained(mxfp4_ftw, expert_quant="compact")
+    want = _logits(ref)
+    probe = TieredExpertProvider(mxfp4_ftw, MemoryBudget(), top_k=2, expert_quant="compact")
+    one, ws = probe.fast_bytes[(0, 0)], probe.min_working_set
+    assert one <= probe.stored_bytes[(0, 0)]
+    probe.close()
+    kv = 4 * ref.kv_pool.bytes_per_block
+    budget = MemoryBudget(fast_bytes=kv + max(ws, 3 * one), host_bytes=3 * one)
+    eng = Engine.from_pretrained(
+        mxfp4_ftw,
+        memory=budget,
+        placement="qstar",
+        expert_quant="compact",
+        tiering=TieringOptions(prefetch=False),
+    )
+    assert _same(want, _logits(eng))
+    tp = eng.experts
+    assert tp.stats()["tiers"]["fast"]["evictions"] > 0
+    assert tp.moves.backing and all(
+        tp.fast.peek(k).gate_up.dtype == torch.uint8 and shares_memory(tp.fast.peek(k), tp.moves.backing[k])
+        for k in tp.moves.backing
+    )  # a promoted block moved up as it is stored: no decode, no copy
+    eng.close()
+
+
+def test_int8_files_count_int8_bytes_for_placement(tiny_checkpoint, tmp_path):
+    path = tmp_path / "int8.ftw"
+    convert_checkpoint(tiny_checkpoint("mixtral"), path, quant="int8", progress=False)
+    auto = Engine.from_pretrained(path)
+    fp32 = expert_bytes(auto.spec, torch.float32)
+    assert auto.experts.resident_bytes() < fp32 / 3.5
+    assert Engine.from_pretrained(path, expert_quant="none").experts.resident_bytes() == fp32
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_compact_is_a_known_option_and_unknown_ones_are_refused(mxfp4_ftw):
+    with pytest.raises(EngineError, match="expected one of auto, int8, compact, none"):
+        Engine.from_pretrained(mxfp4_ftw, expert_quant="fp4")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compact_experts_on_the_gpu_decode_through_the_kernel(mxfp4_ftw):
+    from freetoken_agents.engine.mxfp4 import kernel_ok
+
+    cpu = Engine.from_pretrained(mxfp4_ftw, expert_quant="compact")
+    gpu = Engine.from_pretrained(mxfp4_ftw, device="cuda", expert_quant="compact", placement="resident")
+    assert kernel_ok(torch.device("cuda", torch.cuda.current_device()))
+    assert gpu.experts.get(0, 0).gate_up.dtype == torch.uint8
+    for a, b in zip(_logits(cpu), _logits(gpu), strict=True):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-4)
+    blocks, scales = _encoded(300, 2048, seed=3)
+    x = torch.randn(4, 2048, device="cuda")
+    want = F.linear(x, decode_weight(blocks.cuda(), scales.cuda(), torch.float32))
+    torch.testing.assert_close(mxfp4_linear(x, blocks.cuda(), scales.cuda()), want, rtol=1e-4, atol=1e-3)
