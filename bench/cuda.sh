@@ -28,7 +28,7 @@ timeout "${FT_GPU_DECODE_TIMEOUT:-540}" python3 bench/gpu_decode.py ${FT_GPU_DEC
 # Compact experts over the link (issue 21): each codec tiered at a quarter of the expert bytes.
 # shellcheck disable=SC2086
 timeout "${FT_GPU_QUANT_TIMEOUT:-360}" python3 bench/gpu_decode.py \
-    ${FT_GPU_QUANT_ARGS:---tiered-only --layers 4 --budgets 0.25 --quant bf16,fp8,int8,mxfp4} \
+    ${FT_GPU_QUANT_ARGS:---tiered-only --layers 4 --budgets 0.25 --quant bf16,fp8,int8,mxfp4,mxfp4:compact} \
     --json "$out/gpu_quant.json" 2>&1 | tee "$out/gpu_quant.log"
 # MXFP4 experts held 4-bit on the GPU (expert_quant="compact", the GEMV kernel) vs bf16 resident.
 timeout "${FT_GPU_COMPACT_TIMEOUT:-240}" python3 bench/gpu_decode.py --tiered-only --budgets '' \

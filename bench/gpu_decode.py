@@ -20,7 +20,9 @@ Contenders, all from the same 16-token prompt, --tokens teacher-forced decode to
                              every expert in pinned host RAM (tier 2); steady state: timed after
                              --warmup rounds
   engine tiered <q> f=<b>    the same with the experts stored as --quant q (fp8, int8, mxfp4:
-                             tier 2 holds the compact bytes, the link moves them, the GPU decodes)
+                             tier 2 holds the compact bytes, the link moves them, the GPU decodes;
+                             q:compact, e.g. mxfp4:compact: tier 1 keeps them as they arrived,
+                             expert_quant="compact", so the same budget holds ~3.8x the experts)
   engine resident mxfp4 compact (eager)    --compact: the experts stored as MXFP4 and held in
                              that form on the GPU (expert_quant="compact"), decode steps through
                              the MXFP4 GEMV kernel (engine/mxfp4.py), against the bf16 resident
@@ -169,15 +171,21 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3, help="tiered: rounds before timing")
     parser.add_argument("--budgets", default="0.25,0.5,1.0", help="tiered fast budgets ('' to skip)")
-    parser.add_argument("--quant", default="bf16", help="tiered: expert codecs to compare, e.g. bf16,mxfp4")
+    parser.add_argument(
+        "--quant", default="bf16", help="tiered: expert codecs to compare, e.g. bf16,mxfp4,mxfp4:compact"
+    )
     parser.add_argument("--tiered-only", action="store_true", help="skip transformers and resident")
     parser.add_argument("--compact", action="store_true", help="also resident MXFP4 experts held 4-bit")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     quants = [q for q in args.quant.split(",") if q]
-    unknown = sorted(set(quants) - {"bf16", "fp8", "int8", "mxfp4"})
-    if unknown:
-        parser.error(f"--quant: unknown codec(s) {', '.join(unknown)}; choose from bf16, fp8, int8, mxfp4")
+    unknown = sorted({q.split(":")[0] for q in quants} - {"bf16", "fp8", "int8", "mxfp4"})
+    modes = sorted({q.split(":")[1] for q in quants if ":" in q} - {"auto", "compact"})
+    if unknown or modes:
+        parser.error(
+            f"--quant: unknown codec(s) or mode(s) {', '.join(unknown + modes)}; choose from bf16, fp8, "
+            "int8, mxfp4, each optionally with :compact (tier 1 keeps the stored form)"
+        )
     if not torch.cuda.is_available():
         print("bench/gpu_decode.py needs a CUDA GPU: torch.cuda.is_available() is False here")
         return 1
@@ -295,10 +303,11 @@ def run_tiered(
     from freetoken_agents.engine import Engine
     from freetoken_agents.engine.memory import MemoryBudget
 
+    codec, _, mode = quant.partition(":")
     memory = MemoryBudget(fast_bytes=int(budget * expert_bytes) + (256 << 20), host_bytes=expert_bytes)
     engine = Engine.from_pretrained(
         folder, device="cuda", dtype=torch.bfloat16, placement="qstar", memory=memory,
-        cache_dir=cache, quant=quant, progress=False,
+        cache_dir=cache, quant=codec, progress=False, expert_quant=mode or "auto",
     )  # fmt: skip
     tp = engine.experts
     time_engine(engine, prompt, forced, args.warmup)  # fill the tiers: steady state after
@@ -312,6 +321,7 @@ def run_tiered(
         "bytes_per_token": moved,
         "tier2_bytes_per_expert": block,
         "experts_in_host_budget": expert_bytes // block,
+        "tier1_bytes_per_expert": max(tp.fast_bytes.values()),
         "experts": len(tp.ftw.expert_keys()),
         "decisions": engine.stats()["policy"]["decisions"],
     }

@@ -126,8 +126,8 @@ class Engine:
             expert_quant / dense_quant: int8 weight-only compute (`int8.py`): "auto" keeps expert
                 projections stored in FTW's int8 codec in int8 (tiered too: tier 1 on the CPU
                 and HOST compute); "int8" quantizes every expert projection at load (not with
-                tiers on a GPU); "compact" also keeps MXFP4 projections 4-bit (`mxfp4.py`; not
-                with tiers on a GPU); "none" decodes every codec to `dtype`. dense_quant: a
+                tiers on a GPU); "compact" also keeps MXFP4 projections 4-bit (`mxfp4.py`; tier
+                1 on a GPU too); "none" decodes every codec to `dtype`. dense_quant: a
                 subset of ("attention", "lm_head").
 
         Raises CheckpointError (missing/garbled files or tensors), FTWFormatError (a corrupted,

@@ -176,3 +176,30 @@ def test_compact_experts_on_the_gpu_decode_through_the_kernel(mxfp4_ftw):
     x = torch.randn(4, 2048, device="cuda")
     want = F.linear(x, decode_weight(blocks.cuda(), scales.cuda(), torch.float32))
     torch.testing.assert_close(mxfp4_linear(x, blocks.cuda(), scales.cuda()), want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compact_tier_1_on_the_gpu_keeps_the_bytes_that_crossed_the_link(mxfp4_ftw):
+    """Tiered on CUDA with "compact": a STREAM copies the 4-bit block and tier 1 keeps it as it
+    arrived (no decode, no float copy), its bytes stay in tier 2 (nothing moves up or spills)."""
+    cpu = Engine.from_pretrained(mxfp4_ftw, expert_quant="compact")
+    eng = Engine.from_pretrained(
+        mxfp4_ftw, device="cuda", dtype=torch.float32, memory=MemoryBudget(), placement="qstar",
+        expert_quant="compact", tiering=TieringOptions(prefetch=False),
+    )  # fmt: skip
+    tp = eng.experts
+    tp.fast.resize(tp.min_working_set * 2)  # streaming, with evictions
+    for a, b in zip(_logits(cpu), _logits(eng), strict=True):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-4)
+    torch.cuda.synchronize()
+    raw = {k: tp.ftw.expert_info(*k).raw_length for k in tp.ftw.expert_keys()}
+    (block,) = set(raw.values())
+    copies = tp.stats()["bytes_moved"]["host->fast"]
+    assert copies > 0 and copies % block == 0 and not tp.moves.moves_up
+    assert tp.stats()["tiers"]["fast"]["evictions"] > 0
+    for key in tp.fast.keys():
+        w = tp.fast.peek(key)
+        assert w.gate_up.device.type == "cuda" and w.gate_up.dtype == torch.uint8
+        assert tp.fast_bytes[key] == raw[key]
+    tp.close()

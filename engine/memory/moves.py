@@ -30,6 +30,7 @@ import torch
 
 from ..experts import ExpertKey, ExpertWeights
 from ..ftw import FTWFile
+from ..ftw.provider import kept_forms
 from .oracle import BandwidthOracle
 from .prefetch import SKIPPED
 from .stats import PhaseTimer
@@ -51,6 +52,9 @@ class TierMover:
     decoded move, compact ones keep their bytes in tier 2).
     `backing`: tier-1 key -> the stored bytes its weights are views of. `timer`: CUDA, times the
     device decodes for q* (`ComputeTimer`, kind "decode/<codec>"); `codecs`: key -> codec name.
+    `expert_quant`: what HOST compute keeps compact; `tier1_quant` (default the same): what tier 1
+    keeps compact (on CUDA "none" unless "compact": the device decode then leaves the arrived
+    bytes as they are).
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class TierMover:
         timer: Any = None,
         codecs: dict[ExpertKey, str] | None = None,
         expert_quant: str = "none",
+        tier1_quant: str | None = None,
     ) -> None:
         self.ftw, self.dtype, self.reader = ftw, dtype, reader
         self.storage_link, self.fast_link = links
@@ -83,10 +88,18 @@ class TierMover:
         self.lock = threading.RLock()
         self.backing: dict[ExpertKey, Any] = {}
         self.timer, self.expert_quant = timer, expert_quant
+        # What tier 1 keeps compact (CUDA: what the device decode leaves as it arrived).
+        self.tier1_quant = expert_quant if tier1_quant is None else tier1_quant
         self.codecs = codecs if codecs is not None else {k: codec_name(ftw, k) for k in stored_bytes}
         self.raw_bytes = {k: ftw.expert_info(*k).raw_length for k in stored_bytes}
-        # CUDA, exclusive: the experts that leave tier 2 when promoted (spilled back on eviction)
-        self.moves_up = {k for k in stored_bytes if exclusive and fast_bytes[k] <= self.raw_bytes[k]}
+        # CUDA, exclusive: the experts that leave tier 2 when promoted (spilled back on eviction):
+        # those decoded to a float form no larger than their raw bytes (bf16 stored, bf16
+        # compute). Ones tier 1 keeps compact keep their bytes in tier 2 instead.
+        self.moves_up = {
+            k
+            for k in stored_bytes
+            if exclusive and fast_bytes[k] <= self.raw_bytes[k] and not self._kept_compact(k)
+        }
         self.bytes_moved = {"storage->host": 0, "host->fast": 0, "fast->host": 0}
         self.copies: Any = None
         if cuda:
@@ -108,6 +121,10 @@ class TierMover:
         self.host: HostTier[Any] = HostTier(
             host_bytes, on_evict=on_host_evict, rank=rank, protected=protected
         )
+
+    def _kept_compact(self, key: ExpertKey) -> bool:
+        tensors = self.ftw.expert_info(*key).tensors
+        return bool(kept_forms({n: t.codec for n, t in tensors.items()}, self.tier1_quant))
 
     def read_block(
         self, key: ExpertKey, *, urgent: bool = True, still_wanted: Callable[[], bool] | None = None
@@ -169,9 +186,9 @@ class TierMover:
         if isinstance(arrived, ExpertWeights):
             return arrived
         if self.timer is None:
-            return decode_raw(self.ftw, key, arrived, self.dtype)
+            return decode_raw(self.ftw, key, arrived, self.dtype, self.tier1_quant)
         start = self.timer.start()
-        w = decode_raw(self.ftw, key, arrived, self.dtype)
+        w = decode_raw(self.ftw, key, arrived, self.dtype, self.tier1_quant)
         self.timer.stop(start, 1, kind=f"decode/{self.codecs[key]}")
         return w
 

@@ -12,7 +12,9 @@ With placement "qstar" the two RAM tiers are exclusive for blocks that decode ze
 codec = compute dtype, or int8 kept as stored): promoting one moves its buffer from tier 2 to
 tier 1 and an eviction demotes it back (`moves.TierMover`), so both budgets hold distinct experts.
 On CUDA: tier 1 = device tensors, tier 2 = the compact stored bytes in pinned host memory
-(`cuda_path`): a STREAM copies those (MXFP4: ~0.27x the bytes of bf16) and the GPU decodes them.
+(`cuda_path`): a STREAM copies those (MXFP4: ~0.27x the bytes of bf16) and the GPU decodes them,
+or with expert_quant "compact" keeps them as they arrived (MXFP4 computed by its GEMV kernel: a
+quarter of bf16's room in tier 1 too).
 With q*, an expert whose decoded form is no larger (bf16 stored, bf16 compute) leaves tier 2 when
 promoted and is copied back when evicted; a compact one keeps its bytes in tier 2.
 
@@ -95,10 +97,10 @@ class TieredExpertProvider:
         direct_io: read tier 3 with O_DIRECT where the filesystem allows (else buffered reads
             dropped from the page cache after each read).
         expert_quant: "auto" | "int8" | "compact" | "none" (`int8.EXPERT_QUANTS`): which
-            projections tier 1 (CPU) and HOST compute keep compact (int8, MXFP4), as the resident
-            engine does ("int8" and "compact" on a GPU: EngineError).
+            projections tier 1 and HOST compute keep compact (int8, MXFP4), as the resident
+            engine does; on a GPU tier 1 keeps them only with "compact" ("int8": EngineError).
     Raises MemoryBudgetError if fast_bytes cannot hold one layer's top_k largest experts;
-    EngineError for an unknown `expert_quant`, or "int8" / "compact" on a GPU.
+    EngineError for an unknown `expert_quant`, or "int8" on a GPU.
     """
 
     def __init__(
@@ -129,18 +131,18 @@ class TieredExpertProvider:
         self.ftw = ftw if isinstance(ftw, FTWFile) else FTWFile(Path(ftw))
         self.budget, self.dtype, self.device = budget, dtype, torch.device(device)
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
-        if self.cuda and self.expert_quant in ("int8", "compact"):
+        if self.cuda and self.expert_quant == "int8":
             raise EngineError(
-                f"expert_quant={self.expert_quant!r} with tiered experts runs on the CPU only: tier 1 on "
-                f"the GPU holds experts decoded to {dtype} (int8 blocks are still computed in int8 when "
-                "q* runs them on the CPU); use expert_quant='auto', or placement='resident' if they fit"
+                "expert_quant='int8' with tiered experts runs on the CPU only: tier 1 on the GPU holds "
+                f"experts decoded to {dtype} or, with expert_quant='compact', as stored (int8 blocks are "
+                "computed in int8 when q* runs them on the CPU); use 'auto' or 'compact'"
             )
         self.clock, self.hot_every, self.placement = clock, hot_every, placement
         keys = self.ftw.expert_keys()
         self.stored_bytes = {k: self.ftw.expert_info(*k).stored_length for k in keys}
-        # Tier 1 on the GPU holds experts decoded to `dtype` (no fused int8 kernel there); on
-        # the CPU it keeps int8 projections in int8, as the resident engine does.
-        tier1_quant = "none" if self.cuda else self.expert_quant
+        # Tier 1 keeps projections compact as the resident engine does; on the GPU only with
+        # "compact" (the MXFP4 GEMV kernel; int8 there has no fused kernel, so "auto" decodes).
+        tier1_quant = self.expert_quant if not self.cuda or self.expert_quant == "compact" else "none"
         self.fast_bytes = {k: tier1_bytes(self.ftw, k, dtype, tier1_quant) for k in keys}
         self.codec = {k: codec_name(self.ftw, k) for k in keys}
         self.layers = sorted({k[0] for k in keys})
@@ -201,6 +203,7 @@ class TieredExpertProvider:
             timer=self._timer,
             codecs=self.codec,
             expert_quant=self.expert_quant,
+            tier1_quant=tier1_quant,
         )
         self.fast, self.host = self.moves.fast, self.moves.host
         self._lock = self.moves.lock
