@@ -11,6 +11,9 @@ How a product is computed (`int8_linear`), measured on a 2-core AVX2 CPU with to
   are cast to bf16 on the way in; the scale is applied in fp32 on the way out (the kernel gets
   unit scales), so the only roundings beyond the int8 weights are bf16 activations and a bf16
   output of the kernel (relative 2^-9 each).
+- few tokens on CUDA: `gemv_triton.int8_gemv`, a Triton GEMV reading each int8 weight once and
+  accumulating in fp32, the scale applied per row at the end (self-checked once per device
+  against the dequantize path; a failure is logged and dequantize serves).
 - many tokens (prefill), other devices, or shapes the kernel cannot take: dequantize
   ``weight * scale`` in fp32 into a reused per-thread scratch block of at most `DEQUANT_BLOCK`
   elements, row block by row block, and ``F.linear`` each block (float GEMM). Per block this
@@ -35,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import gemv_triton
 from .errors import EngineError
 
 logger = logging.getLogger(__name__)
@@ -126,6 +130,23 @@ def _self_check() -> bool:
     return ok
 
 
+def gpu_kernel_ok(device: torch.device) -> bool:
+    """Whether the Triton int8 GEMV (`gemv_triton.int8_gemv`) serves decode on `device`: checked
+    once per device against the dequantize path (a failure is logged; dequantize is used)."""
+    return gemv_triton.usable("int8", device, _gpu_self_check)
+
+
+def _gpu_self_check(device: torch.device) -> bool:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 200, generator=g)
+    q, scale = quantize(w)
+    q, scale = q.to(device), scale.to(device)
+    x = torch.randn(3, 200, generator=g).to(device)
+    want = dequant_linear(x, q, scale)
+    got = gemv_triton.int8_gemv(x, q, scale)
+    return bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())))
+
+
 def kernel_fits(q: torch.Tensor) -> bool:
     """Whether the fused kernel may take weight ``q`` (see the module doc for the contract)."""
     return (
@@ -208,6 +229,11 @@ def int8_linear(
     """
     if use_kernel is None:
         use_kernel = x.shape[0] <= KERNEL_MAX_TOKENS
+    if use_kernel and x.dim() == 2 and q.device.type == "cuda" and gpu_kernel_ok(q.device):
+        y = gemv_triton.int8_gemv(x, q, scale)
+        if bias is not None:
+            y = y + bias
+        return y.to(x.dtype)
     if not (use_kernel and x.dim() == 2 and kernel_fits(q)):
         return dequant_linear(x, q, scale, bias)
     y = kernel_linear(x, q, scale)

@@ -1,0 +1,143 @@
+"""Triton GEMVs over compact weights, for decode steps on a GPU: MXFP4 (`mxfp4.py`) and int8 with
+per-row scales (`int8.py`).
+
+A decode step multiplies a few token vectors by each weight once, so its time is the weight bytes
+read. These kernels read the stored bytes (0.53 bytes a weight for MXFP4, 1 for int8) and decode
+them in registers, accumulating in fp32, instead of materialising a float copy of the weight
+(what the decode / dequantize paths do: write and read 4 bytes a weight). Grid: (output row
+blocks of `BLOCK_N`, tokens); each program walks the inputs `BLOCK_K` at a time.
+
+Never run on a GPU in this repository's CI (no GPU there): the arithmetic is checked on CPU by
+Triton's interpreter (TRITON_INTERPRET=1, tests/test_gemv_triton.py). On a device, `usable` runs a
+caller's self-check once per device and kernel; a kernel that raises or disagrees is logged once
+and its caller keeps its decode path.
+
+Letters: T tokens, K input features, N output features.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: callers use their decode paths
+    triton = None
+
+logger = logging.getLogger(__name__)
+
+BLOCK_N = 32
+"""Output rows per program."""
+BLOCK_K = 128
+"""Input features per step (MXFP4: 64 stored bytes, four scale blocks)."""
+
+_USABLE: dict[tuple[str, torch.device], bool] = {}
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mxfp4_kernel(
+        X, Blocks, Scales, Out, N, HALF_K,
+        s_xt, s_bn, s_sn, s_ot,
+        BLOCK_N: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        t = tl.program_id(1)
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, BLOCK_BYTES)  # byte j of a step holds inputs 2j (low) and 2j + 1 (high)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for b0 in range(0, HALF_K, BLOCK_BYTES):
+            idx = b0 + cols
+            mask = (rows[:, None] < N) & (idx[None, :] < HALF_K)
+            byte = tl.load(Blocks + rows[:, None] * s_bn + idx[None, :], mask=mask, other=0).to(tl.int32)
+            code = tl.load(Scales + rows[:, None] * s_sn + idx[None, :] // 16, mask=mask, other=127)
+            scale = tl.exp2(code.to(tl.float32) - 127.0)
+            lo = byte & 15
+            hi = byte >> 4
+            # E2M1 code = sign << 3 | e << 1 | m: |value| = m / 2 if e == 0 else (1 + m / 2) * 2**(e - 1)
+            lo_e = (lo >> 1) & 3
+            hi_e = (hi >> 1) & 3
+            lo_m = (lo & 1).to(tl.float32)
+            hi_m = (hi & 1).to(tl.float32)
+            lo_v = tl.where(lo_e == 0, 0.5 * lo_m, (1.0 + 0.5 * lo_m) * tl.exp2((lo_e - 1).to(tl.float32)))
+            hi_v = tl.where(hi_e == 0, 0.5 * hi_m, (1.0 + 0.5 * hi_m) * tl.exp2((hi_e - 1).to(tl.float32)))
+            lo_v = tl.where((lo & 8) != 0, -lo_v, lo_v) * scale
+            hi_v = tl.where((hi & 8) != 0, -hi_v, hi_v) * scale
+            xmask = idx < HALF_K
+            x_even = tl.load(X + t * s_xt + 2 * idx, mask=xmask, other=0.0).to(tl.float32)
+            x_odd = tl.load(X + t * s_xt + 2 * idx + 1, mask=xmask, other=0.0).to(tl.float32)
+            acc += tl.sum(lo_v * x_even[None, :] + hi_v * x_odd[None, :], axis=1)
+        tl.store(Out + t * s_ot + rows, acc, mask=rows < N)
+
+    @triton.jit
+    def _int8_kernel(
+        X, Q, Scale, Out, N, K,
+        s_xt, s_qn, s_ot,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        t = tl.program_id(1)
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            idx = k0 + cols
+            mask = (rows[:, None] < N) & (idx[None, :] < K)
+            q = tl.load(Q + rows[:, None] * s_qn + idx[None, :], mask=mask, other=0).to(tl.float32)
+            x = tl.load(X + t * s_xt + idx, mask=idx < K, other=0.0).to(tl.float32)
+            acc += tl.sum(q * x[None, :], axis=1)
+        scale = tl.load(Scale + rows, mask=rows < N, other=0.0)
+        tl.store(Out + t * s_ot + rows, acc * scale, mask=rows < N)
+
+
+def mxfp4_gemv(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x [T, K] @ W.T`` for W held as MXFP4 (blocks [N, K/2] uint8, E8M0 scales [N, K/32]) ->
+    [T, N] fp32. All on one device (on CPU only under Triton's interpreter)."""
+    x, blocks, scales = x.contiguous(), blocks.contiguous(), scales.contiguous()
+    t, n, half = x.shape[0], blocks.shape[0], blocks.shape[1]
+    out = torch.empty(t, n, dtype=torch.float32, device=x.device)
+    _mxfp4_kernel[(triton.cdiv(n, BLOCK_N), t)](
+        x, blocks, scales, out, n, half,
+        x.stride(0), blocks.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_N=BLOCK_N, BLOCK_BYTES=BLOCK_K // 2,
+    )  # fmt: skip
+    return out
+
+
+def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [T, K] @ (q * scale[:, None]).T`` for q int8 [N, K], scale fp32 [N] -> [T, N] fp32."""
+    x, q, scale = x.contiguous(), q.contiguous(), scale.contiguous()
+    t, n, k = x.shape[0], q.shape[0], q.shape[1]
+    out = torch.empty(t, n, dtype=torch.float32, device=x.device)
+    _int8_kernel[(triton.cdiv(n, BLOCK_N), t)](
+        x, q, scale, out, n, k,
+        x.stride(0), q.stride(0), out.stride(0),
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    )  # fmt: skip
+    return out
+
+
+def usable(name: str, device: torch.device, check: Callable[[torch.device], bool]) -> bool:
+    """Whether kernel `name` may serve on `device`: Triton is installed and `check(device)` (run
+    once per device) passed. A raising or failing check is logged once; the caller then keeps
+    its decode path."""
+    key = (name, device)
+    if key not in _USABLE:
+        if triton is None:
+            logger.info("triton is not installed: %s products use the decode path", name)
+            _USABLE[key] = False
+        else:
+            try:
+                _USABLE[key] = check(device)
+            except Exception as e:  # noqa: BLE001 - any failure of a kernel this repository never ran here
+                logger.warning("the %s GEMV kernel fails on %s (%s); using the decode path", name, device, e)
+                _USABLE[key] = False
+            else:
+                if not _USABLE[key]:
+                    logger.warning("the %s GEMV kernel disagrees on %s; using the decode path", name, device)
+    return _USABLE[key]
