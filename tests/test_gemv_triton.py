@@ -69,4 +69,5 @@ def test_the_kernels_pass_their_self_checks_and_serve_decode_on_the_gpu():
     q, scale = q.to(device), scale.to(device)
     x = torch.randn(1, 2048, device=device, dtype=torch.bfloat16)
     want = dequant_linear(x.float(), q, scale)
-    torch.testing.assert_close(int8_linear(x, q, scale).float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    tol = 2e-2 * float(want.abs().max())  # bf16 activations and output
+    torch.testing.assert_close(int8_linear(x, q, scale).float(), want, rtol=2e-2, atol=tol)
