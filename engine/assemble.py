@@ -85,8 +85,13 @@ def assemble(engine_cls: type[Engine], path: str | Path, options: EngineOptions)
     memory = options.memory
     on_kv_resize = None
     if choice.placement == "resident":
-        if loaded_ftw is not None:
-            experts: ExpertProvider = loaded_ftw.experts
+        if loaded_ftw is not None and device.type == "cuda":
+            # Read every expert now and stack each layer: grouped GEMMs with no host sync, so the
+            # decode step can be captured as a CUDA graph (the lazy provider dispatches expert by
+            # expert, syncing each layer). On a CPU the file stays lazy (read on first use).
+            experts: ExpertProvider = InMemoryExpertProvider(loaded_ftw.experts.take_all(options.progress))
+        elif loaded_ftw is not None:
+            experts = loaded_ftw.experts
         else:
             assert hf is not None
             experts = InMemoryExpertProvider(load_hf_experts(hf, dtype, dev, int8=expert_quant == "int8"))

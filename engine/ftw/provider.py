@@ -23,8 +23,10 @@ import logging
 import math
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..errors import FTWFormatError
 from ..experts import ExpertKey, ExpertWeights, run_experts
@@ -172,6 +174,21 @@ class FTWExpertProvider:
     def keys(self) -> list[ExpertKey]:
         """Every ``(layer, expert)`` the file holds (loaded or not), sorted."""
         return self.ftw.expert_keys()
+
+    def take_all(self, progress: bool = False) -> dict[ExpertKey, ExpertWeights]:
+        """Every expert of the file, read now (those not loaded yet) and handed over: the provider
+        keeps no reference, so a caller that restacks them (`InMemoryExpertProvider`) frees each
+        expert's own storage as it goes. FTWFormatError as `get`."""
+        with self._lock:
+            loaded = dict(self._experts)
+        out: dict[ExpertKey, ExpertWeights] = {}
+        for key in tqdm(
+            self.keys(), desc=f"load {Path(self.ftw.path).name}", unit="expert", disable=not progress
+        ):
+            out[key] = loaded[key] if key in loaded else self.get(*key)
+            with self._lock:
+                self._experts.pop(key, None)
+        return out
 
     def loaded_keys(self) -> list[ExpertKey]:
         """The experts decoded so far, sorted."""
