@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks in one go: the `cuda` tests, bench/gpu_decode.py (decode at the memory bound:
 # resident with CUDA graphs, tiered, transformers, HBM and PCIe bounds), the same tiered with
-# compact expert codecs (bf16, fp8, int8, mxfp4), then bench/offload.py with tier 1 in GPU memory.
+# compact expert codecs (bf16, fp8, int8, mxfp4, mxfp4 kept 4-bit in tier 1), resident MXFP4
+# experts held 4-bit (--compact), then bench/offload.py with tier 1 in GPU memory.
 #   bash bench/cuda.sh [OUT_DIR]        (needs the package installed and a CUDA GPU; ~12-15 min)
 # FT_GPU_DECODE_ARGS passes options to gpu_decode.py (e.g. "--layers 4 --budgets 0.25,1.0" to halve
-# its time); FT_SKIP_OFFLOAD=1 skips the offload benchmark.
+# its time); FT_SKIP_OFFLOAD=1 skips the offload benchmark, FT_SKIP_COMPACT=1 the --compact run.
+# Within 15 minutes of device time (machine start included): FT_SKIP_OFFLOAD=1 and
+# FT_GPU_DECODE_ARGS="--layers 4 --budgets 0.25,1.0".
 # Logs and the benchmark's JSON land in OUT_DIR (default: bench-cuda-out/). The benchmark's files
 # go to FT_BENCH_DIR, default a folder beside this checkout: /tmp is often RAM (tmpfs), where
 # O_DIRECT fails and dropping the page cache does not empty it, so tier 3 would not be a disk.
@@ -31,8 +34,10 @@ timeout "${FT_GPU_QUANT_TIMEOUT:-360}" python3 bench/gpu_decode.py \
     ${FT_GPU_QUANT_ARGS:---tiered-only --layers 4 --budgets 0.25 --quant bf16,fp8,int8,mxfp4,mxfp4:compact} \
     --json "$out/gpu_quant.json" 2>&1 | tee "$out/gpu_quant.log"
 # MXFP4 experts held 4-bit on the GPU (expert_quant="compact", the GEMV kernel) vs bf16 resident.
-timeout "${FT_GPU_COMPACT_TIMEOUT:-240}" python3 bench/gpu_decode.py --tiered-only --budgets '' \
-    --layers 4 --compact --json "$out/gpu_compact.json" 2>&1 | tee "$out/gpu_compact.log"
+if [ "${FT_SKIP_COMPACT:-0}" != 1 ]; then
+    timeout "${FT_GPU_COMPACT_TIMEOUT:-240}" python3 bench/gpu_decode.py --tiered-only --budgets '' \
+        --layers 4 --compact --json "$out/gpu_compact.json" 2>&1 | tee "$out/gpu_compact.log"
+fi
 if [ "${FT_SKIP_OFFLOAD:-0}" != 1 ]; then
     timeout "${FT_BENCH_TIMEOUT:-420}" python3 bench/offload.py --device cuda --sweep \
         --json "$out/offload_cuda.json" 2>&1 | tee "$out/offload_cuda.log"
