@@ -1,9 +1,10 @@
 """`FTWExpertProvider`: experts read from an FTW file on first use, one block at a time.
 
 The MoE block asks for the experts its router chose; this provider reads, verifies and decodes only
-those blocks (`FTWFile.decode_expert`) and keeps the decoded weights, so an expert that never runs
-is never read. Decoded experts stay in a plain dict for now; the tiered expert memory (byte budgets,
-eviction, prefetch) replaces that dict later without changing this interface.
+those blocks (`FTWFile.encoded_expert`, `expert_tensors`) and keeps the decoded weights, so an
+expert that never runs is never read. Decoded experts stay in a plain dict for now; the tiered
+expert memory (byte budgets, eviction, prefetch) replaces that dict later without changing this
+interface.
 
 Blocks hold the canonical projections (`experts.py`): ``gate_up [2I, H]`` (or ``gate`` and ``up``
 ``[I, H]`` stored separately, as pre-quantized DeepSeek-V3 fp8 imports keep them), ``down [H, I]``,
@@ -29,10 +30,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import FTWFormatError
-from ..experts import ExpertKey, ExpertWeights, run_experts
+from ..experts import SCALES, ExpertKey, ExpertWeights, run_experts
 from ..int8 import check_quant_options, quantize
 from ..spec import MoESpec
 from .codecs import MXFP4_BLOCK, EncodedTensor, decode
+from .layout import TensorInfo
 from .reader import FTWFile
 
 logger = logging.getLogger(__name__)
@@ -120,18 +122,18 @@ def expert_tensors(
     return canonical_expert(tensors, path=path, key=key)
 
 
-def kept_bytes(
-    codecs: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]], expert_quant: str, elem: int
-) -> int:
-    """Bytes of one expert held as `expert_tensors` holds it: int8 weights with their fp32 row
-    scales, MXFP4 blocks with their E8M0 scales, the other projections at `elem` bytes a value."""
-    keep = kept_forms(codecs, expert_quant)
+def kept_bytes(tensors: Mapping[str, TensorInfo], expert_quant: str, dtype: torch.dtype) -> int:
+    """Bytes of one expert block (its manifest `tensors`) held as `expert_tensors` holds it: int8
+    weights with their fp32 row scales, MXFP4 blocks with their E8M0 scales, the other projections
+    in `dtype`."""
+    keep = kept_forms({n: t.codec for n, t in tensors.items()}, expert_quant)
+    elem = dtype.itemsize
     total = 0
-    for name, shape in shapes.items():
-        n = math.prod(shape)
+    for name, t in tensors.items():
+        n = math.prod(t.shape)
         form = keep.get(name)
         if form == "int8":
-            total += n + 4 * shape[0]
+            total += n + 4 * t.shape[0]
         elif form == "mxfp4":
             total += n // 2 + n // MXFP4_BLOCK
         else:
@@ -204,15 +206,8 @@ class FTWExpertProvider:
     def resident_bytes(self) -> int:
         """Bytes every expert of the file takes once loaded in this provider's form (compact
         projections as kept, the rest in the compute dtype): what all-resident placement needs."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        total = 0
-        for key in self.ftw.expert_keys():
-            tensors = self.ftw.expert_info(*key).tensors
-            codecs = {n: t.codec for n, t in tensors.items()}
-            total += kept_bytes(
-                codecs, {n: tuple(t.shape) for n, t in tensors.items()}, self.expert_quant, elem
-            )
-        return total
+        infos = (self.ftw.expert_info(*k) for k in self.ftw.expert_keys())
+        return sum(kept_bytes(info.tensors, self.expert_quant, self.dtype) for info in infos)
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         """The decoded expert, reading and verifying its block on first use.
@@ -226,15 +221,15 @@ class FTWExpertProvider:
         if w is not None:
             return w
         info = self.ftw.expert_info(layer, expert)
-        if kept_forms({n: t.codec for n, t in info.tensors.items()}, self.expert_quant):
-            w = self._load_kept(layer, expert)
+        encs = self.ftw.encoded_expert(layer, expert)
+        tensors = expert_tensors(encs, self.dtype, self.expert_quant, path=self.ftw.path, key=key)
+        # packed*() copy into one owned storage: the tensors may be views of the read buffer.
+        if any(name in tensors for name in SCALES):  # compact projections keep their dtypes
+            w = ExpertWeights.packed_mixed(tensors, self.device)
         else:
-            decoded = self.ftw.decode_expert(layer, expert, self.dtype)
-            tensors = canonical_expert(decoded, path=self.ftw.path, key=key)
-            # packed() copies into one owned storage: the decoded views may alias the read buffer.
             w = ExpertWeights.packed(tensors, self.dtype)
             if self.device.type != "cpu":
-                w = _to_device(w, self.device)
+                w = w.to_device(self.device)  # one copy of the storage
         with self._lock:
             if key in self._experts:  # another thread won the race; keep its copy
                 return self._experts[key]
@@ -244,21 +239,8 @@ class FTWExpertProvider:
         logger.debug("loaded expert %s from %s (%d bytes)", key, self.ftw.path, info.block_length)
         return w
 
-    def _load_kept(self, layer: int, expert: int) -> ExpertWeights:
-        """Read one block; keep its compact projections (int8 or MXFP4 with their scales),
-        decode the rest."""
-        encs = self.ftw.encoded_expert(layer, expert)
-        tensors = expert_tensors(encs, self.dtype, self.expert_quant, path=self.ftw.path, key=(layer, expert))
-        # packed_mixed() copies into one owned storage: the parts are views of the read buffer.
-        return ExpertWeights.packed_mixed(tensors, self.device)
-
     def run(
         self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec
     ) -> torch.Tensor:
         """hidden [T, H], expert_ids [T, A] (int64), weights [T, A] -> [T, H]; loads what it needs."""
         return run_experts(self.get, layer, hidden, expert_ids, weights, spec)
-
-
-def _to_device(w: ExpertWeights, device: torch.device) -> ExpertWeights:
-    """Move a packed expert with one copy of its storage; the projections stay views into it."""
-    return w.to_device(device)

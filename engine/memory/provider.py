@@ -59,6 +59,7 @@ import torch
 from ..errors import EngineError, MemoryBudgetError
 from ..experts import ExpertKey, ExpertWeights, dispatch_experts, expert_forward
 from ..ftw import FTWFile
+from ..ftw.provider import kept_bytes
 from ..int8 import check_quant_options
 from ..spec import MoESpec
 from .budget import MemoryBudget, format_size
@@ -69,7 +70,7 @@ from .prefetch import Prefetcher
 from .routing import RoutingFrequency
 from .stats import PhaseTimer, provider_stats
 from .storage import BlockReader
-from .weights import codec_name, tier1_bytes
+from .weights import codec_name
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class TieredExpertProvider:
         # Tier 1 keeps projections compact as the resident engine does; on the GPU only with
         # "compact" (the MXFP4 GEMV kernel; int8 there has no fused kernel, so "auto" decodes).
         tier1_quant = self.expert_quant if not self.cuda or self.expert_quant == "compact" else "none"
-        self.fast_bytes = {k: tier1_bytes(self.ftw, k, dtype, tier1_quant) for k in keys}
+        self.fast_bytes = {k: kept_bytes(self.ftw.expert_info(*k).tensors, tier1_quant, dtype) for k in keys}
         self.codec = {k: codec_name(self.ftw, k) for k in keys}
         self.layers = sorted({k[0] for k in keys})
         self.routing = RoutingFrequency(self.layers, decay)

@@ -10,20 +10,11 @@ import torch
 
 from ..experts import PROJECTIONS, ExpertKey, ExpertWeights
 from ..ftw import FTWFile
-from ..ftw.provider import expert_tensors, kept_bytes
+from ..ftw.provider import expert_tensors
 
 
 def codec_name(ftw: FTWFile, key: ExpertKey) -> str:
     return "+".join(sorted({t.codec for t in ftw.expert_info(*key).tensors.values()}))
-
-
-def tier1_bytes(ftw: FTWFile, key: ExpertKey, dtype: torch.dtype, expert_quant: str) -> int:
-    """Bytes of `key` decoded for tier 1: projections `expert_quant` keeps compact in their kept
-    form (int8 + row scales, MXFP4 + block scales), the rest in `dtype`."""
-    tensors = ftw.expert_info(*key).tensors
-    elem = torch.empty((), dtype=dtype).element_size()
-    codecs = {n: t.codec for n, t in tensors.items()}
-    return kept_bytes(codecs, {n: tuple(t.shape) for n, t in tensors.items()}, expert_quant, elem)
 
 
 def decode_block(
