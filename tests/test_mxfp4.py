@@ -114,7 +114,6 @@ def test_int8_files_count_int8_bytes_for_placement(tiny_checkpoint, tmp_path):
     assert Engine.from_pretrained(path, expert_quant="none").experts.resident_bytes() == fp32
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_compact_is_a_known_option_and_unknown_ones_are_refused(mxfp4_ftw):
     with pytest.raises(EngineError, match="expected one of auto, int8, compact, none"):
         Engine.from_pretrained(mxfp4_ftw, expert_quant="fp4")
