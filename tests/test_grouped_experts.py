@@ -101,10 +101,14 @@ def test_resident_cpu_decode_of_two_experts_is_one_strided_view(routed, gpt_oss)
     )
     stack = provider.stack(0)
     assert stack is not None and not use_grouped(stack, 1) and use_grouped(stack, 2)
-    hidden = torch.randn(1, H)
     ids, weights = torch.tensor([routed]), torch.tensor([[0.7, 0.3]])
-    want = dispatch_experts(lambda e, x: expert_forward(provider.get(0, e), x, spec), hidden, ids, weights)
-    assert torch.equal(provider.run(0, hidden, ids, weights, spec), want)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(64):  # seeded: one random draw in five once found the pair's rounding apart
+        hidden = torch.randn(1, H, generator=g) * 4
+        want = dispatch_experts(
+            lambda e, x: expert_forward(provider.get(0, e), x, spec), hidden, ids, weights
+        )
+        assert torch.equal(provider.run(0, hidden, ids, weights, spec), want)
 
 
 def test_resident_cpu_decode_of_more_experts_loops_over_their_views():
