@@ -74,3 +74,11 @@ class AnchorFingerprintError(AnchorError):
 
 class AnchorFileError(AnchorError):
     """A saved anchor file is missing, truncated, corrupted or of an unknown format version."""
+
+
+class AnchorSaveError(AnchorError):
+    """Anchors could not be written to a folder (full disk, quota, I/O or permission error).
+
+    The message names the folder and the cause. What the failed save wrote is removed and the
+    previous save in that folder is still complete (see `anchors/savefolder.py`).
+    """

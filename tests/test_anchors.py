@@ -429,11 +429,12 @@ def test_load_refuses_truncated_or_tampered_files(engine_for, tmp_path):
     folder = tmp_path / "anchors"
     _saved(engine_for(), folder)
     engine = engine_for()  # store cleared: loading starts from nothing
-    kv, meta = (folder / "kv.safetensors").read_bytes(), (folder / "anchors.json").read_text()
-    (folder / "kv.safetensors").write_bytes(kv[: len(kv) // 2])
+    kv_path = folder / json.loads((folder / "anchors.json").read_text())["kv_file"]  # kv-<sha256>...
+    kv, meta = kv_path.read_bytes(), (folder / "anchors.json").read_text()
+    kv_path.write_bytes(kv[: len(kv) // 2])
     with pytest.raises(AnchorFileError, match="truncated"):
         engine.anchors.load(folder)
-    (folder / "kv.safetensors").write_bytes(kv)
+    kv_path.write_bytes(kv)
     (folder / "anchors.json").write_text(meta[: len(meta) // 2])
     with pytest.raises(AnchorFileError):
         engine.anchors.load(folder)

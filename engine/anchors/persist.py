@@ -2,7 +2,8 @@
 
 Folder layout (format version `FORMAT_VERSION`):
 
-- `kv.safetensors`: one tensor per layer and stream, `layer{L}.{stream}` of shape
+- `kv-<sha256>.safetensors` (`kv.safetensors` in folders saved before saves were atomic as a
+  whole): one tensor per layer and stream, `layer{L}.{stream}` of shape
   `[n_blocks, block_size, *per_token_shape]` in the KV dtype: every block any saved anchor holds,
   once (anchors that share blocks in memory share them in the file and again after loading).
 - `anchors.json`: `format`, `v`, `model_fingerprint`, `kv_layout`, `kv_file`, `kv_sha256` and
@@ -11,6 +12,11 @@ Folder layout (format version `FORMAT_VERSION`):
   the HMAC-SHA256 with the user's anchor key (`keys.py`) of the canonical JSON of everything
   else in the file (sorted keys, no spaces). `kv_sha256` is inside it, so the MAC covers the KV
   bytes too: a writer without the key can change neither, whatever unkeyed hashes it recomputes.
+
+How a save replaces the previous one atomically as a whole (a crash at any point leaves one of
+the two, complete), with private modes (0700 folder, 0600 files), and raises AnchorSaveError on a
+full disk: `savefolder.py`. Anything else in the folder (leftovers of an interrupted save) is
+never read.
 
 Loading checks, in order: the JSON parses, has this format and version, and the shape of
 `AnchorsFile` (AnchorFileError); the MAC verifies with this user's key (AnchorFileError: saved
@@ -43,13 +49,12 @@ from ..kv import BlockTable
 from .anchor import Anchor, AnchorKind, AnchorSignature, verify_anchor
 from .digest import FORMAT_VERSION, kv_digest
 from .keys import key_path, load_key
+from .savefolder import KV_NAME_PATTERN, META_FILE, commit, kv_file_name, reading
 
 if TYPE_CHECKING:
     from ..engine import Engine
 
 FORMAT_NAME = "freetoken-anchors"
-META_FILE = "anchors.json"
-KV_FILE = "kv.safetensors"
 MAC_ALG = "hmac-sha256"
 
 Hex64 = Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -103,7 +108,7 @@ class AnchorsFile(_Strict):
     v: StrictInt  # FORMAT_VERSION
     model_fingerprint: Hex64
     kv_layout: dict[str, Any]  # KV dtype, block size, streams (the fingerprint covers it too)
-    kv_file: Literal["kv.safetensors"]
+    kv_file: Annotated[StrictStr, Field(pattern=KV_NAME_PATTERN)]  # a name in the folder, no path
     kv_sha256: Hex64
     kv_bytes: Count
     n_blocks: Count
@@ -128,9 +133,12 @@ def save_anchors(
     pinned: Collection[str],
     key_file: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """Write `anchors` to `folder` (created if needed; files replaced atomically), authenticated
-    with the anchor key at `key_file` (default: `keys.key_path()`; created if missing). Returns
-    folder."""
+    """Write `anchors` to `folder` (created 0700 if needed; the previous save there replaced
+    atomically as a whole, see `savefolder.py`), authenticated with the anchor key at `key_file`
+    (default: `keys.key_path()`; created if missing). Returns folder.
+
+    Raises AnchorSaveError when the folder cannot be written (full disk, quota, permissions): what
+    this call wrote is removed and the previous save is unchanged."""
     pool = engine.kv_pool
     index: dict[int, int] = {}
     for anchor in anchors:
@@ -143,6 +151,8 @@ def save_anchors(
         for name, storage in layer_storage.items()
     }
     data = save_safetensors(tensors, metadata={"format": FORMAT_NAME, "v": str(FORMAT_VERSION)})
+    kv_sha256 = hashlib.sha256(data).hexdigest()
+    kv_name = kv_file_name(kv_sha256)
     records = [
         {
             "v": a.v,
@@ -172,17 +182,15 @@ def save_anchors(
         "v": FORMAT_VERSION,
         "model_fingerprint": engine.model_fingerprint,
         "kv_layout": _layout(engine),
-        "kv_file": KV_FILE,
-        "kv_sha256": hashlib.sha256(data).hexdigest(),
+        "kv_file": kv_name,
+        "kv_sha256": kv_sha256,
         "kv_bytes": len(data),
         "n_blocks": len(index),
         "anchors": records,
     }
     key = load_key(key_file, create=True)
     meta["mac"] = {"alg": MAC_ALG, "key_id": _key_id(key), "value": _mac(key, meta)}
-    folder.mkdir(parents=True, exist_ok=True)
-    _write_atomic(folder / KV_FILE, data)
-    _write_atomic(folder / META_FILE, (json.dumps(meta, indent=1) + "\n").encode())
+    commit(folder, kv_name, data, (json.dumps(meta, indent=1) + "\n").encode())
     return folder
 
 
@@ -195,15 +203,16 @@ def load_anchors(
     Returns (anchors, ids saved as pinned); each anchor holds its own pin of freshly
     allocated blocks of `engine.kv_pool`.
     """
-    meta_path, kv_path = folder / META_FILE, folder / KV_FILE
-    raw, meta = _read_meta(meta_path)
-    _authenticate(raw, meta_path, key_file)
-    if meta.model_fingerprint != engine.model_fingerprint:
-        raise AnchorFingerprintError(
-            f"{meta_path} holds anchors of model {meta.model_fingerprint[:16]}..., but this engine "
-            f"is {engine.model_fingerprint[:16]}... (another model, tokenizer, KV layout or format version)"
-        )
-    tensors = _read_kv(kv_path, meta, engine)
+    meta_path = folder / META_FILE
+    with reading(folder):  # a concurrent save may not remove the KV file this manifest names
+        raw, meta = _read_meta(meta_path)
+        _authenticate(raw, meta_path, key_file)
+        if meta.model_fingerprint != engine.model_fingerprint:
+            raise AnchorFingerprintError(
+                f"{meta_path} holds anchors of model {meta.model_fingerprint[:16]}..., but this engine is "
+                f"{engine.model_fingerprint[:16]}... (another model, tokenizer, KV layout or format version)"
+            )
+        tensors = _read_kv(folder / meta.kv_file, meta, engine)
     pool = engine.kv_pool
     loader: list[int] = []  # the loader's own reference to every block it allocates
     anchors: list[Anchor] = []
@@ -352,12 +361,3 @@ def _read_kv(path: Path, meta: AnchorsFile, engine: Engine) -> dict[str, torch.T
                     f"{path}: tensor {name} is {got}, expected {list(expected)} {pool.dtype}"
                 )
     return tensors
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
