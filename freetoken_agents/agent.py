@@ -38,7 +38,15 @@ from .errors import (
 from .retry import RetryPolicy
 from .sync_bridge import iterate_sync, run_sync, step_worker, turn_gate
 from .tool_calls import ResultValidator, ToolCaller
-from .tools import Tool, default_result_chars
+from .tools import (
+    UNSET,
+    Timeout,
+    Tool,
+    check_timeout,
+    default_result_chars,
+    default_tool_timeout,
+    tools_by_name,
+)
 from .trace import AgentEvent, AgentResult, AnchorRecord, Attempt, RollbackRecord, Step, Trace
 from .turn_progress import TurnProgress
 
@@ -76,6 +84,9 @@ class Agent:
     unchanged (the engine's modes, e.g. "signature" or "full"); None: the model's own setting.
     `max_result_chars`: what the model reads of one tool result, at most (longer ones are cut
     with a note, before tokenisation); None: `tools.default_result_chars(model.max_context)`.
+    The trace keeps each result up to that cap too. `tool_timeout`: seconds a call of a tool
+    without a timeout of its own may run (None: no limit; default `tools.DEFAULT_TOOL_TIMEOUT`).
+    Tool names must be unique (DuplicateToolName) and valid (InvalidToolName).
 
     Concurrent runs (`arun` / `astream` in asyncio, `run` / `stream` in threads, any mix) each
     get exactly their own context and answers (module docstring). `isolate_runs=False` makes
@@ -101,6 +112,7 @@ class Agent:
         validate: str | None = None,
         max_result_chars: int | None = None,
         isolate_runs: bool = True,
+        tool_timeout: Timeout = UNSET,
     ) -> None:
         self.model, self.system_prompt = model, system_prompt
         self.validate = validate
@@ -108,7 +120,8 @@ class Agent:
             raise ValueError(f"max_result_chars must be at least 1, got {max_result_chars}")
         self.max_result_chars = max_result_chars or default_result_chars(getattr(model, "max_context", None))
         self.isolate_runs = isolate_runs
-        self.tools = {t.name: t for t in tools}
+        self.tools = tools_by_name(tools)
+        self.tool_timeout = check_timeout(tool_timeout, "tool_timeout")
         self.retry = retry or RetryPolicy()
         self.max_steps, self.tool_choice = max_steps, tool_choice
         self.result_validator = result_validator
@@ -217,7 +230,8 @@ class Agent:
         async with self._context() as model:
             run.model, run.usage0 = model, model.usage()
             try:
-                return await self._loop(task, run)
+                with default_tool_timeout(self.tool_timeout):  # this run's task only
+                    return await self._loop(task, run)
             except MemoryBudgetError as e:  # a prefill (context, note, rebuild) did not fit
                 self._totals(run)
                 partial = run.trace.steps[-1].text if run.trace.steps else ""

@@ -7,10 +7,15 @@ AgentError
 │   ├── ToolCallMalformed     the call could not be parsed (partial, unterminated, bad JSON)
 │   ├── UnknownTool           the call names a tool the agent does not have
 │   ├── ToolArgumentsInvalid  the arguments failed the tool's pydantic model
-│   └── ResultRejected        the caller's result validator rejected the tool's result
+│   ├── ResultRejected        the caller's result validator rejected the tool's result
+│   └── ToolAborted           the tool did not return: it raised SystemExit / KeyboardInterrupt
+│                             (or another BaseException), or its process died; also a
+│                             ToolExecutionError naming the tool
 ├── RetryableToolError        transient: retry the tool itself with backoff, model state untouched
 │   └── ToolTimeout           the tool ran past its timeout
 ├── ToolExecutionError        a bug in the tool or our code: propagates, naming tool and arguments
+├── InvalidToolName           a tool's name is not an identifier the model can call (also ValueError)
+│   └── DuplicateToolName     two tools of one tool list share a name
 ├── ToolRetryExhausted        retries ran out; carries every attempt
 ├── UnexpectedModelBehavior   the model broke the protocol in a way retries cannot fix
 ├── TokenLimitTooSmall        a forced call or structured output cannot close its JSON in its budget
@@ -89,6 +94,16 @@ class ToolExecutionError(AgentError):
         self.tool, self.arguments, self.error = tool, arguments, error
 
 
+class ToolAborted(ToolExecutionError, ModelCausedError):
+    """Raised when a tool call did not return at all: the tool raised a BaseException that is not
+    an Exception (SystemExit from `sys.exit()`, a KeyboardInterrupt it raised itself, ...) or the
+    process of a `process=True` tool ended without a result (`sys.exit`, `os._exit`, a crash).
+    Such an exception must not end the host program, so it is converted where it is certain to
+    be the tool's own (on the tool's thread or from its process), never a Ctrl-C of the host.
+    Handled like any ModelCausedError: rollback, a note saying the tool failed, regenerate (then
+    ToolRetryExhausted). The original is `error` and `__cause__`."""
+
+
 class ToolRetryExhausted(AgentError):
     """Raised when the RetryPolicy's attempts run out, for transient tool errors or for model-caused
     ones. `attempts` holds every try (kind, error, arguments), oldest first."""
@@ -98,6 +113,17 @@ class ToolRetryExhausted(AgentError):
             f"{message} after {len(attempts)} attempts: {attempts[-1].error if attempts else ''}"
         )
         self.attempts = attempts
+
+
+class InvalidToolName(AgentError, ValueError):
+    """Raised when a tool is defined (or handed to an Agent) with a name the model cannot call:
+    it must match `tools.TOOL_NAME_PATTERN` (a letter or `_`, then up to 63 letters, digits,
+    `_`, `.` or `-`: what OpenAI's function names allow)."""
+
+
+class DuplicateToolName(InvalidToolName):
+    """Raised when one tool list (an Agent's) holds two tools of the same name: the model could
+    not tell them apart, and one would otherwise be dropped silently."""
 
 
 class UnexpectedModelBehavior(AgentError):

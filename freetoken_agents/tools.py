@@ -4,13 +4,30 @@
 def get_weather(city: str, unit: Literal["c", "f"] = "c") -> dict:
     "Current weather for a city."
 
-How a call runs. An async tool runs on the caller's event loop under its timeout. A sync tool runs
-on a fresh daemon thread of its own, one per call: a call that hangs holds only its own thread,
-never one another tool needs, and a daemon thread never keeps the interpreter from exiting. A
+Names. A tool's name must match `TOOL_NAME_PATTERN` (a letter or `_`, then up to 63 letters,
+digits, `_`, `.` or `-`, as OpenAI's function names allow): InvalidToolName otherwise. An Agent
+refuses two tools of one name (DuplicateToolName) instead of dropping one silently.
+
+Timeouts. Every call runs under a timeout: the tool's own (`timeout=` seconds), else the Agent's
+`tool_timeout`, else `DEFAULT_TOOL_TIMEOUT` (60 s). `timeout=None`, given explicitly, runs without
+one. A call past its timeout raises ToolTimeout (retried as a transient error).
+
+How a call runs. An async tool runs on an event loop of its own on a fresh daemon thread, so a
+tool that blocks its loop (`time.sleep` in an `async def`) stalls only that thread, and the
+caller's timeout still ends the wait; on a timeout or a cancelled run the tool's task is
+cancelled in its loop. A sync tool runs on a fresh daemon thread of its own, one per call: a call
+that hangs holds only its own thread, never one another tool needs, and a daemon thread never
+keeps the interpreter from exiting. Context variables of the caller are seen by the tool. A
 timed-out thread cannot be stopped (Python threads cannot be killed); it is abandoned
 (`abandoned_calls()` counts those still running). A tool marked `process=True` runs in a fresh
 process per call, killed at its timeout: for tools that may spin or leak. It must be a module-level
 function (the process imports it by name) with picklable arguments and result.
+
+A tool that does not return (it raises SystemExit, a KeyboardInterrupt of its own or another
+BaseException that is not an Exception; its process exits or crashes without a result) fails the
+call with ToolAborted: it never ends the host program. Only what reaches the caller from the
+tool's own thread or process is converted, so a Ctrl-C of the host still stops it. Called
+directly with `Tool.call` and `timeout=None`, a sync tool runs inline, as a plain function call.
 
 What the model sees of a result is `result_text(result, max_chars)`: strings as they are, other
 values as JSON, cut at `max_chars` with a visible note, in time and memory bounded by the cap
@@ -20,35 +37,99 @@ whatever the result's size (the Agent's `max_result_chars`, by default `default_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
-import importlib
+import enum
 import inspect
 import json
 import logging
-import multiprocessing
-import threading
-from collections.abc import Callable
+import re
+import sys
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any, overload
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
-from .errors import ToolArgumentsInvalid, ToolTimeout
+from .errors import DuplicateToolName, InvalidToolName, ToolArgumentsInvalid, ToolTimeout
 from .sync_bridge import run_sync
+from .tool_exec import abandoned_calls, run_async_in_thread, run_in_process, run_in_thread
+
+__all__ = [
+    "DEFAULT_TOOL_TIMEOUT",
+    "TOOL_NAME_PATTERN",
+    "UNSET",
+    "Tool",
+    "abandoned_calls",
+    "check_timeout",
+    "check_tool_name",
+    "default_result_chars",
+    "default_tool_timeout",
+    "result_text",
+    "tool",
+    "tools_by_name",
+]
 
 logger = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4  # a rough estimate for English text under BPE tokenizers
 RESULT_CONTEXT_SHARE = 0.25  # the share of the context one tool result may take, at most
 DEFAULT_RESULT_CHARS = 16_000  # the cap when the model does not say how long its context is
+DEFAULT_TOOL_TIMEOUT = 60.0  # seconds a call may run when neither the tool nor the Agent says
+TOOL_NAME_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")  # what OpenAI's function names allow
 
-_abandoned: set[threading.Thread] = set()  # threads of timed-out calls still running
-_abandoned_lock = threading.Lock()
+
+class _Unset(enum.Enum):
+    UNSET = "unset"
 
 
-def abandoned_calls() -> int:
-    """Sync tool calls that timed out and whose threads are still running."""
-    with _abandoned_lock:
-        return sum(1 for t in _abandoned if t.is_alive())
+UNSET = _Unset.UNSET
+"""`timeout=UNSET` (the default): not set here, the next level's timeout applies."""
+Timeout = float | None | _Unset
+
+# The Agent's `tool_timeout` for the calls of its run (set by `default_tool_timeout`).
+_default_timeout: contextvars.ContextVar[Timeout] = contextvars.ContextVar(
+    "freetoken_default_tool_timeout", default=UNSET
+)
+
+
+def check_tool_name(name: Any) -> str:
+    """`name` if a model can call a tool by it (`TOOL_NAME_PATTERN`), else InvalidToolName."""
+    if not isinstance(name, str) or TOOL_NAME_PATTERN.fullmatch(name) is None:
+        raise InvalidToolName(
+            f"invalid tool name {name!r}: use a letter or '_', then up to 63 letters, digits, '_', '.' or '-'"
+        )
+    return name
+
+
+def tools_by_name(tools: Iterable[Tool]) -> dict[str, Tool]:
+    """name -> tool for a tool list; DuplicateToolName when two share a name (one would be dropped
+    silently), InvalidToolName for a name changed after the tool was made into an invalid one."""
+    by_name: dict[str, Tool] = {}
+    for t in tools:
+        if check_tool_name(t.name) in by_name:
+            raise DuplicateToolName(f"two tools are named {t.name!r}: tool names must be unique")
+        by_name[t.name] = t
+    return by_name
+
+
+def check_timeout(timeout: Any, what: str = "timeout") -> Timeout:
+    """`timeout` if it is UNSET, None or a positive number of seconds, else ValueError."""
+    if timeout is UNSET or timeout is None:
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ValueError(f"{what} must be a positive number of seconds or None, got {timeout!r}")
+    return float(timeout)
+
+
+@contextlib.contextmanager
+def default_tool_timeout(timeout: Timeout) -> Iterator[None]:
+    """Within this block (this context: a task, a thread), tools without a timeout of their own
+    run under `timeout` instead of `DEFAULT_TOOL_TIMEOUT` (None: none; UNSET: leave as is)."""
+    token = _default_timeout.set(check_timeout(timeout, "tool_timeout"))
+    try:
+        yield
+    finally:
+        _default_timeout.reset(token)
 
 
 def default_result_chars(max_context: int | None) -> int:
@@ -98,7 +179,8 @@ def _json_head(result: Any, limit: int | None) -> str:
 
 class Tool:
     """A callable the model may call. `args_model` validates arguments; `json_schema()` is the
-    OpenAI-style function entry the chat template renders; `timeout` is in seconds (None: none)."""
+    OpenAI-style function entry the chat template renders; `timeout` is in seconds (None: none;
+    UNSET: the Agent's `tool_timeout`, else DEFAULT_TOOL_TIMEOUT, see `effective_timeout`)."""
 
     def __init__(
         self,
@@ -107,15 +189,15 @@ class Tool:
         name: str | None = None,
         description: str | None = None,
         args_model: type[BaseModel] | None = None,
-        timeout: float | None = None,
+        timeout: Timeout = UNSET,
         retries: int | None = None,
         process: bool = False,
     ) -> None:
         self.fn = fn
-        self.name = name or fn.__name__
+        self.name = check_tool_name(name or getattr(fn, "__name__", None))
         self.description = (description or inspect.getdoc(fn) or "").strip()
         self.args_model = args_model or _model_from_signature(fn, self.name)
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout)
         self.retries = retries  # overrides RetryPolicy.tool_attempts for this tool when set
         self.is_async = inspect.iscoroutinefunction(fn)
         self.process = process
@@ -165,120 +247,40 @@ class Tool:
             errors = "; ".join(f"{'.'.join(map(str, x['loc'])) or '(root)'}: {x['msg']}" for x in e.errors())
             raise ToolArgumentsInvalid(errors, tool=self.name, arguments=arguments) from e
 
+    def effective_timeout(self) -> float | None:
+        """The seconds a call may run: the tool's `timeout`, else the one `default_tool_timeout`
+        set (the Agent's `tool_timeout`), else DEFAULT_TOOL_TIMEOUT; None: no limit."""
+        for timeout in (self.timeout, _default_timeout.get()):
+            if timeout is not UNSET:
+                return timeout
+        return DEFAULT_TOOL_TIMEOUT
+
     async def acall(self, args: BaseModel) -> Any:
-        """Run the tool with validated `args`, under its timeout (ToolTimeout when exceeded):
-        async tools on this loop, sync ones on a thread (or process) of their own (module docstring)."""
+        """Run the tool with validated `args` on a thread (or process) of its own, under its
+        timeout (ToolTimeout when exceeded); ToolAborted if it does not return (module docstring)."""
         kwargs = {k: getattr(args, k) for k in type(args).model_fields}
+        timeout = self.effective_timeout()
         if self.is_async:
-            coro = self.fn(**kwargs)
+            coro = run_async_in_thread(self.fn, kwargs, self.name)
         elif self.process:
-            coro = _in_process(self.fn, kwargs, self.name)
+            coro = run_in_process(self.fn, kwargs, self.name)
         else:
-            coro = _in_thread(self.fn, kwargs, self.name)
+            coro = run_in_thread(self.fn, kwargs, self.name, tool=True)
         try:
-            return await asyncio.wait_for(coro, self.timeout)
+            return await _within(coro, timeout)
         except asyncio.TimeoutError as e:
             if isinstance(e, ToolTimeout):
                 raise
-            raise ToolTimeout(f"tool '{self.name}' timed out after {self.timeout}s") from e
+            raise ToolTimeout(f"tool '{self.name}' timed out after {timeout}s") from e
 
     def call(self, args: BaseModel) -> Any:
-        """Synchronous `acall` (sync tools without a timeout or process run inline)."""
-        if not self.is_async and self.timeout is None and not self.process:
+        """Synchronous `acall` (a sync tool with `timeout=None` and no process runs inline)."""
+        if not self.is_async and self.effective_timeout() is None and not self.process:
             return self.fn(**{k: getattr(args, k) for k in type(args).model_fields})
         return run_sync(self.acall(args))
 
     def __repr__(self) -> str:
         return f"Tool({self.name!r})"
-
-
-async def _in_thread(fn: Callable[..., Any], kwargs: dict[str, Any], name: str) -> Any:
-    """`fn(**kwargs)` on a fresh daemon thread (with the caller's context variables). If the
-    caller stops waiting (a timeout, a cancelled run) the thread runs on, abandoned."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-    context = contextvars.copy_context()
-
-    def settle(ok: bool, value: Any) -> None:
-        if not future.done():
-            future.set_result(value) if ok else future.set_exception(value)
-
-    def work() -> None:
-        try:
-            outcome = (True, context.run(fn, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller, who decides
-            outcome = (False, e)
-        try:
-            loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:  # the caller's loop is closed: nobody waits for this result
-            pass
-        with _abandoned_lock:
-            _abandoned.discard(threading.current_thread())
-
-    thread = threading.Thread(target=work, name=f"freetoken-tool-{name}", daemon=True)
-    thread.start()
-    try:
-        return await future
-    except asyncio.CancelledError:
-        if thread.is_alive():
-            with _abandoned_lock:
-                _abandoned.add(thread)
-            logger.warning("tool '%s' was abandoned while still running (its thread runs on)", name)
-        raise
-
-
-async def _in_process(fn: Callable[..., Any], kwargs: dict[str, Any], name: str) -> Any:
-    """`fn(**kwargs)` in a fresh spawned process, killed if the caller stops waiting."""
-    spawn = multiprocessing.get_context("spawn")
-    receiver, sender = spawn.Pipe(duplex=False)
-    target = (fn.__module__, fn.__qualname__)
-    process = spawn.Process(
-        target=_process_main, args=(*target, kwargs, sender), name=f"freetoken-tool-{name}", daemon=True
-    )
-    process.start()
-    sender.close()  # the child holds its own end: EOF here when it exits
-
-    def receive() -> tuple[bool, Any] | None:
-        try:
-            return receiver.recv()
-        except EOFError:  # it exited without a result; only the `finally` below joins it: two
-            return None  # threads in waitpid let one return before the child is reaped
-
-    try:
-        outcome = await _in_thread(receive, {}, f"{name}-result")
-    finally:
-        if process.is_alive():
-            process.kill()
-        await _in_thread(process.join, {}, f"{name}-join")
-        receiver.close()
-    if outcome is None:
-        raise RuntimeError(f"the tool's process exited with code {process.exitcode}, no result")
-    ok, value = outcome
-    if ok:
-        return value
-    raise value
-
-
-def _process_main(module: str, qualname: str, kwargs: dict[str, Any], sender: Any) -> None:
-    """A tool process: import the tool by name, run it, send (ok, result or error) back."""
-    try:
-        found: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            found = getattr(found, part)
-        fn = found.fn if isinstance(found, Tool) else found
-        outcome: tuple[bool, Any] = (True, fn(**kwargs))
-    except BaseException as e:  # noqa: BLE001 - sent to the caller, who decides
-        outcome = (False, e)
-    try:
-        sender.send(outcome)
-    except Exception as e:  # noqa: BLE001 - an unpicklable result or error: say what it was
-        sender.send(
-            (
-                False,
-                RuntimeError(f"the tool's {'result' if outcome[0] else 'error'} cannot be sent back: {e}"),
-            )
-        )
-    sender.close()
 
 
 def _model_from_signature(fn: Callable[..., Any], name: str) -> type[BaseModel]:
@@ -303,6 +305,17 @@ def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
         return dict(getattr(fn, "__annotations__", {}))
 
 
+async def _within(coro: Coroutine[Any, Any, Any], timeout: float | None) -> Any:
+    """`await coro`, cancelled after `timeout` seconds (TimeoutError). `asyncio.timeout` runs it in
+    the caller's task, as a plain await does (`wait_for` wraps it in a task of its own first)."""
+    if timeout is None:
+        return await coro
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout):
+            return await coro
+    return await asyncio.wait_for(coro, timeout)  # pragma: no cover - Python 3.10
+
+
 @overload
 def tool(fn: Callable[..., Any], /) -> Tool: ...
 @overload
@@ -311,7 +324,7 @@ def tool(
     name: str | None = None,
     description: str | None = None,
     args_model: type[BaseModel] | None = None,
-    timeout: float | None = None,
+    timeout: Timeout = UNSET,
     retries: int | None = None,
     process: bool = False,
 ) -> Callable[[Callable[..., Any]], Tool]: ...

@@ -1,15 +1,22 @@
 """Trace: everything one run did, as small pydantic records; `to_json()` / `Trace.model_validate_json`.
-Also what a run hands its caller: AgentEvent (streamed) and AgentResult (returned)."""
+Also what a run hands its caller: AgentEvent (streamed) and AgentResult (returned).
+
+A trace stays small and JSON-safe whatever the tools return: a tool call's record keeps the
+result itself only when it is plain JSON whose text fits the cap the model read it under
+(`content`, the Agent's `max_result_chars`); otherwise it keeps `content`, the capped text with
+its note saying it was cut. `to_json()` never fails on a result: one that is not JSON (set on a
+record by hand) is written as its capped text."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
-from .tools import result_text
+from .tools import DEFAULT_RESULT_CHARS, result_text
 
 AnchorKind = Literal["system_prompt", "tool_call", "tool_result", "code_block", "manual"]
 
@@ -79,6 +86,46 @@ class ToolCallRecord(BaseModel):
     )
     error: str | None = None
     seconds: float = 0.0
+
+    @model_validator(mode="after")
+    def _cap_result(self) -> ToolCallRecord:
+        """Keep `result` only if it is plain JSON that `content` shows whole; else `content`
+        (the raw result may be huge, or not JSON at all: the module docstring)."""
+        if self.content is not None and not _shown_whole(self.result, self.content):
+            self.result = self.content
+        return self
+
+    @field_serializer("result", when_used="json")
+    def _json_result(self, result: Any) -> Any:
+        return result if _plain_json(result) else result_text(result, DEFAULT_RESULT_CHARS)
+
+
+def _shown_whole(result: Any, content: str) -> bool:
+    """True when `result` is a string equal to `content`, or plain JSON (no NaN, no non-JSON
+    types) whose text is exactly `content`: encoded lazily, so a huge result costs no more than
+    `content` does."""
+    if isinstance(result, str):
+        return result == content
+    if result is None or isinstance(result, bool | int | float | list | tuple | dict):
+        encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False)
+        size = 0
+        try:
+            for piece in encoder.iterencode(result):
+                if content[size : size + len(piece)] != piece:
+                    return False
+                size += len(piece)
+        except (TypeError, ValueError, RecursionError):
+            return False
+        return size == len(content)
+    return False
+
+
+def _plain_json(result: Any) -> bool:
+    try:
+        json.dumps(result, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return True
 
 
 class Step(BaseModel):
