@@ -20,7 +20,11 @@ was trained on, `recipes/tiny/corpus.py`). Then, per request:
 Plain data (`encode` / `decode`, used on both sides): None, bool, int, float and str as JSON, lists
 as arrays, and objects with one key for the rest: {"tuple": [...]}, {"dict": [[k, v], ...]},
 {"set": [...]}, {"frozenset": [...]}, {"bytes": HEX}, {"complex": [re, im]}. Only these exact types
-(no subclasses: they could compare equal to anything) and at most `MAX_DEPTH` levels.
+(no subclasses: they could compare equal to anything) and at most `MAX_DEPTH` levels. `decode` runs
+in the trusted process on what the sandbox sends, so it also bounds the work a value can cost
+there: at most `MAX_ITEMS` elements in all, ints of at most `MAX_INT_BITS` bits, and set members /
+dict keys only of these exact hashable types with at most `MAX_SAME_HASH` of them sharing a hash
+(a set of values crafted to collide costs quadratic time to build: 1 MB of them took 18 s).
 
 This file is copied into the sandbox and run there as `main.py`; importing it does nothing.
 """
@@ -32,7 +36,10 @@ import traceback
 
 MAX_DEPTH = 64
 MAX_INT_BITS = 14_000  # JSON ints go through str(): Python refuses more than 4,300 digits
+MAX_ITEMS = 250_000  # elements of one decoded value, nested ones included
+MAX_SAME_HASH = 8  # members of one set (keys of one dict) that may share a hash value
 _TAGS = ("tuple", "dict", "set", "frozenset", "bytes", "complex")
+_HASHABLE = (type(None), bool, int, float, str, bytes, complex, tuple, frozenset)
 
 
 class Unsupported(TypeError):
@@ -63,15 +70,25 @@ def encode(value, depth=0):
     raise Unsupported(kind.__name__)
 
 
-def decode(data, depth=0):
-    """The value `encode` made `data` from; ValueError for anything `encode` cannot have made."""
+def decode(data):
+    """The value `encode` made `data` from; ValueError for anything `encode` cannot have made or
+    that is over the limits above (so its cost here stays linear in its size)."""
+    return _decode(data, 0, [MAX_ITEMS])
+
+
+def _decode(data, depth, left):
     if depth > MAX_DEPTH:
         raise ValueError(f"nesting deeper than {MAX_DEPTH}")
+    left[0] -= 1
+    if left[0] < 0:
+        raise ValueError(f"more than {MAX_ITEMS} elements")
     kind = type(data)
+    if kind is int and data.bit_length() > MAX_INT_BITS:
+        raise ValueError(f"int of more than {MAX_INT_BITS} bits")
     if data is None or kind in (bool, int, float, str):
         return data
     if kind is list:
-        return [decode(v, depth + 1) for v in data]
+        return [_decode(v, depth + 1, left) for v in data]
     if kind is not dict or len(data) != 1 or next(iter(data)) not in _TAGS:
         raise ValueError(f"not plain data: {str(data)[:60]}")
     tag, body = next(iter(data.items()))
@@ -84,20 +101,36 @@ def decode(data, depth=0):
     if tag == "complex":
         if len(body) != 2 or any(type(x) not in (int, float) for x in body):
             raise ValueError("complex needs [re, im]")
-        return complex(body[0], body[1])
-    items = [decode(v, depth + 1) for v in body]
-    try:
-        if tag == "tuple":
-            return tuple(items)
-        if tag == "set":
-            return set(items)
-        if tag == "frozenset":
-            return frozenset(items)
+        try:
+            return complex(body[0], body[1])
+        except OverflowError:
+            raise ValueError("complex part too large") from None
+    items = [_decode(v, depth + 1, left) for v in body]
+    if tag == "tuple":
+        return tuple(items)
+    if tag == "dict":
         if any(type(pair) is not list or len(pair) != 2 for pair in items):
             raise ValueError("dict needs [key, value] pairs")
+        _check_members([k for k, _ in items], "dict key")
         return {k: v for k, v in items}
-    except TypeError as e:  # an unhashable key or member
-        raise ValueError(str(e)) from None
+    _check_members(items, f"{tag} member")
+    return set(items) if tag == "set" else frozenset(items)
+
+
+def _check_members(members, what):
+    """ValueError unless `members` can go into one set in linear time: each of an exact hashable
+    plain type (whose hash and == are the builtins', not code's) and few sharing a hash value."""
+    counts = {}
+    for member in members:
+        if type(member) not in _HASHABLE:
+            raise ValueError(f"a {what} must be hashable plain data, not {type(member).__name__}")
+        try:
+            h = hash(member)
+        except TypeError:  # a tuple holding a list
+            raise ValueError(f"a {what} must be hashable plain data") from None
+        counts[h] = counts.get(h, 0) + 1
+        if counts[h] > MAX_SAME_HASH:
+            raise ValueError(f"more than {MAX_SAME_HASH} {what}s with equal hashes (crafted to collide)")
 
 
 def error_line(error):

@@ -9,7 +9,10 @@ sampled (seeded), so a retry can differ from what failed.
                    ["assert add_one(1) == 2"])
     result.passed, result.attempts[-1].code, result.tokens_saved
 
-    freetoken recipe coding_assistant [--model PATH] [--task TEXT --test "assert ..."]
+    freetoken recipe coding_assistant [--model PATH] [--task TEXT --tests FILE|-]
+
+`--tests`: a file of tests, one assert per line (`-`: stdin). Never on a command line: any process
+may read another's argv (/proc/PID/cmdline), sandboxed code at the process level included.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -324,10 +328,18 @@ def _block_closed(text: str) -> bool:
 
 
 # ---- printing and the command line --------------------------------------------------------------
+class _NoTestOnArgv(argparse.Action):
+    """The former `--test ASSERT`: refused with the way to go (and not taken as `--tests`)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        parser.error("--test is gone: tests on a command line can be read by any process; use --tests FILE|-")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
     parser.add_argument("--task", help="your own task (default: a held-out task of the embedded model)")
-    parser.add_argument("--test", action="append", default=[], metavar="ASSERT", help="a test; repeatable")
+    parser.add_argument("--tests", metavar="FILE", help="its tests: a file, one assert per line; - for stdin")
+    parser.add_argument("--test", action=_NoTestOnArgv, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help="picks the held-out task (default 0)")
     parser.add_argument("--attempts", type=int, default=4, help="attempts in all (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=160, help="per attempt (default 160)")
@@ -339,12 +351,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the CodingResult as JSON at the end")
 
 
+def read_tests(source: str) -> list[str]:
+    """The tests in file `source` ('-': stdin), one assert per line; blank lines and # comments
+    skipped. RecipeError when it cannot be read or holds no test."""
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"cannot read the tests from {source}: {e}") from None
+    tests = [t for t in (line.strip() for line in text.splitlines()) if t and not t.startswith("#")]
+    if not tests:
+        raise RecipeError(f"no tests in {source}: give one assert per line")
+    return tests
+
+
 def run(args: argparse.Namespace, write: Write = stdout_write) -> int:
     """`freetoken recipe coding_assistant`: exit code 0 when the code passed, 1 when not."""
-    if bool(args.task) != bool(args.test):
-        raise RecipeError("--task and --test go together: give a task and at least one --test")
+    if bool(args.task) != bool(args.tests):
+        raise RecipeError("--task and --tests go together: give a task and a file of tests")
     if args.task:
-        prompt, tests = args.task, list(args.test)
+        prompt, tests = args.task, read_tests(args.tests)
     else:
         task = code_task(random.Random(args.seed), "heldout")
         prompt, tests = task.prompt, task.tests
@@ -375,4 +400,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(__import__("sys").argv[1:]))
+    raise SystemExit(main(sys.argv[1:]))

@@ -57,12 +57,12 @@ def test_recipe_help_is_the_recipes_own(capsys) -> None:
         main(["recipe", "coding_assistant", "--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: freetoken recipe coding_assistant") and "--test ASSERT" in out
+    assert out.startswith("usage: freetoken recipe coding_assistant") and "--tests FILE" in out
 
 
 def test_recipe_argument_errors_are_one_line(capsys) -> None:
     assert main(["recipe", "coding_assistant", "--task", "Write f."]) == 1
-    assert "--task and --test go together" in one_line_error(capsys, "recipe")
+    assert "--task and --tests go together" in one_line_error(capsys, "recipe")
 
 
 def test_missing_embedded_model_is_one_line(monkeypatch, capsys) -> None:

@@ -88,7 +88,7 @@ def test_the_judge_evaluates_tests_here_with_the_solutions_names():
         "class Box:\n    pass\ndef box():\n    return Box()\n"
     )
     tests = [
-        "assert max([5]) == -1",  # the solution shadows a builtin
+        "assert max([5]) == 5",  # a builtin in a test is the real one, whatever the solution defines
         "assert check(2) == (2, [2], {2: {2}}) and LIMIT == 3 and math.floor(2.5) == 2",
         "try:\n    check(-1)\n    raise AssertionError('no error')\n"
         "except ValueError as e:\n    assert str(e) == 'negative'",
