@@ -6,11 +6,20 @@ refused write is reported even when the program catches the error), then main.py
 creation, sockets and ctypes; `report` (the `namespaces` level, where the kernel refuses them)
 only reports. A guard against accidents, not a security boundary (PEP 578: native code can
 bypass audit hooks). This file is copied into the sandbox and run there; importing it does nothing.
+
+Before any of that, at both levels, the kernel-side hardening of `_sandbox_seccomp.py` (copied next
+to this file) is applied to this process: a fresh session keyring and the seccomp filter. It is the
+boundary part: if it cannot be applied the program does not run (exit status 125, one line on
+stderr).
 """
 
+import importlib.util
 import os
 import runpy
 import sys
+
+_HARDENING = "_sandbox_seccomp.py"
+_NOT_HARDENED = 125  # the exit status when the kernel-side hardening could not be applied
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 _PATH_EVENTS = {
@@ -60,7 +69,22 @@ def _hook(root: str, guard: bool):
     return hook
 
 
+def _harden() -> None:
+    """Load `_sandbox_seccomp.py` from beside this file (-I keeps it off sys.path) and apply it."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), _HARDENING)
+    spec = importlib.util.spec_from_file_location("_sandbox_seccomp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.join_fresh_session_keyring()
+    module.install()
+
+
 if __name__ == "__main__":
+    try:
+        _harden()
+    except Exception as e:  # any failure: refuse to run the program unfiltered
+        os.write(2, f"[sandbox] cannot apply the seccomp filter, not running the program: {e}\n".encode())
+        os._exit(_NOT_HARDENED)
     sys.addaudithook(_hook(os.path.realpath(os.getcwd()), guard=sys.argv[1] == "guard"))
     del sys.argv[:2]
     runpy.run_path(sys.argv[0], run_name="__main__")

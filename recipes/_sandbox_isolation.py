@@ -4,7 +4,8 @@
   shell (root inside them, PID 1 of the new PID namespace) builds a new root file system on a tmpfs
   holding only a read-only runtime view (`runtime_paths`: /usr, the /bin, /sbin, /lib* links or
   directories, the interpreter's installation, /etc/ld.so.cache), a few device nodes, a private
-  /proc and /dev/shm and the working-directory tmpfs (the host name reads "sandbox"); it
+  /proc, and the working directory and /dev/shm, both on one tmpfs of `disk_mb` (the host name
+  reads "sandbox"); it
   `pivot_root`s into it, detaches the old root, remounts the new one read-only and runs the
   program through `setpriv` as a fresh unprivileged uid with no capabilities and no_new_privs.
   Host paths, sockets (path-bound ones are not in the view; abstract ones belong to the host's
@@ -13,13 +14,15 @@
 - process (`drop_privileges`, `remove_traces`): when we are root, the program runs as a fresh
   unprivileged uid/gid with no supplementary groups and no_new_privs, with an interpreter that uid
   can reach (`process_interpreter`); afterwards every process of that uid is killed and its SysV
-  IPC objects and its files in the shared temporary directories are removed. When we are not root
+  IPC objects and its files in the shared temporary directories are removed (by directory
+  descriptors, never by a path resolved again after the ownership check). When we are not root
   the program runs as the current user (nothing to drop to) and only its process group is killed.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import logging
 import os
@@ -85,7 +88,7 @@ expose() {
 IFS=:
 for p in $runtime; do expose "$p"; done
 unset IFS
-mkdir -p "$new/dev/shm" "$new/proc" "$new/tmp" "$new$root/work"
+mkdir -p "$new/dev/shm" "$new/proc" "$new/tmp" "$new$root/work" "$new/.disk"
 for d in null zero full random urandom; do
   : > "$new/dev/$d"
   mount --bind "/dev/$d" "$new/dev/$d"
@@ -94,13 +97,22 @@ ln -s /proc/self/fd "$new/dev/fd"
 ln -s /proc/self/fd/0 "$new/dev/stdin"
 ln -s /proc/self/fd/1 "$new/dev/stdout"
 ln -s /proc/self/fd/2 "$new/dev/stderr"
-mount -t tmpfs -o size=1m,mode=1777,nosuid,nodev shm "$new/dev/shm"
 mount -t proc -o nosuid,nodev,noexec,hidepid=2 proc "$new/proc" 2>/dev/null \
   || mount -t proc -o nosuid,nodev,noexec proc "$new/proc"
 printf sandbox > "$new/proc/sys/kernel/hostname"
-mount -t tmpfs -o "size=${disk}k,mode=0700,uid=$uid,gid=$uid,nosuid,nodev" sandbox "$new$root/work"
-cp -R "$root/src/." "$new$root/work/"
-chown -R "$uid:$uid" "$new$root/work"
+# One tmpfs of disk_mb holds every writable place (the working directory and /dev/shm), so
+# their sum is bounded; its own mount point is removed again, leaving only the two bind mounts.
+mount -t tmpfs -o "size=${disk}k,mode=0755,nosuid,nodev" sandbox "$new/.disk"
+mkdir -m 0700 "$new/.disk/work"
+mkdir -m 1777 "$new/.disk/shm"
+cp -R "$root/src/." "$new/.disk/work/"
+chown -R "$uid:$uid" "$new/.disk/work"
+for pair in "work:$new$root/work" "shm:$new/dev/shm"; do
+  mount --bind "$new/.disk/${pair%%:*}" "${pair#*:}"
+  mount -o remount,bind,nosuid,nodev "${pair#*:}"
+done
+umount "$new/.disk"
+rmdir "$new/.disk"
 cd "$new"
 mkdir .old
 "$pivot" . .old
@@ -308,33 +320,84 @@ def _remove_ipc(uid: int) -> int:
     return removed
 
 
+# The cleanup works on directory descriptors opened with O_NOFOLLOW: a name is checked (lstat) and
+# removed relative to the same open directory, never by a path resolved again after the check, so a
+# directory swapped for a symlink mid-cleanup cannot move us anywhere else.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_MAX_DEPTH = 64  # deeper trees are left (and logged): each level holds one descriptor
+
+
+def _open_dir(name: str, dir_fd: int | None, expect: os.stat_result | None = None) -> int:
+    """Open directory `name` (relative to `dir_fd`) without following a symlink; when `expect` is
+    given, refuse (OSError) unless it is still the directory that lstat saw."""
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    st = os.fstat(fd)
+    if expect is not None and (st.st_dev, st.st_ino) != (expect.st_dev, expect.st_ino):
+        os.close(fd)
+        raise OSError(errno.ESTALE, "replaced while being cleaned", name)
+    return fd
+
+
+def _remove_tree_at(dir_fd: int, name: str, st: os.stat_result, depth: int) -> None:
+    """Remove directory `name` in `dir_fd` (lstat result `st`) and everything in it, by descriptors."""
+    if depth > _MAX_DEPTH:
+        raise OSError(errno.ELOOP, f"more than {_MAX_DEPTH} levels deep", name)
+    fd = _open_dir(name, dir_fd, st)
+    try:
+        for child in os.listdir(fd):
+            child_st = os.stat(child, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISDIR(child_st.st_mode):
+                _remove_tree_at(fd, child, child_st, depth + 1)
+            else:
+                os.unlink(child, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
+
+
+def _clean_dir(fd: int, uid: int, where: str, seen: set[tuple[int, int]], depth: int) -> int:
+    """Remove the entries `uid` owns in the open directory `fd`; descend into world-writable ones."""
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) in seen or depth > _MAX_DEPTH:
+        return 0
+    seen.add((st.st_dev, st.st_ino))
+    removed = 0
+    for name in os.listdir(fd):
+        path = os.path.join(where, name)  # for messages only
+        try:
+            entry = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if entry.st_uid == uid:
+                if stat.S_ISDIR(entry.st_mode):
+                    _remove_tree_at(fd, name, entry, depth + 1)
+                else:
+                    os.unlink(name, dir_fd=fd)  # the link itself for a symlink
+                removed += 1
+            elif stat.S_ISDIR(entry.st_mode) and entry.st_mode & stat.S_IWOTH:
+                sub = _open_dir(name, fd, entry)
+                try:
+                    removed += _clean_dir(sub, uid, path, seen, depth + 1)
+                finally:
+                    os.close(sub)
+        except OSError as e:
+            logger.warning("sandbox: cannot remove %s left by uid %d: %s", path, uid, e)
+    return removed
+
+
 def _remove_files(uid: int) -> int:
     """Remove what `uid` created in the shared temporary directories: entries it owns (whole trees
     for directories, the link itself for symlinks), looking inside world-writable directories only
     (the only other places a uid without rights could create anything)."""
     removed = 0
-    stack = sorted({os.path.realpath(d) for d in SHARED_TEMP_DIRS if os.path.isdir(d)})
-    seen: set[str] = set()
-    while stack:
-        folder = stack.pop()
-        if folder in seen:
-            continue
-        seen.add(folder)
+    seen: set[tuple[int, int]] = set()
+    for folder in sorted({os.path.realpath(d) for d in SHARED_TEMP_DIRS if os.path.isdir(d)}):
         try:
-            entries = list(os.scandir(folder))
+            fd = _open_dir(folder, None)
         except OSError:
             continue
-        for entry in entries:
-            try:
-                st = entry.stat(follow_symlinks=False)
-                if st.st_uid == uid:
-                    if stat.S_ISDIR(st.st_mode):
-                        shutil.rmtree(entry.path)
-                    else:
-                        os.unlink(entry.path)
-                    removed += 1
-                elif stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IWOTH:
-                    stack.append(entry.path)
-            except OSError as e:
-                logger.warning("sandbox: cannot remove %s left by uid %d: %s", entry.path, uid, e)
+        try:
+            removed += _clean_dir(fd, uid, folder, seen, 0)
+        except OSError as e:
+            logger.warning("sandbox: cannot clean %s after uid %d: %s", folder, uid, e)
+        finally:
+            os.close(fd)
     return removed

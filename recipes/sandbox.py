@@ -11,11 +11,36 @@ when stdout + stderr exceed the output cap, and read at most that much output. M
 runs as root. `isolation="auto"` logs the level it chose; `isolation="namespaces"` refuses
 (SandboxError) to run below that level.
 
+Limits of the whole run (`_sandbox_limits.py`; what a run got is in `SandboxResult.memory_control`
+and `.disk_bounded`, and `memory_control()` / `disk_quota_available()` say what this machine gives):
+- memory and pids: as root, one cgroup per run (v2 where memory+pids are delegated to us, else v1)
+  with `memory_mb` (no swap; tmpfs pages count too) and `processes` (+2 for the namespaces
+  level's launcher) for all its processes together; an OOM kill reports the memory limit. Without
+  a writable cgroup (not root) only RLIMIT_AS per process and RLIMIT_NPROC per uid hold: a run
+  may then use up to memory_mb x processes.
+- disk: one tmpfs of `disk_mb` holds every place the run can write: at the namespaces level its
+  working directory and /dev/shm; at the process level (root, mount namespaces allowed) its
+  working directory and, in a private mount namespace, /tmp, /var/tmp, /dev/shm and /run/lock.
+  Otherwise (not root) the working directory is on the host's disk and only RLIMIT_FSIZE (per
+  file) bounds writes. Other world-writable places (/dev/mqueue, any the host adds) are not
+  covered by the quota.
+
+Kernel-side hardening at both levels (`_sandbox_seccomp.py`, applied in the program's own process
+by the boot before its code runs; the program does not run if it cannot be applied): a fresh
+session keyring (no key of ours or of an earlier run is reachable) and a seccomp filter that
+answers EPERM to new namespaces (unshare, setns, clone with CLONE_NEW*), io_uring, keyctl/add_key/
+request_key, ptrace, process_vm_readv/writev, bpf, perf_event_open, userfaultfd, kexec, module
+loading, mount/umount/pivot_root/chroot and the new mount API, open_by_handle_at and the
+personality flags that disable ASLR/NX, and denies foreign syscall ABIs (i386, x32, arm32). Only
+x86_64 and aarch64 have a filter: elsewhere run_python raises SandboxError rather than run
+unfiltered. Threads, subprocesses (clone3 answers ENOSYS, libc falls back to clone) and file I/O
+are unaffected.
+
 - `namespaces` (Linux, root, util-linux `unshare`, `setpriv`, `pivot_root`; chosen by "auto" when
   a probe run succeeds): new mount, network, PID, IPC and UTS namespaces; the program runs as a
   fresh unprivileged uid with no capabilities and no_new_privs, in a new root file system holding
   only a read-only view of the runtime (/usr, /bin, /lib*, the interpreter's installation), a few
-  device nodes, a private /proc and /dev/shm, and its working directory (a tmpfs of `disk_mb`).
+  device nodes, a private /proc, and its working directory and /dev/shm (one tmpfs of `disk_mb`).
   No other host path exists for it (no /etc, /home, /root, /run, /tmp of the host), so no host
   unix socket either; it has no network (a down loopback) and its own SysV IPC. When the run ends
   the namespaces die with every process, segment and file in them.
@@ -23,16 +48,17 @@ runs as root. `isolation="auto"` logs the level it chose; `isolation="namespaces
   uid/gid with no groups and no_new_privs (with an interpreter that uid can reach, else
   SandboxError: we refuse rather than run as root); afterwards every process of that uid is killed
   and its SysV IPC objects and files in /tmp, /var/tmp, /dev/shm, /dev/mqueue and /run/lock are
-  removed. A Python audit hook also refuses writes outside the working directory, process
-  creation, sockets and ctypes. What the process level does NOT protect: the audit hook is a guard
-  against accidents, not a boundary (PEP 578: native code and a few lines of `gc` tricks bypass
-  it); the program then has the network, can connect to any host unix socket others may write to
-  (mode 0666), can read every world-readable file, can write in any world-writable directory
-  (only the ones above are cleaned) and can see the host's processes. Without root there is no
-  uid to drop to: it runs as the current user, with that user's rights to files, processes and
-  the network, RLIMIT_NPROC counts all of the user's processes, and only its process group is
-  killed afterwards. Its working directory is on the host's disk (removed after the run):
-  RLIMIT_FSIZE bounds each file, not their number.
+  removed (through directory descriptors opened with O_NOFOLLOW, so a directory another run swaps
+  for a symlink meanwhile cannot turn the cleanup onto host files). A Python audit hook also refuses
+  writes outside the working directory, process creation, sockets and ctypes. What the process level
+  does NOT protect: the audit hook is a guard against accidents, not a boundary (PEP 578: native
+  code and a few lines of `gc` tricks bypass it); the program then has the network, can connect to
+  any host unix socket others may write to (mode 0666), can read every world-readable file, can
+  write in any world-writable directory (only the ones above are cleaned) and can see the host's
+  processes. Without root there is no uid to drop to: it runs as the current user, with that user's
+  rights to files, processes and the network, RLIMIT_NPROC counts all of the user's processes, and
+  only its process group is killed afterwards; there is no disk quota and no cgroup (see the limits
+  above).
 
 `driver`: a trusted callable run in this process while the program runs, talking to it through a
 `SandboxChannel` (length-prefixed JSON on two pipes, fd numbers in the program's environment as
@@ -77,12 +103,15 @@ from ._sandbox_isolation import (
     process_interpreter,
     remove_traces,
 )
+from ._sandbox_limits import DiskQuota, MemoryControl, RunCgroup, disk_quota_available, memory_control
+from ._sandbox_seccomp import machine_supported
 
 logger = logging.getLogger(__name__)
 
 Isolation = Literal["auto", "namespaces", "process"]
 Level = Literal["namespaces", "process"]
 _BOOT = Path(__file__).with_name("_sandbox_boot.py")
+_HARDENING = Path(__file__).with_name("_sandbox_seccomp.py")  # loaded by the boot, beside it
 LimitKind = Literal["wall_time", "cpu_time", "memory", "file_size", "output", "processes"]
 CHANNEL_ENV = "FREETOKEN_SANDBOX_CHANNEL"
 
@@ -92,6 +121,8 @@ __all__ = [
     "SandboxError",
     "SandboxLimits",
     "SandboxResult",
+    "disk_quota_available",
+    "memory_control",
     "namespaces_available",
     "run_python",
 ]
@@ -110,10 +141,12 @@ class SandboxLimits(BaseModel):
 
     wall_time_s: float = Field(default=5.0, gt=0, description="wall-clock seconds before SIGKILL")
     cpu_time_s: int = Field(default=5, ge=1, description="RLIMIT_CPU seconds (SIGXCPU, then SIGKILL)")
-    memory_mb: int = Field(default=256, ge=32, description="RLIMIT_AS: address space, MiB")
+    memory_mb: int = Field(
+        default=256, ge=32, description="the whole run's memory (cgroup), and RLIMIT_AS per process, MiB"
+    )
     file_size_mb: int = Field(default=8, ge=1, description="RLIMIT_FSIZE: largest file written, MiB")
-    disk_mb: int = Field(default=32, ge=1, description="namespaces: size of the working-dir tmpfs, MiB")
-    processes: int = Field(default=32, ge=1, description="RLIMIT_NPROC for the sandbox's uid")
+    disk_mb: int = Field(default=32, ge=1, description="the run's one tmpfs: working dir + temp dirs, MiB")
+    processes: int = Field(default=32, ge=1, description="the run's pids (cgroup), RLIMIT_NPROC")
     open_files: int = Field(default=64, ge=16, description="RLIMIT_NOFILE")
     output_bytes: int = Field(default=64_000, ge=1024, description="stdout + stderr cap; SIGKILL past it")
     message_bytes: int = Field(default=1 << 20, ge=1024, description="largest channel message accepted")
@@ -134,6 +167,11 @@ class SandboxResult(BaseModel):
     )
     isolation: Level
     network_isolated: bool = Field(description="True when the program had no network at all")
+    memory_control: MemoryControl = Field(
+        default="rlimit", description="memory/pids bounds: one cgroup for the run, or per process"
+    )
+    disk_bounded: bool = Field(default=False, description="writable places were one tmpfs of disk_mb")
+    peak_memory_bytes: int | None = Field(default=None, description="the run's peak memory (cgroup)")
     seconds: float = 0.0
 
 
@@ -154,9 +192,16 @@ def run_python(
     name that is not a plain name."""
     limits = limits or SandboxLimits()
     level = _resolve(isolation)
+    if not machine_supported():  # the boot would refuse too; say why before starting anything
+        raise SandboxError(
+            "the sandbox has no seccomp filter for this machine's architecture; it will not run unfiltered"
+        )
     for name in files or {}:
-        if Path(name).name != name or name in (_BOOT.name, "main.py", "", ".", ".."):
-            raise ValueError(f"sandbox file names must be plain names (not main.py, {_BOOT.name}): {name!r}")
+        if Path(name).name != name or name in (_BOOT.name, _HARDENING.name, "main.py", "", ".", ".."):
+            raise ValueError(
+                f"sandbox file names must be plain names "
+                f"(not main.py, {_BOOT.name}, {_HARDENING.name}): {name!r}"
+            )
     uid = fresh_uid() if level == "namespaces" or os.geteuid() == 0 else None
     with tempfile.TemporaryDirectory(prefix="freetoken-sandbox-") as tmp:
         root = Path(tmp)
@@ -166,19 +211,26 @@ def run_python(
         for name, text in {**(files or {}), "main.py": source}.items():
             (src / name).write_text(text)
         shutil.copyfile(_BOOT, src / _BOOT.name)
+        shutil.copyfile(_HARDENING, src / _HARDENING.name)
         os.chmod(root, 0o755)  # the sandbox uid must reach its working directory
-        if level == "namespaces":
-            assert uid is not None
-            program = [interpreter(), "-I", "-S", _BOOT.name, "report", "main.py", *args]
-            cmd, drop = namespace_command(root, uid, limits.disk_mb, program), None
-        else:
-            cmd, drop = _process_command(work, src, uid, args), uid
-        logger.debug("sandbox run (%s isolation) in %s", level, work)
+        quota = None
         try:
-            result = _run(cmd, work, limits, level, drop, driver)
+            if level == "process" and uid is not None and disk_quota_available():
+                quota = DiskQuota(root, limits.disk_mb, uid)  # the working dir and temp dirs, one tmpfs
+                work = quota.work
+            if level == "namespaces":
+                assert uid is not None
+                program = [interpreter(), "-I", "-S", _BOOT.name, "report", "main.py", *args]
+                cmd, drop = namespace_command(root, uid, limits.disk_mb, program), None
+            else:
+                cmd, drop = _process_command(work, src, uid, args), uid
+            logger.debug("sandbox run (%s isolation) in %s", level, work)
+            result = _run(cmd, work, limits, level, drop, driver, quota)
         finally:
             if level == "process" and uid is not None:
                 remove_traces(uid)
+            if quota is not None:
+                quota.close()
     return result
 
 
@@ -203,8 +255,13 @@ def _run(
     level: Level,
     drop: int | None,
     driver: Callable[[SandboxChannel], None] | None,
+    quota: DiskQuota | None = None,
 ) -> SandboxResult:
     env = _environment()
+    # namespaces: `unshare` and the PID-1 shell are in the run's cgroup too
+    cgroup = RunCgroup.create(limits.memory_mb, limits.processes + (2 if level == "namespaces" else 0))
+    disk = "one tmpfs" if quota is not None or level == "namespaces" else "per file only (RLIMIT_FSIZE)"
+    logger.info("sandbox: memory/pids bounded by %s, disk by %s", cgroup.control, disk)
     ours: list[int] = []  # our ends of the channel pipes
     theirs: list[int] = []
     if driver is not None:
@@ -221,7 +278,7 @@ def _run(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,
-            preexec_fn=functools.partial(_prepare_child, limits, drop),
+            preexec_fn=functools.partial(_prepare_child, limits, drop, cgroup, quota),
             start_new_session=True,
             close_fds=True,
             pass_fds=theirs,
@@ -229,9 +286,11 @@ def _run(
     except (OSError, subprocess.SubprocessError) as e:
         for fd in ours + theirs:
             os.close(fd)
+        cgroup.close()
         raise SandboxError(f"cannot start the sandbox ({cmd[0]}): {e}") from e
     for fd in theirs:
         os.close(fd)
+    cgroup.close_fds()
     to_program, from_program = ours or (None, None)
     monitor = _Monitor(
         proc, limits.wall_time_s, limits.output_bytes, limits.message_bytes, to_program, from_program
@@ -243,7 +302,9 @@ def _run(
     finally:
         monitor.close()
         _kill_group(proc)
-    return _result(proc.returncode, stdout, stderr, limit, limits, level, time.perf_counter() - t0)
+        cgroup.close()  # kills what the process group missed (a child that called setsid)
+    result = _result(proc.returncode, stdout, stderr, limit, limits, level, time.perf_counter() - t0, cgroup)
+    return result.model_copy(update={"disk_bounded": quota is not None or level == "namespaces"})
 
 
 def _resolve(isolation: Isolation) -> Level:
@@ -274,9 +335,16 @@ def _warn_fallback() -> None:
 
 
 # ---- limits and environment ----------------------------------------------------------------------
-def _prepare_child(limits: SandboxLimits, drop: int | None) -> None:
-    """preexec_fn: runs in the child between fork and exec: the limits, then (as root at the process
-    level) the switch to the unprivileged uid."""
+def _prepare_child(
+    limits: SandboxLimits, drop: int | None, cgroup: RunCgroup | None = None, quota: DiskQuota | None = None
+) -> None:
+    """preexec_fn: runs in the child between fork and exec: into the run's cgroup and (process level)
+    its private temp dirs while still root, the limits, then (as root at the process level) the
+    switch to the unprivileged uid."""
+    if cgroup is not None:
+        cgroup.join()
+    if quota is not None:
+        quota.enter()
     mib = 1 << 20
     resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mib, limits.memory_mb * mib))
     resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_time_s, limits.cpu_time_s + 1))
@@ -337,10 +405,15 @@ def _result(
     limits: SandboxLimits,
     level: Level,
     seconds: float,
+    cgroup: RunCgroup | None = None,
 ) -> SandboxResult:
     stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
     sig = -rc if rc < 0 else (rc - 128 if level == "namespaces" and rc > 128 else 0)
     kind: LimitKind | None = ours
+    if kind is None and cgroup is not None and cgroup.oom_killed():
+        kind = "memory"  # the kernel's OOM killer sends SIGKILL too: check it before RLIMIT_CPU's
+    if kind is None and rc != 0 and cgroup is not None and cgroup.pids_refused():
+        kind = "processes"
     if kind is None and sig in (signal.SIGXCPU, signal.SIGKILL):
         kind = "cpu_time"
     if kind is None and rc != 0:
@@ -364,5 +437,7 @@ def _result(
         write_outside_refused=bool(_REFUSED.search(stderr)),
         isolation=level,
         network_isolated=level == "namespaces",
+        memory_control=cgroup.control if cgroup is not None else "rlimit",
+        peak_memory_bytes=cgroup.peak_memory() if cgroup is not None else None,
         seconds=seconds,
     )
