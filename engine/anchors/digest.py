@@ -192,8 +192,10 @@ def model_fingerprint(engine: Engine) -> str:
     an FTW source file is hashed whole (config and tokenizer are inside it), through the engine's
     own open file when it holds one (so it is the file the engine reads, even if the path was
     replaced meanwhile); an HF folder's `*.safetensors` files are each hashed whole, with their
-    names. `weights.weights_digest` hashes each file version once (cached by path, device,
-    inode, size, mtime and ctime; large files also across processes). An engine built in memory
+    names; an HF folder tiered through the conversion cache also hashes the FTW file actually
+    served (so a rebuilt or stale entry changes it). `weights.weights_digest` hashes each file
+    version once (cached by path, device, inode, size, mtime and ctime; large files also across
+    processes). An engine built in memory
     without a source hashes its spec and every byte of its dense tensors and of every expert
     its provider lists. Tokenizer: the bytes of the tokenizer files in the source folder, or the
     in-memory tokenizer's sorted vocabulary. The device is not covered: KV data means the same
@@ -221,6 +223,9 @@ def model_fingerprint(engine: Engine) -> str:
             _section(h, f"weights:{path.name}", bytes.fromhex(weights_digest(path)))
     else:
         _hash_in_memory_weights(h, engine)
+    served = _served_ftw(engine, source)
+    if served is not None:  # an HF folder tiered through the conversion cache: the experts it serves
+        _section(h, "served-ftw", bytes.fromhex(weights_digest(served, _open_fd(engine, served))))
     if folder is not None and (folder / "config.json").is_file():
         _section(h, "config.json", (folder / "config.json").read_bytes())
     tokenizer_files = [folder / f for f in TOKENIZER_FILES if (folder / f).is_file()] if folder else []
@@ -236,6 +241,17 @@ def _section(h: Any, name: str, data: bytes) -> None:
     tag = name.encode()
     h.update(le64(len(tag)) + tag + le64(len(data)))
     h.update(data)
+
+
+def _served_ftw(engine: Engine, source: Path | None) -> Path | None:
+    """The FTW file the engine's provider reads experts from, when it is not the source itself
+    (a cached conversion): a rebuilt cache entry then changes the fingerprint."""
+    from ..ftw.reader import FTWFile
+
+    ftw = getattr(engine.experts, "ftw", None)
+    if isinstance(ftw, FTWFile) and (source is None or Path(ftw.path) != source):
+        return Path(ftw.path)
+    return None
 
 
 def _open_fd(engine: Engine, source: Path) -> int | None:

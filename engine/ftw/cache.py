@@ -7,15 +7,26 @@ be resident is converted on its first tiered load, with a progress bar, into
 - Cache root: `cache_dir`, else ``$FREETOKEN_CACHE``, else the platform's user cache dir
   (`platformdirs.user_cache_dir("freetoken")`), under ``ftw/``.
 - Key (`checkpoint_key`): sha256 over config.json, every tokenizer file the conversion embeds,
-  and every ``*.safetensors`` file's name, size, modification time and header (tensor names,
-  dtypes, shapes, offsets). A changed checkpoint gets a new entry; hashing all weight bytes is
-  left to the engine's fingerprint (`anchors.digest.model_fingerprint`).
+  and every ``*.safetensors`` file's name, size and header (tensor names, dtypes, shapes,
+  offsets). Weight bytes are not in the key (a touch must not orphan a 60 GB entry): they are
+  checked on every load against the entry's source record (below).
 - Integrity: an entry appears atomically (the converter writes a temporary file and renames it),
   so a partial one never has the final name. Before first use every checksum of the entry is
   verified (`FTWFile.verify`) and a stamp (size, mtime, inode) is written beside it; a load
   whose entry no longer matches its stamp verifies it again. A corrupt entry is deleted and
   rebuilt. Blocks are also checked on every read, so damage after verification surfaces as
   FTWFormatError, never as wrong weights.
+- Source check (stale experts are never served): with each entry a record ``<entry>.source``
+  holds, per ``*.safetensors`` file it was built from, the file's size, mtime_ns, ctime_ns,
+  inode, header sha256 and an xxh3_128 hash of every byte (taken before converting, and the
+  conversion is discarded if any file's identity moved while it ran). On load, when every
+  file's (size, mtime_ns, ctime_ns, inode, header) matches, the recorded content is trusted;
+  otherwise the files are hashed again and the entry is rebuilt if any byte differs (the
+  record is refreshed when only metadata moved). An entry without a record (older versions)
+  is rebuilt, never served blindly. Guarantee: any change through the file system updates
+  ctime (every write does, and cp -p / rsync -t / a restore cannot set it back), so it is
+  detected; a changed byte under an identical ctime needs root-level clock or disk tampering,
+  which is not covered here (the engine fingerprint hashes the files it serves regardless).
 - Concurrency: conversions of one entry are serialised across processes by a file lock
   (`filelock`).
 """
@@ -30,6 +41,7 @@ import struct
 from pathlib import Path
 
 import torch
+import xxhash
 from filelock import FileLock
 
 from ..errors import FTWFormatError
@@ -39,7 +51,7 @@ from .reader import FTWFile
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "FREETOKEN_CACHE"
-KEY_VERSION = b"freetoken-conversion-cache-v1"
+KEY_VERSION = b"freetoken-conversion-cache-v2"  # v2: no mtime in the key; content checked per load
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -73,7 +85,7 @@ def checkpoint_key(folder: Path) -> str:
             h.update(name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
     for path in sorted(folder.glob("*.safetensors")):
         st = path.stat()
-        h.update(f"{path.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        h.update(f"{path.name}\0{st.st_size}\0".encode())
         h.update(hashlib.sha256(_safetensors_header(path)).digest())
     return h.hexdigest()[:20]
 
@@ -115,6 +127,9 @@ def cached_ftw(
     dense = str(dense_dtype).removeprefix("torch.")
     entry = root / f"{folder.name}-{checkpoint_key(folder)}-{quant}-{dense}.ftw"
     with FileLock(str(entry) + ".lock"):
+        if entry.exists() and not _source_current(entry, folder):
+            logger.warning("cached conversion %s is stale (other checkpoint bytes); converting again", entry)
+            _remove(entry)
         if entry.exists():
             try:
                 _verify(entry, progress)
@@ -124,8 +139,14 @@ def cached_ftw(
                 logger.warning("cached conversion %s is damaged (%s); converting again", entry, e)
                 _remove(entry)
         logger.info("converting %s to FTW (%s experts) into the cache: %s", folder, quant, entry)
+        _remove(entry)
+        record = _source_record(folder, with_content=True)
         convert_checkpoint(folder, entry, quant=quant, dense_dtype=dense_dtype, progress=progress)
+        if _identities(_source_record(folder, with_content=False)) != _identities(record):
+            _remove(entry)
+            raise FTWFormatError(f"{folder} changed while it was converted; load it again")
         _verify(entry, progress)
+        _record_path(entry).write_text(json.dumps(record, sort_keys=True))
     return entry
 
 
@@ -151,8 +172,62 @@ def _verify(entry: Path, progress: bool) -> None:
     stamp.write_text(json.dumps(_identity(entry)))
 
 
+def _record_path(entry: Path) -> Path:
+    return entry.with_name(entry.name + ".source")
+
+
+def _content_hash(path: Path) -> str:
+    """xxh3_128 of every byte of `path` (streamed; many GB/s, so a rebuild check stays cheap)."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 2**20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _source_record(folder: Path, *, with_content: bool) -> dict[str, dict[str, object]]:
+    """Per weights file: identity (size, mtime, ctime, inode, header hash) and, if asked, content."""
+    record: dict[str, dict[str, object]] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        st = path.stat()
+        item: dict[str, object] = {
+            "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns,
+            "ctime_ns": st.st_ctime_ns,
+            "inode": st.st_ino,
+            "header": hashlib.sha256(_safetensors_header(path)).hexdigest(),
+        }
+        if with_content:
+            item["xxh3_128"] = _content_hash(path)
+        record[path.name] = item
+    return record
+
+
+def _identities(record: dict[str, dict[str, object]]) -> dict[str, dict[str, object]]:
+    return {name: {k: v for k, v in item.items() if k != "xxh3_128"} for name, item in record.items()}
+
+
+def _source_current(entry: Path, folder: Path) -> bool:
+    """Whether `entry` was built from the bytes now in `folder` (see the module docstring)."""
+    try:
+        recorded = json.loads(_record_path(entry).read_text())
+    except (OSError, ValueError):
+        logger.warning("cached conversion %s has no source record; rebuilding it", entry)
+        return False
+    now = _source_record(folder, with_content=False)
+    if not isinstance(recorded, dict) or set(recorded) != set(now):
+        return False
+    if _identities(recorded) == now:
+        return True  # ctime unchanged: no write reached any file since it was hashed
+    fresh = _source_record(folder, with_content=True)
+    if {n: i.get("xxh3_128") for n, i in recorded.items()} != {n: i["xxh3_128"] for n, i in fresh.items()}:
+        return False
+    _record_path(entry).write_text(json.dumps(fresh, sort_keys=True))  # same bytes, new metadata
+    return True
+
+
 def _remove(entry: Path) -> None:
-    for path in (entry, _stamp_path(entry)):
+    for path in (entry, _stamp_path(entry), _record_path(entry)):
         try:
             path.unlink()
         except FileNotFoundError:
