@@ -34,6 +34,7 @@ from .options import PLACEMENTS, EngineOptions, Placement, TieringOptions
 from .placement import check_device
 from .session import Session
 from .spec import ModelSpec
+from .tokenize import encode_plain
 
 __all__ = [
     "ANCHOR_KINDS",
@@ -70,5 +71,6 @@ __all__ = [
     "check_device",
     "TokenEvent",
     "UnsupportedModelError",
+    "encode_plain",
     "render_chat",
 ]

@@ -21,8 +21,18 @@ DEFAULT_CHAT_TEMPLATE is ChatML with Hermes-style tool calls, the format the Qwe
 
 from __future__ import annotations
 
+import logging
+import re
+import secrets
 from collections.abc import Sequence
 from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TRUSTED_ROLES = frozenset({"system", "assistant"})
+"""Roles whose content keeps today's tokenization (a special-token string in it becomes the control
+token): the developer's system prompt and the model's own past turns. Every other role (user, tool,
+documents, ...) is untrusted: its text never yields a control token (`render_chat_spans`)."""
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% if tools %}"
@@ -78,3 +88,75 @@ def render_chat(
         chat_template=getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE,
         tokenize=False,
     )
+
+
+def render_chat_spans(
+    tokenizer: Any,
+    messages: Sequence[dict],
+    tools: Sequence[dict] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+) -> tuple[str, list[tuple[int, int]]]:
+    """`render_chat`'s text and the [start, end) spans of it that came from untrusted contents.
+
+    Each untrusted string content is replaced by a unique whitespace-free sentinel, the template is
+    rendered, the sentinels are located and the real text put back. A template that transforms or
+    drops a content loses its sentinel: the content is then located verbatim in the real rendering,
+    and if that fails too its special-token strings are escaped (a zero-width space after the first
+    character) so that they cannot become control tokens: fail closed."""
+    nonce = secrets.token_hex(8)
+    marked, originals = [], {}
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if message.get("role") in TRUSTED_ROLES or not isinstance(content, str) or not content:
+            marked.append(message)
+            continue
+        sentinel = f"FTUNTRUSTED{nonce}N{i}Z"
+        originals[sentinel] = content
+        marked.append({**message, "content": sentinel})
+    if not originals:
+        return render_chat(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt), []
+    text = render_chat(tokenizer, marked, tools, add_generation_prompt=add_generation_prompt)
+    lost = [s for s in originals if s not in text]
+    if lost:
+        return _fallback(tokenizer, messages, tools, add_generation_prompt, [originals[s] for s in lost])
+    out, spans, last = [], [], 0
+    pattern = re.compile("|".join(map(re.escape, originals)))
+    length = 0
+    for match in pattern.finditer(text):
+        out.append(text[last : match.start()])
+        length += match.start() - last
+        content = originals[match.group()]
+        out.append(content)
+        spans.append((length, length + len(content)))
+        length += len(content)
+        last = match.end()
+    out.append(text[last:])
+    return "".join(out), spans
+
+
+def _fallback(
+    tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] | None, gen: bool, contents: list[str]
+) -> tuple[str, list[tuple[int, int]]]:
+    """Spans by verbatim search of untrusted contents whose sentinels the template did not keep."""
+    specials = [t for t in getattr(tokenizer, "get_added_vocab", dict)() if t]
+    risky = [c for c in contents if any(t in c for t in specials)]
+    text = render_chat(tokenizer, messages, tools, add_generation_prompt=gen)
+    if any(c not in text for c in risky):
+        logger.warning("chat template transformed untrusted content: escaping its special-token text")
+        escaped = []
+        for message in messages:
+            content = message.get("content")
+            if message.get("role") not in TRUSTED_ROLES and isinstance(content, str):
+                for token in specials:
+                    content = content.replace(token, token[:1] + "\u200b" + token[1:])
+                message = {**message, "content": content}
+            escaped.append(message)
+        return render_chat(tokenizer, escaped, tools, add_generation_prompt=gen), []
+    spans = []
+    for content in risky:
+        start = text.find(content)
+        while start != -1:
+            spans.append((start, start + len(content)))
+            start = text.find(content, start + len(content))
+    return text, spans

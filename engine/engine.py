@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 from .anchors.digest import model_fingerprint
 from .anchors.store import AnchorStore
 from .assemble import assemble
-from .chat import render_chat
+from .chat import render_chat_spans
 from .errors import EngineError
 from .experts import ExpertProvider
 from .generate import GenerationResult, SamplingParams, TokenEvent, stream_tokens
@@ -29,6 +29,7 @@ from .placement import PlacementChoice, expert_bytes
 from .session import Session
 from .spec import ModelSpec
 from .tokenize import encode as encode_text
+from .tokenize import encode_segments
 from .transformer import MoETransformer
 
 logger = logging.getLogger(__name__)
@@ -209,9 +210,16 @@ class Engine:
         *,
         add_generation_prompt: bool = True,
     ) -> list[int]:
-        """Token ids of `messages` rendered with the checkpoint's chat template (or the default)."""
-        rendered = render_chat(self.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt)
-        return self.encode(rendered)
+        """Token ids of `messages` rendered with the checkpoint's chat template (or the default).
+
+        Only the template's own markup and the trusted roles' contents (system prompt, the
+        assistant's past turns: `chat.TRUSTED_ROLES`) can yield control tokens; a special-token
+        string in a user or tool message is tokenized as plain text, so a tool result cannot forge a
+        turn. Text without such strings gets exactly the tokenizer's own ids."""
+        rendered, untrusted = render_chat_spans(
+            self.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt
+        )
+        return encode_segments(self.tokenizer, rendered, untrusted)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no special tokens added), in time linear in its length: long

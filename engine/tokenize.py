@@ -65,3 +65,75 @@ def _protected(tokenizer: Any) -> tuple[str, ...]:
     """The texts of the tokenizer's added (special and user) tokens."""
     vocab = getattr(tokenizer, "get_added_vocab", None)
     return tuple(vocab()) if callable(vocab) else tuple(getattr(tokenizer, "all_special_tokens", ()))
+
+
+def added_tokens(tokenizer: Any) -> tuple[str, ...]:
+    """The added-token texts, longest first (so a regex alternation prefers the longest match)."""
+    return tuple(sorted((t for t in _protected(tokenizer) if t), key=len, reverse=True))
+
+
+def encode_plain(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of untrusted `text` in which no added/special token string becomes its control id.
+
+    `split_special_tokens=True` makes the tokenizer treat special-token text as ordinary text, and
+    leaves every other text's ids unchanged. Added tokens that are not "special" (e.g. `<tool_call>`)
+    are still matched by it, so any added id that remains is re-encoded piecewise: the token's first
+    character apart from the rest, which can then only yield ordinary vocabulary ids."""
+    ids = _encode_split(tokenizer, text)
+    control = _added_ids(tokenizer)
+    if not control.intersection(ids):
+        return ids
+    tokens = added_tokens(tokenizer)
+    pattern = re.compile("|".join(map(re.escape, tokens)))
+    out: list[int] = []
+    last = 0
+    for match in pattern.finditer(text):
+        out += _encode_split(tokenizer, text[last : match.start()]) if match.start() > last else []
+        token = match.group()
+        out += encode_plain(tokenizer, token[:1]) + encode_plain(tokenizer, token[1:])
+        last = match.end()
+    if last < len(text):
+        out += _encode_split(tokenizer, text[last:])
+    return out
+
+
+def encode_segments(tokenizer: Any, text: str, untrusted: list[tuple[int, int]]) -> list[int]:
+    """Ids of rendered chat `text` where only added tokens outside the `untrusted` [start, end)
+    spans become control ids; the text between them is encoded with `encode_plain`. For text whose
+    untrusted spans hold no added-token string this equals `encode(tokenizer, text)`, because HF
+    tokenizers themselves split at added tokens before encoding the text between them."""
+    tokens = added_tokens(tokenizer)
+    if not tokens:
+        return encode(tokenizer, text)
+    vocab = tokenizer.get_added_vocab() if callable(getattr(tokenizer, "get_added_vocab", None)) else {}
+    out: list[int] = []
+    last = 0
+    for match in re.finditer("|".join(map(re.escape, tokens)), text):
+        start, end = match.span()
+        if any(a < end and start < b for a, b in untrusted):
+            continue  # inside (or overlapping) untrusted content: stays text
+        if start > last:
+            out += encode_plain(tokenizer, text[last:start])
+        token = match.group()
+        out.append(int(vocab[token]) if token in vocab else int(tokenizer.convert_tokens_to_ids(token)))
+        last = end
+    if last < len(text):
+        out += encode_plain(tokenizer, text[last:])
+    return out
+
+
+def _encode_split(tokenizer: Any, text: str) -> list[int]:
+    """`encode` with special-token text split as plain text, long runs sliced (module docstring)."""
+    pieces = split_long_runs(text)
+    try:
+        batch = tokenizer(pieces, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    except TypeError:  # a tokenizer without the option: encode_plain's piecewise path catches it
+        batch = tokenizer(pieces, add_special_tokens=False)["input_ids"]
+    return [token for ids in batch for token in ids]
+
+
+def _added_ids(tokenizer: Any) -> set[int]:
+    vocab = getattr(tokenizer, "get_added_vocab", None)
+    if callable(vocab):
+        return {int(i) for i in vocab().values()}
+    return {int(i) for i in getattr(tokenizer, "all_special_ids", ())}

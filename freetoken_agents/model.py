@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from freetoken_agents.engine import MemoryBudgetError, SamplingParams
+from freetoken_agents.engine import MemoryBudgetError, SamplingParams, encode_plain
 from freetoken_agents.engine.generate import Sampler
 
 from .anchors import AnchorBook, AnchorHandle, RollbackOutcome
@@ -192,8 +192,9 @@ class FreeTokenModel:
 
     @_context_step
     def append_text(self, text: str) -> None:
+        # The text is a failure note quoting tool errors (untrusted): special-token text stays text.
         if text:
-            self.prefill(self.tokenizer.encode(text, add_special_tokens=False))
+            self.prefill(encode_plain(self.tokenizer, text))
 
     @_context_step
     def reset(self) -> None:
