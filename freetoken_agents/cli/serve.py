@@ -45,6 +45,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-queue", type=positive_int, default=16, help="requests that may wait for the engine (then 429)"
     )
+    p.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=4 * 1024 * 1024,
+        help="largest request body accepted, counted while reading (default 4 MiB; then 413)",
+    )
+    p.add_argument(
+        "--timeout-keep-alive",
+        type=positive_int,
+        default=5,
+        help="seconds an idle keep-alive connection stays open (default 5)",
+    )
+    p.add_argument(
+        "--limit-concurrency",
+        type=positive_int,
+        default=256,
+        help="open connections past which the server answers 503 at once (default 256)",
+    )
     p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt from scratch")
     p.add_argument(
         "--tool-format",
@@ -72,10 +90,21 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine.from_options(path, engine_options(args))
     name = args.served_model_name or (path.stem if path.suffix == ".ftw" else path.name)
     config = ServerConfig(
-        model_name=name, api_key=api_key, max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache
+        model_name=name,
+        api_key=api_key,
+        max_queue=args.max_queue,
+        prefix_cache=not args.no_prefix_cache,
+        max_request_bytes=args.max_request_bytes,
     )
     app = create_app(engine, config, family=args.tool_format)
-    serve(app, host=args.host, port=args.port, log_level=args.log_level)
+    serve(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_keep_alive=args.timeout_keep_alive,
+        limit_concurrency=args.limit_concurrency,
+    )
     return 0
 
 

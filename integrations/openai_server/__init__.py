@@ -21,12 +21,23 @@ from typing import Any
 from .app import ServerConfig, ServerState, create_app
 from .errors import OpenAIError
 
-__all__ = ["OpenAIError", "ServerConfig", "ServerState", "create_app", "serve"]
+__all__ = ["OpenAIError", "ServerConfig", "ServerState", "create_app", "serve", "server_config"]
 
 
-def serve(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+def serve(
+    app: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    timeout_keep_alive: int = 5,
+    limit_concurrency: int = 256,
+) -> None:
     """Run `app` with uvicorn (one process: the engine is in it) until SIGINT or SIGTERM, then
-    shut down gracefully (the running request finishes, waiting ones are cancelled) and return."""
+    shut down gracefully (the running request finishes, waiting ones are cancelled) and return.
+    `timeout_keep_alive`: seconds an idle connection is kept; `limit_concurrency`: connections and
+    tasks past which uvicorn answers 503 at once (so idle or stalled clients cannot use up every
+    file descriptor); headers are capped at 16 KiB."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -45,4 +56,54 @@ def serve(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
-    Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, workers=1)).run()
+    config = server_config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_keep_alive=timeout_keep_alive,
+        limit_concurrency=limit_concurrency,
+    )
+    Server(config).run()
+
+
+def server_config(
+    app: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    timeout_keep_alive: int = 5,
+    limit_concurrency: int = 256,
+    header_timeout: float = 10.0,
+) -> Any:
+    """uvicorn's settings for `app`, hardened against idle and half-open clients: uvicorn only
+    times out a connection between requests, so one that connects and never finishes its request
+    head would hold a file descriptor forever; here it is closed after `header_timeout` seconds."""
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._head_timer = self.loop.call_later(header_timeout, self._head_timed_out)
+
+        def _head_timed_out(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():  # no complete request head yet
+                self.transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._head_timer.cancel()
+            super().connection_lost(exc)
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        workers=1,
+        http=Protocol,
+        timeout_keep_alive=timeout_keep_alive,
+        limit_concurrency=limit_concurrency,
+        h11_max_incomplete_event_size=16 * 1024,
+    )

@@ -64,13 +64,15 @@ class ServerConfig:
     """model_name: the id clients pass as `model` (and /v1/models lists); api_key: when set,
     /v1 requests need `Authorization: Bearer <key>`; max_queue: requests that may wait behind the
     running one; prefix_cache: reuse the KV of earlier prompts (False: prefill every prompt);
-    cached_prefixes: prompts (and replies) kept pinned for reuse."""
+    cached_prefixes: prompts (and replies) kept pinned for reuse; max_request_bytes: the largest
+    body accepted (413 past it, counted while reading so a huge body is never buffered)."""
 
     model_name: str
     api_key: str | None = None
     max_queue: int = 16
     prefix_cache: bool = True
     cached_prefixes: int = 32
+    max_request_bytes: int = 4 * 1024 * 1024
 
 
 class _Started:
@@ -133,7 +135,7 @@ def create_app(engine: Engine, config: ServerConfig, *, family: str | None = Non
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
         _authorize(request, config.api_key)
-        body = await _parse(request)
+        body = await _parse(request, config.max_request_bytes)
         prepared = await anyio.to_thread.run_sync(
             lambda: prepare(body, state.backend, model_name=config.model_name)
         )
@@ -185,12 +187,37 @@ def _authorize(request: Request, api_key: str | None) -> None:
         )
 
 
-async def _parse(request: Request) -> ChatCompletionRequest:
-    raw = await request.body()
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 as soon as it (or its declared Content-Length) passes `limit`."""
+    too_large = OpenAIError(
+        413, f"the request body is larger than the server's limit of {limit} bytes", code="request_too_large"
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, limit: int) -> ChatCompletionRequest:
+    raw = await _read_body(request, limit)
     try:
         payload = json.loads(raw)
+    except RecursionError:  # deeply nested JSON: a client error, not a 500
+        raise bad_request("the JSON body of your request is nested too deeply") from None
     except ValueError as e:
         raise bad_request(f"We could not parse the JSON body of your request: {e}") from None
+    try:  # a lone surrogate (\\ud800) cannot be encoded for the tokenizer: refuse it here
+        json.dumps(payload, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request("the request contains a lone UTF-16 surrogate, which is not valid text") from None
+    except RecursionError:
+        raise bad_request("the JSON body of your request is nested too deeply") from None
     if not isinstance(payload, dict):
         raise bad_request("the request body must be a JSON object")
     try:

@@ -130,7 +130,7 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)  # what torch's generator accepts
     stop: str | list[str] | None = None
     n: int | None = Field(default=None, ge=1)
     logit_bias: dict[str, float] | None = None
