@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, Protocol
 
@@ -34,6 +35,7 @@ from pydantic import BaseModel
 from freetoken_agents.engine.generate import Sampler
 
 from .detokenize import IncrementalDetokenizer
+from .schema_check import check_schema
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ CLOSING_SLACK = 8
 """Start checking each sampled token against the closing cost this many tokens before the
 budget could run out (one token seldom adds more than this to the cost of closing)."""
 
+GRAMMAR_CACHE_SIZE = 128  # compiled schemas kept per tokenizer
 _SIMULATION_LIMIT = 256  # steps a closing-cost simulation may take before it counts as "too many"
 
 
@@ -114,14 +117,21 @@ class GrammarFactory:
         self.compiler = xgr.GrammarCompiler(self.info)
         self.vocab_size = vocab_size
         self.vocab = _Vocab(self.info, tokenizer, vocab_size, stop_token_ids)
-        self._cache: dict[str, Any] = {}
+        self._cache: OrderedDict[str, Any] = OrderedDict()  # least recently used first
 
     def json_schema(self, schema: dict[str, Any]) -> JsonConstraint:
+        """The constraint for `schema`; SchemaRejected (before compiling) when `check_schema`
+        refuses it: too costly to compile, or without a finite value."""
         # Property order is part of the grammar (xgrammar emits properties in schema order), so
         # the schema is neither sorted for compiling nor for the cache key.
+        check_schema(schema)  # linear, no recursion: before json.dumps meets a 10,000-deep schema
         key = json.dumps(schema)
-        if key not in self._cache:
+        if key in self._cache:
+            self._cache.move_to_end(key)
+        else:
             self._cache[key] = self.compiler.compile_json_schema(key, any_whitespace=False, strict_mode=True)
+            while len(self._cache) > GRAMMAR_CACHE_SIZE:  # a server sees schemas without end
+                self._cache.popitem(last=False)
         return JsonConstraint(self._cache[key], self.vocab)
 
 

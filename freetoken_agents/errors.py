@@ -19,6 +19,7 @@ AgentError
 ├── ToolRetryExhausted        retries ran out; carries every attempt
 ├── UnexpectedModelBehavior   the model broke the protocol in a way retries cannot fix
 ├── TokenLimitTooSmall        a forced call or structured output cannot close its JSON in its budget
+├── SchemaRejected            a JSON schema too costly to compile, or with no finite value (also ValueError)
 ├── MemoryLimitReached        the engine's memory limit (KV cache) stopped generation; carries
 │                             what the run produced so far
 ├── ContextConflict           a model context was changed by another caller while a turn was
@@ -140,6 +141,13 @@ class TokenLimitTooSmall(AgentError, ValueError):
     def __init__(self, message: str, *, limit: str, value: int, needed: int) -> None:
         super().__init__(message)
         self.limit, self.value, self.needed = limit, value, needed
+
+
+class SchemaRejected(AgentError, ValueError):
+    """Raised before a JSON schema (a tool's parameters, a structured output's) reaches the grammar
+    compiler when it is over `schema_check`'s limits (values, depth, properties, enum entries,
+    refs), uses a non-local or dangling `$ref`, or has no finite value (a `$ref` cycle every value
+    must follow). The message is one line naming the limit. Propagates: fix the schema."""
 
 
 class MemoryLimitReached(AgentError):
