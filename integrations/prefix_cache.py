@@ -9,6 +9,10 @@ prefix with the new prompt and (b) the longest recorded prefix of the new prompt
 its anchor by pointer work; only the suffix past it is prefilled. The tokens not prefilled are
 what the callers report as cache reads (`input_token_details.cache_read`,
 `prompt_tokens_details.cached_tokens`).
+
+Reuse is scoped by a tenant string (the server's: API key and `user`): a prompt reuses only KV its
+own tenant's prompts left, pinned or live, so the prefill it saves (reported, and visible in its
+latency) reveals nothing about another tenant's prompts.
 """
 
 from __future__ import annotations
@@ -44,29 +48,34 @@ class CacheEntry:
 
 
 class PrefixCache:
-    """Map prefix_key -> CacheEntry, least recently used first out (its anchor is discarded)."""
+    """Map (tenant, prefix_key) -> CacheEntry, least recently used first out (its anchor is
+    discarded). `tenant` scopes reuse: a lookup finds only its own tenant's prefixes, and
+    `live_tenant` is whose prompt the live session holds (another tenant starts from an empty
+    context). One tenant ("", the default) for a single user."""
 
     def __init__(self, max_entries: int = 32) -> None:
         self.max_entries = max_entries
-        self._entries: OrderedDict[bytes, CacheEntry] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, bytes], CacheEntry] = OrderedDict()
+        self.live_tenant = ""
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, ids: Sequence[int]) -> CacheEntry | None:
-        """The longest recorded prefix of `ids`, or None."""
-        for length in sorted({e.position for e in self._entries.values()}, reverse=True):
+    def lookup(self, ids: Sequence[int], tenant: str = "") -> CacheEntry | None:
+        """The longest recorded prefix of `ids` among `tenant`'s, or None."""
+        lengths = {e.position for (owner, _), e in self._entries.items() if owner == tenant}
+        for length in sorted(lengths, reverse=True):
             if length <= len(ids):
-                key = prefix_key(ids, length)
+                key = (tenant, prefix_key(ids, length))
                 entry = self._entries.get(key)
                 if entry is not None:
                     self._entries.move_to_end(key)
                     return entry
         return None
 
-    def add(self, ids: Sequence[int], anchor: Any, store: Any) -> None:
+    def add(self, ids: Sequence[int], anchor: Any, store: Any, tenant: str = "") -> None:
         """Record `ids` as pinned by `anchor`; evicted entries' anchors are discarded from `store`."""
-        key = prefix_key(ids, len(ids))
+        key = (tenant, prefix_key(ids, len(ids)))
         self._entries[key] = CacheEntry(len(ids), anchor)
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
@@ -80,19 +89,25 @@ class PrefixCache:
                 del self._entries[key]
 
 
-def prepare_context(backend: FreeTokenModel, cache: PrefixCache, ids: list[int], *, reuse: bool) -> int:
+def prepare_context(
+    backend: FreeTokenModel, cache: PrefixCache, ids: list[int], *, reuse: bool, tenant: str = ""
+) -> int:
     """Make the backend's context exactly `ids` with next-token logits ready.
 
     Returns the number of prompt tokens reused instead of prefilled (cache_read). With
-    `reuse=False` the session is reset and everything is prefilled (returns 0).
+    `reuse=False` the session is reset and everything is prefilled (returns 0). Only `tenant`'s
+    own prefixes are reused: a live context another tenant left is emptied first.
     """
     if not reuse:
         backend.reset()
         backend.sync(ids)
         backend.next_logits()
         return 0
+    if cache.live_tenant != tenant:
+        backend.truncate(0)  # another tenant's prompt: nothing of it may shorten this prefill
+        cache.live_tenant = tenant
     live = common_prefix_length(backend.token_ids, ids)
-    entry = cache.lookup(ids)
+    entry = cache.lookup(ids, tenant)
     source = "live session"
     if entry is not None and entry.position > live:
         try:
@@ -107,7 +122,7 @@ def prepare_context(backend: FreeTokenModel, cache: PrefixCache, ids: list[int],
     prefilled = backend.usage().prefilled - before
     reused = max(0, len(ids) - prefilled)
     if backend.position == len(ids):
-        cache.add(ids, backend.pin("manual", label="prompt"), backend.engine.anchors)
+        cache.add(ids, backend.pin("manual", label="prompt"), backend.engine.anchors, tenant)
     logger.debug(
         "prefix cache: reused %d of %d prompt tokens from %s, prefilled %d",
         reused,
@@ -118,10 +133,10 @@ def prepare_context(backend: FreeTokenModel, cache: PrefixCache, ids: list[int],
     return reused
 
 
-def record_context(backend: FreeTokenModel, cache: PrefixCache) -> None:
+def record_context(backend: FreeTokenModel, cache: PrefixCache, tenant: str = "") -> None:
     """Pin the backend's whole context (a prompt and the reply generated after it) in `cache`, so
     the conversation's next request finds it even after other conversations used the session."""
     ids = backend.token_ids
-    entry = cache.lookup(ids)
+    entry = cache.lookup(ids, tenant)
     if ids and (entry is None or entry.position < len(ids)):
-        cache.add(ids, backend.pin("manual", label="reply"), backend.engine.anchors)
+        cache.add(ids, backend.pin("manual", label="reply"), backend.engine.anchors, tenant)

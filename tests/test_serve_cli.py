@@ -14,6 +14,7 @@ import pytest
 from serve_harness import wait_until
 
 from freetoken_agents.cli import main
+from freetoken_agents.cli.serve import api_keys
 
 
 def free_port() -> int:
@@ -66,3 +67,14 @@ def test_engine_options_are_the_other_commands(flag, capsys):
     # The same engine arguments and errors as every command that loads a model.
     assert main(["serve", flag, "8 gigs"]) == 1
     assert f"{flag}: cannot read '8 gigs' as a size" in capsys.readouterr().err
+
+
+def test_several_api_keys_one_per_tenant():
+    assert api_keys(["team-a", "team-b"], "ignored") == ("team-a", "team-b")
+    assert api_keys(None, " team-a, team-b ,") == ("team-a", "team-b")
+    assert api_keys(None, None) is None and api_keys(None, "") is None
+
+
+def test_an_empty_api_key_is_one_error_line(capsys):
+    assert main(["serve", "--api-key", "", "--port", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "freetoken serve: error: --api-key must not be empty"

@@ -36,8 +36,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help=f"require `Authorization: Bearer KEY` on /v1 requests (default: ${API_KEY_ENV} if set)",
+        help=f"require `Authorization: Bearer KEY` on /v1 requests (default: ${API_KEY_ENV}, keys "
+        "separated by commas; safer: argv is readable by other processes); repeatable: one key per "
+        "tenant, prefix reuse never crosses keys",
     )
     p.add_argument(
         "--served-model-name", default=None, help="the model id clients pass (default: the file name)"
@@ -75,6 +78,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def api_keys(flags: list[str] | None, env: str | None) -> tuple[str, ...] | None:
+    """The keys the server accepts: every --api-key, else ${API_KEY_ENV} (comma-separated keys);
+    None when neither gives one. Each key is one tenant (prefix reuse never crosses keys)."""
+    keys = flags if flags is not None else [k.strip() for k in (env or "").split(",") if k.strip()]
+    if any(not key.strip() for key in keys):
+        raise CLIError("--api-key must not be empty")
+    return tuple(keys) or None
+
+
 def run(args: argparse.Namespace) -> int:
     from ..embedded import default_model
     from ..engine import Engine
@@ -82,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise CLIError(f"--port must be in 0..65535, got {args.port}")
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    api_key = api_keys(args.api_key, os.environ.get(API_KEY_ENV))
     if api_key is None and not _loopback(args.host):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
     use_threads(args.threads, args.model)

@@ -4,20 +4,23 @@ Routes: POST /v1/chat/completions (JSON or server-sent events), GET /v1/models (
 ready when it answers), GET /health (no key needed; the queue's counters). Every error is an
 OpenAI-style body (`errors.py`); after any of them the server goes on serving.
 
-A request is parsed and checked here (auth first, then JSON, then the schema, then `prepare`,
-which renders the prompt off the event loop), then queued for the engine worker (`queue.py`),
-which runs `completion.run_completion`. A client that disconnects cancels its job, waiting or
-running.
+A request is parsed and checked here (auth first, then the body under its byte limit, JSON, the
+schema, then `prepare.check`: fields and the cost of every JSON schema, in time linear in the
+body), then queued for the engine worker (`queue.py`), which first runs `prepare.prepare` (render,
+tokenize, bound the prompt, compile grammars: the costly part, one request at a time) and then
+`completion.run_completion`. A client that disconnects cancels its job, waiting, being prepared or
+running. A 400 found while preparing is answered before any byte of the response is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..prefix_cache import PrefixCache
 from .completion import ContentDelta, Finished, ToolCallDone, run_completion
 from .errors import OpenAIError, bad_request, from_validation_error
-from .prepare import PreparedRequest, prepare
+from .prepare import CheckedRequest, check, prepare
 from .queue import EngineWorker, Job, JobEnd, QueueFull
 from .schemas import (
     ChatCompletion,
@@ -61,18 +64,26 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """model_name: the id clients pass as `model` (and /v1/models lists); api_key: when set,
-    /v1 requests need `Authorization: Bearer <key>`; max_queue: requests that may wait behind the
-    running one; prefix_cache: reuse the KV of earlier prompts (False: prefill every prompt);
+    """model_name: the id clients pass as `model` (and /v1/models lists); api_key: when set (one
+    key or several), /v1 requests need `Authorization: Bearer <key>`; max_queue: requests that may
+    wait behind the running one; prefix_cache: reuse the KV of earlier prompts (False: prefill every prompt);
     cached_prefixes: prompts (and replies) kept pinned for reuse; max_request_bytes: the largest
-    body accepted (413 past it, counted while reading so a huge body is never buffered)."""
+    body accepted (413 past it, counted while reading so a huge body is never buffered);
+    body_idle_s / body_timeout_s: a body with no byte for that long, or not whole in that time, is a
+    408 (its connection closed).
+
+    Prefix reuse (and `cached_tokens`) is scoped per tenant: the API key a request used and its
+    `user` field. A request never reuses KV another tenant's prompt left (pinned or live), so
+    neither its cost nor `cached_tokens` tells one tenant anything about another's prompts."""
 
     model_name: str
-    api_key: str | None = None
+    api_key: str | Sequence[str] | None = None
     max_queue: int = 16
     prefix_cache: bool = True
     cached_prefixes: int = 32
     max_request_bytes: int = 4 * 1024 * 1024
+    body_idle_s: float = 10.0
+    body_timeout_s: float = 60.0
 
 
 class _Started:
@@ -89,8 +100,13 @@ class ServerState:
         self.created = int(time.time())
         backend.grammars()  # build the grammar compiler once, before requests validate schemas
 
-    def job(self, prepared: PreparedRequest, loop: asyncio.AbstractEventLoop) -> Job:
+    def job(self, checked: CheckedRequest, tenant: str, loop: asyncio.AbstractEventLoop) -> Job:
         def run(job: Job) -> Iterator[Any]:
+            # rendering, tokenizing and compiling cost time: here, one request at a time, and not
+            # for a client that already left
+            prepared = prepare(checked, self.backend, cancelled=lambda: job.cancelled)
+            if prepared is None:
+                return
             yield _Started()
             yield from run_completion(
                 self.backend,
@@ -98,6 +114,7 @@ class ServerState:
                 prepared,
                 reuse=self.config.prefix_cache,
                 cancelled=lambda: job.cancelled,
+                tenant=tenant,
             )
 
         return Job(run, loop)
@@ -134,12 +151,12 @@ def create_app(engine: Engine, config: ServerConfig, *, family: str | None = Non
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
-        _authorize(request, config.api_key)
-        body = await _parse(request, config.max_request_bytes)
-        prepared = await anyio.to_thread.run_sync(
-            lambda: prepare(body, state.backend, model_name=config.model_name)
+        key = _authorize(request, config.api_key)
+        body = await _parse(request, config)
+        checked = await anyio.to_thread.run_sync(
+            lambda: check(body, state.backend, model_name=config.model_name)
         )
-        job = state.job(prepared, asyncio.get_running_loop())
+        job = state.job(checked, _tenant(key, body.user), asyncio.get_running_loop())
         try:
             state.worker.submit(job)
         except QueueFull as e:
@@ -157,8 +174,10 @@ def create_app(engine: Engine, config: ServerConfig, *, family: str | None = Non
             watcher.cancel()
             job.cancel()
             raise
-        if isinstance(first, JobEnd):  # cancelled while it waited
+        if isinstance(first, JobEnd):  # refused while prepared (a 400), or cancelled before it ran
             watcher.cancel()
+            if first.error is not None:
+                raise first.error  # OpenAIError: its status; anything else: the 500 handler
             raise OpenAIError(499, "the request was cancelled", type="cancelled")
         reply = _Reply(completion_id(), config.model_name, body)
         if body.stream:
@@ -175,37 +194,70 @@ def create_app(engine: Engine, config: ServerConfig, *, family: str | None = Non
     return app
 
 
-def _authorize(request: Request, api_key: str | None) -> None:
+def _authorize(request: Request, api_key: str | Sequence[str] | None) -> str | None:
+    """The key the request carries, if it is one of `api_key`'s (401 otherwise); None when the
+    server needs no key."""
     if api_key is None:
-        return
+        return None
+    keys = (api_key,) if isinstance(api_key, str) else tuple(api_key)
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+    sent = token.strip().encode()
+    matched = [key for key in keys if hmac.compare_digest(sent, key.encode())]  # every key compared
+    if scheme.lower() != "bearer" or not matched:
         raise OpenAIError(
             401,
             "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
             code="invalid_api_key",
         )
+    return matched[0]
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with a 413 as soon as it (or its declared Content-Length) passes `limit`."""
+def _tenant(key: str | None, user: str | None) -> str:
+    """Whose prompts a request may reuse: one tenant per (API key, `user`) pair."""
+    key_id = hashlib.sha256(key.encode()).hexdigest()[:16] if key is not None else "-"
+    return f"{key_id}/{user or ''}"
+
+
+async def _read_body(request: Request, config: ServerConfig) -> bytes:
+    """The body, refused with a 413 as soon as it (or its declared Content-Length) passes the
+    limit, and with a 408 when it stalls: no byte for `body_idle_s`, or not whole after
+    `body_timeout_s` (uvicorn has no read timeout: a client that sends its head and then stops would
+    hold its connection and handler forever, and enough of them every slot)."""
+    limit = config.max_request_bytes
     too_large = OpenAIError(
-        413, f"the request body is larger than the server's limit of {limit} bytes", code="request_too_large"
+        413,
+        f"the request body is larger than the server's limit of {limit} bytes",
+        code="request_too_large",
+        headers={"Connection": "close"},  # the rest of the body is never read
     )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
+    stream = request.stream().__aiter__()
+    deadline = asyncio.get_running_loop().time() + config.body_timeout_s
+    while True:
+        left = deadline - asyncio.get_running_loop().time()
+        try:
+            chunk = await asyncio.wait_for(anext(stream), min(config.body_idle_s, max(left, 0.0)))
+        except StopAsyncIteration:
+            return b"".join(chunks)
+        except TimeoutError:
+            raise OpenAIError(
+                408,
+                f"the request body did not arrive in time ({size} bytes read; the server waits "
+                f"{config.body_idle_s:g} s for each part and {config.body_timeout_s:g} s in all)",
+                code="request_timeout",
+                headers={"Connection": "close"},  # the rest of the body is never read
+            ) from None
         size += len(chunk)
         if size > limit:
             raise too_large
         chunks.append(chunk)
-    return b"".join(chunks)
 
 
-async def _parse(request: Request, limit: int) -> ChatCompletionRequest:
-    raw = await _read_body(request, limit)
+async def _parse(request: Request, config: ServerConfig) -> ChatCompletionRequest:
+    raw = await _read_body(request, config)
     try:
         payload = json.loads(raw)
     except RecursionError:  # deeply nested JSON: a client error, not a 500

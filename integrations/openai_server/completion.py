@@ -92,10 +92,11 @@ def run_completion(
     *,
     reuse: bool,
     cancelled: Callable[[], bool] = lambda: False,
+    tenant: str = "",
 ) -> Iterator[Event]:
     """Generate the reply to `req` (see the module docstring). Raises OpenAIError (400) when a
-    forced call or a JSON reply cannot close inside max_tokens."""
-    cached = prepare_context(backend, cache, req.ids, reuse=reuse)
+    forced call or a JSON reply cannot close inside max_tokens. Prefix reuse is `tenant`'s own."""
+    cached = prepare_context(backend, cache, req.ids, reuse=reuse, tenant=tenant)
     parser = backend.parser
     stops = req.stop if req.json_schema is None else ()
     markers = (*stops, parser.start) if req.tools_on else stops
@@ -144,7 +145,7 @@ def run_completion(
     if calls.done:
         finish = "tool_calls"
     if reuse:
-        record_context(backend, cache)
+        record_context(backend, cache, tenant)
     yield Finished(finish, len(req.ids), max(0, backend.position - len(req.ids)), cached)
 
 

@@ -1,17 +1,27 @@
-"""A chat-completions request, checked and made ready for the engine before it is queued.
+"""A chat-completions request, checked before it is queued and made ready for the engine after.
 
 Everything a request can get wrong is found here and answered with a 400 naming the field: the
 model name (404), roles and content, tool-call arguments that are not JSON objects, a tool_choice
-naming no offered tool, schemas the grammar compiler rejects, unsupported options, and a prompt
-(plus the requested completion) over the model's context.
+naming no offered tool, schemas too costly to compile or without a finite value (`check_schema`)
+or that the grammar compiler rejects, unsupported options, and a prompt (plus the requested
+completion) over the model's context.
+
+Two steps, so that nothing costly runs outside the bounded queue: `check` (on the HTTP side, time
+linear in the body, no tokenizer) and `prepare` (on the engine worker: render, tokenize, compile;
+it stops when the client left).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from freetoken_agents import SchemaRejected
+from freetoken_agents.engine import encode_plain
+from freetoken_agents.schema_check import check_schema
 
 from .errors import OpenAIError, bad_request
 from .schemas import ChatCompletionRequest, Content, NamedToolChoice
@@ -106,8 +116,23 @@ def _arguments(text: str, param: str) -> dict[str, Any]:
     return value
 
 
-def prepare(request: ChatCompletionRequest, backend: FreeTokenModel, *, model_name: str) -> PreparedRequest:
-    """Check `request` against the served model and render its prompt (OpenAIError if it is bad)."""
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request `check` found sound, waiting for the worker to `prepare` it (render, tokenize,
+    compile: the costly part, done in the queue)."""
+
+    request: ChatCompletionRequest
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    tools_on: bool
+    force: str | None
+    json_schema: dict[str, Any] | None
+    schemas: dict[str, dict[str, Any]]  # param -> schema the reply may be decoded under
+
+
+def check(request: ChatCompletionRequest, backend: FreeTokenModel, *, model_name: str) -> CheckedRequest:
+    """Everything about `request` that costs time linear in its size and touches no tokenizer:
+    fields, tool choice, and the cost of every schema (`check_schema`); OpenAIError if bad."""
     if request.model != model_name:
         raise OpenAIError(
             404,
@@ -124,25 +149,40 @@ def prepare(request: ChatCompletionRequest, backend: FreeTokenModel, *, model_na
     json_schema = _response_schema(request, tools_on and force is None)
     if json_schema is not None and force is not None:
         json_schema = None  # a forced call is the whole reply; response_format applies to text
-    grammars = backend.grammars()
+    schemas: dict[str, dict[str, Any]] = {}
     if tools_on:
         for tool in tools:
-            _compile(
-                grammars,
-                tool["function"].get("parameters") or {"type": "object"},
-                f"tools.{tool['function']['name']}",
-            )
+            schemas[f"tools.{tool['function']['name']}"] = tool["function"].get("parameters") or {
+                "type": "object"
+            }
+        if not backend.parser.needs_name_in_prefix():  # a call's body names the tool: one schema
+            chosen = tools if force in (None, "*") else [t for t in tools if t["function"]["name"] == force]
+            schemas["tools"] = backend.parser.body_schema(chosen)  # what a call decodes under
     if json_schema is not None:
-        _compile(grammars, json_schema, "response_format.json_schema.schema")
-    ids = backend.render(chat_messages(request), tools or None)
-    limit, prompt = backend.max_context, len(ids)
+        schemas["response_format.json_schema.schema"] = json_schema
+    for param, schema in schemas.items():
+        try:
+            check_schema(schema)
+        except SchemaRejected as e:
+            raise bad_request(f"{param}: {e}", param=param) from None
+    return CheckedRequest(request, chat_messages(request), tools, tools_on, force, json_schema, schemas)
+
+
+def prepare(
+    checked: CheckedRequest, backend: FreeTokenModel, *, cancelled: Callable[[], bool] = lambda: False
+) -> PreparedRequest | None:
+    """Render and tokenize the prompt, compile its schemas (on the engine worker, one request at a
+    time); None as soon as `cancelled()` (the client left). OpenAIError (400) for a prompt over the
+    context or a schema the compiler refuses. A prompt far over the context is refused after
+    tokenizing about a context's worth of it (`_bound_prompt`), never all of it."""
+    request = checked.request
+    limit = backend.max_context
+    if not _bound_prompt(checked, backend, limit, cancelled):
+        return None
+    ids = backend.render(checked.messages, checked.tools or None)
+    prompt = len(ids)
     if prompt + 1 > limit:
-        raise bad_request(
-            f"This model's maximum context length is {limit} tokens. However, your messages resulted "
-            f"in {prompt} tokens. Please reduce the length of the messages.",
-            param="messages",
-            code="context_length_exceeded",
-        )
+        raise _too_long(limit, prompt)
     requested = request.max_completion_tokens or request.max_tokens
     if requested is not None and prompt + requested > limit:
         raise bad_request(
@@ -152,18 +192,95 @@ def prepare(request: ChatCompletionRequest, backend: FreeTokenModel, *, model_na
             param="max_tokens",
             code="context_length_exceeded",
         )
+    grammars = backend.grammars()
+    for param, schema in checked.schemas.items():
+        if cancelled():
+            return None
+        _compile(grammars, schema, param)
     return PreparedRequest(
         ids=ids,
-        tools=tools,
-        tools_on=tools_on,
-        force=force,
-        json_schema=json_schema,
+        tools=checked.tools,
+        tools_on=checked.tools_on,
+        force=checked.force,
+        json_schema=checked.json_schema,
         max_tokens=requested if requested is not None else limit - prompt,
         temperature=request.temperature if request.temperature is not None else 1.0,
         top_p=request.top_p,
         seed=request.seed,
         stop=request.stop_strings,
         logit_bias=_logit_bias(request.logit_bias, backend.vocab_size),
+    )
+
+
+BOUND_CHUNK = 16_384  # characters tokenized at a time by `_bound_prompt`
+BOUND_FROM = 65_536  # prompts with fewer characters are tokenized whole at once
+CUT_SLACK = 8  # tokens a cut between two chunks may add (a merge across it lost)
+
+
+def _bound_prompt(
+    checked: CheckedRequest, backend: FreeTokenModel, limit: int, cancelled: Callable[[], bool]
+) -> bool:
+    """False when cancelled; OpenAIError (400) once the prompt's texts certainly hold more than
+    `limit` tokens. Texts are tokenized in chunks cut before a space that follows a non-space (a
+    pre-token boundary for BPE tokenizers); each chunk counts CUT_SLACK tokens less than it got, so
+    the sum stays a lower bound of the rendered prompt's tokens. A 3.5 MB prompt cost 5 CPU-s
+    before it was found too long; now the work stops past about `limit` tokens."""
+    texts = [m["content"] for m in checked.messages if isinstance(m.get("content"), str)]
+    texts += [json.dumps(checked.tools)] if checked.tools else []
+    if sum(map(len, texts)) <= BOUND_FROM:
+        return not cancelled()
+    longest = _longest_token(backend.tokenizer)
+    tokens = 0
+    for text in texts:
+        for chunk, at_space in _chunks(text):
+            if at_space:
+                tokens += max(0, len(encode_plain(backend.tokenizer, chunk)) - CUT_SLACK)
+            else:  # no pre-token boundary to cut at: no token holds more than `longest` characters
+                tokens += len(chunk) // longest
+            if cancelled():  # nobody would read the answer
+                return False
+            if tokens + 1 > limit:
+                raise _too_long(limit, None)
+    return True
+
+
+def _chunks(text: str) -> Iterator[tuple[str, bool]]:
+    """`text` in pieces of about BOUND_CHUNK characters, each with whether both its ends are
+    pre-token boundaries (the text's ends, or before a space that follows a non-space); a piece of
+    a long run without such a space is cut anywhere (False)."""
+    start, clean = 0, True  # clean: `start` is a pre-token boundary
+    while len(text) - start > BOUND_CHUNK:
+        cut = text.find(" ", start + BOUND_CHUNK, start + 4 * BOUND_CHUNK)
+        while cut != -1 and text[cut - 1].isspace():
+            cut = text.find(" ", cut + 1, start + 4 * BOUND_CHUNK)
+        if cut == -1:
+            yield text[start : start + BOUND_CHUNK], False
+            start, clean = start + BOUND_CHUNK, False
+        else:
+            yield text[start:cut], clean
+            start, clean = cut, True
+    yield text[start:], clean
+
+
+_LONGEST: dict[int, int] = {}
+
+
+def _longest_token(tokenizer: Any) -> int:
+    """The most characters one token's text can decode to (its vocabulary string's length is an
+    upper bound: byte-level and byte-fallback spellings are never shorter than the text)."""
+    key = id(tokenizer)
+    if key not in _LONGEST:
+        _LONGEST[key] = max(1, max(map(len, tokenizer.get_vocab()), default=1))
+    return _LONGEST[key]
+
+
+def _too_long(limit: int, prompt: int | None) -> OpenAIError:
+    got = f"in {prompt} tokens" if prompt is not None else f"in more than {limit} tokens"
+    return bad_request(
+        f"This model's maximum context length is {limit} tokens. However, your messages resulted "
+        f"{got}. Please reduce the length of the messages.",
+        param="messages",
+        code="context_length_exceeded",
     )
 
 

@@ -1,7 +1,7 @@
 """The chat-completions wire format, as pydantic models: what a request may hold (checked before it
 is queued: a malformed one is a 400 naming the field) and what the server answers.
 
-Fields OpenAI defines that change nothing here are accepted and ignored (`user`, `store`,
+Fields OpenAI defines that change nothing here are accepted and ignored (`store`,
 `metadata`, `parallel_tool_calls`, zero penalties, ...); a field whose effect the server cannot
 give (`n` > 1, `logprobs`, non-zero penalties) is refused rather than silently ignored.
 """
@@ -137,6 +137,7 @@ class ChatCompletionRequest(BaseModel):
     logprobs: bool | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    user: str | None = Field(default=None, max_length=256)  # scopes prefix reuse (with the API key)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
