@@ -39,6 +39,15 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+@pytest.fixture
+def anchor_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh anchor key file for the test (created by the first save): the anchor tests' own.
+    Use with `pytestmark = pytest.mark.usefixtures("anchor_key")` where every test saves."""
+    path = tmp_path / "keys" / "anchor.key"
+    monkeypatch.setenv("FREETOKEN_ANCHOR_KEY_FILE", str(path))
+    return path
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """The tiny models' ops are too small to split: one thread avoids OpenMP contention.

@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import uvicorn
 
 from freetoken_agents import default_model
 from freetoken_agents.engine import Engine
-from freetoken_agents.integrations.openai_server import ServerConfig, create_app
+from freetoken_agents.integrations.openai_server import ServerConfig, create_app, server_config
 from freetoken_agents.recipes.tiny.world import add, get_weather, lookup_capital, multiply
 
 MODEL = "freetoken-tiny"
@@ -62,7 +65,7 @@ def running_server(**config: Any) -> Iterator[RunningServer]:
     """A server over the shared engine with `ServerConfig(model_name=MODEL, **config)`."""
     engine = shared_engine()
     app = create_app(engine, ServerConfig(model_name=MODEL, **config))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(server_config(app, port=0, log_level="warning"))  # what `serve` runs
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     wait_until(lambda: server.started or not thread.is_alive(), "the server to start")
@@ -87,3 +90,16 @@ def wait_until(condition: Callable[[], bool], what: str, *, limit: float = 120.0
 
 # The embedded model's four tools (it was trained with these in its prompt), as OpenAI tool dicts.
 TOOLS: list[dict[str, Any]] = [t.json_schema() for t in (add, multiply, get_weather, lookup_capital)]
+
+
+def send_raw(base_url: str, body: dict) -> socket.socket:
+    """POST a chat completion on a raw socket (the test closes it to disconnect)."""
+    url = urlsplit(base_url)
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((url.hostname, url.port))
+    head = (
+        f"POST {url.path}/chat/completions HTTP/1.1\r\nHost: {url.hostname}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + payload)
+    return sock

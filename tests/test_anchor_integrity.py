@@ -30,14 +30,7 @@ from freetoken_agents.engine.anchors.persist import _key_id, _mac
 from freetoken_agents.engine.ftw.convert import convert_checkpoint
 from freetoken_agents.engine.session import Session
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def anchor_key(tmp_path, monkeypatch) -> Path:
-    path = tmp_path / "keys" / "anchor.key"
-    monkeypatch.setenv("FREETOKEN_ANCHOR_KEY_FILE", str(path))
-    return path
+pytestmark = pytest.mark.usefixtures("one_thread", "anchor_key")
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
+from anchor_saves import anchors_of, loaded_ids
 
 from freetoken_agents.engine import AnchorFileError, Engine
 from freetoken_agents.engine.anchors.persist import load_anchors, save_anchors
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "anchor_key")
 
 STEPS = ("mkdir", "open", "write", "fsync", "replace", "rename", "unlink")  # what can change the disk
 MAX_STEPS = 100  # far more than one save takes: a loop that never completes fails, not hangs
@@ -29,13 +29,6 @@ MAX_STEPS = 100  # far more than one save takes: a loop that never completes fai
 
 class Crash(BaseException):
     """The process died here: no handler may do anything about it."""
-
-
-@pytest.fixture(autouse=True)
-def anchor_key(tmp_path, monkeypatch) -> Path:
-    path = tmp_path / "keys" / "anchor.key"
-    monkeypatch.setenv("FREETOKEN_ANCHOR_KEY_FILE", str(path))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +39,9 @@ def engine(tiny_checkpoint) -> Engine:
 @pytest.fixture
 def two_saves(engine) -> Iterator[tuple[list, list]]:
     """(previous, new): the anchors of two different saves (the new one has one more anchor)."""
-    made = []
-    for n, seed in ((40, 1), (37, 2)):
-        ids = torch.randint(0, 480, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-        with engine.new_session() as s:
-            s.prefill(ids)
-            made.append(s.anchor("manual"))
+    made = anchors_of(engine, ((40, 1), (37, 2)))
     yield made[:1], made
     engine.anchors.clear()
-
-
-def _loaded_ids(engine: Engine, folder: Path) -> set[str]:
-    anchors, _ = load_anchors(engine, folder)
-    for a in anchors:
-        a.table.release()
-    return {a.id for a in anchors}
 
 
 def _clean(folder: Path) -> bool:
@@ -110,11 +91,11 @@ def test_a_crash_at_every_step_of_a_save_keeps_a_complete_save(engine, two_saves
                 crashed = False
             except Crash:
                 crashed = True
-        got = _loaded_ids(engine, folder)  # never an error
+        got = loaded_ids(engine, folder)  # never an error
         assert got in (before, after), f"crash at step {k}"
         seen.append(got == after)
         save_anchors(engine, new, folder, pinned=())  # the next save succeeds and removes leftovers
-        cleaned.append(_clean(folder) and _loaded_ids(engine, folder) == after)
+        cleaned.append(_clean(folder) and loaded_ids(engine, folder) == after)
         if not crashed:
             break
     else:
@@ -141,7 +122,7 @@ def test_a_crash_during_a_first_save_leaves_no_save_or_the_new_one(engine, two_s
             except Crash:
                 pass
         if (folder / "anchors.json").exists():
-            assert _loaded_ids(engine, folder) == {a.id for a in new}
+            assert loaded_ids(engine, folder) == {a.id for a in new}
         else:  # no save was completed: a clear error, the same as for any folder without one
             with pytest.raises(AnchorFileError, match="not a saved anchor folder"):
                 load_anchors(engine, folder)
@@ -187,7 +168,7 @@ def test_a_real_kill_9_during_a_save_keeps_a_complete_save(engine, two_saves, tm
         folder = tmp_path / f"kill{k}"
         shutil.copytree(template, folder)
         killed = _save_in_child_killed_at(k, engine, new, folder)
-        got = _loaded_ids(engine, folder)
+        got = loaded_ids(engine, folder)
         assert got in (before, after), f"kill -9 at step {k}"
         seen.append(got == after)
         if not killed:

@@ -10,22 +10,14 @@ import json
 import os
 import stat
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-import torch
+from anchor_saves import anchors_of, loaded_ids
 
 from freetoken_agents.engine import AnchorError, AnchorSaveError, Engine, EngineError
-from freetoken_agents.engine.anchors.persist import _key_id, _mac, load_anchors, save_anchors
+from freetoken_agents.engine.anchors.persist import _key_id, _mac, save_anchors
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def anchor_key(tmp_path, monkeypatch) -> Path:
-    path = tmp_path / "keys" / "anchor.key"
-    monkeypatch.setenv("FREETOKEN_ANCHOR_KEY_FILE", str(path))
-    return path
+pytestmark = pytest.mark.usefixtures("one_thread", "anchor_key")
 
 
 @pytest.fixture(scope="module")
@@ -36,21 +28,9 @@ def engine(tiny_checkpoint) -> Engine:
 @pytest.fixture
 def two_saves(engine) -> Iterator[tuple[list, list]]:
     """(previous, new): the anchors of two different saves."""
-    made = []
-    for n, seed in ((40, 3), (37, 4)):
-        ids = torch.randint(0, 480, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-        with engine.new_session() as s:
-            s.prefill(ids)
-            made.append(s.anchor("manual"))
+    made = anchors_of(engine, ((40, 3), (37, 4)))
     yield made[:1], made[1:]
     engine.anchors.clear()
-
-
-def _loaded_ids(engine: Engine, folder: Path) -> set[str]:
-    anchors, _ = load_anchors(engine, folder)
-    for a in anchors:
-        a.table.release()
-    return {a.id for a in anchors}
 
 
 def _failing(real, code: int, calls: list[int]):
@@ -83,9 +63,9 @@ def test_a_full_disk_is_a_named_error_that_leaves_no_temp_file(
     assert f"[{errno.errorcode[code]}]" in message and "previous save there, if any, is unchanged" in message
     assert isinstance(info.value, AnchorError) and isinstance(info.value, EngineError)
     assert sorted(p.name for p in folder.iterdir()) == before  # no temp file, no new KV file
-    assert _loaded_ids(engine, folder) == {a.id for a in previous}
+    assert loaded_ids(engine, folder) == {a.id for a in previous}
     save_anchors(engine, new, folder, pinned=())  # space is back: the next save works
-    assert _loaded_ids(engine, folder) == {a.id for a in new}
+    assert loaded_ids(engine, folder) == {a.id for a in new}
 
 
 def test_a_save_that_cannot_create_its_folder_is_a_named_error(engine, two_saves, tmp_path):
@@ -111,11 +91,11 @@ def test_leftovers_of_an_interrupted_save_are_ignored_then_removed(engine, two_s
     for name in junk:
         (folder / name).write_bytes(b"\0" * 4096)
     (folder / "notes.txt").write_text("the user's own file")
-    assert _loaded_ids(engine, folder) == {a.id for a in previous}  # never read
+    assert loaded_ids(engine, folder) == {a.id for a in previous}  # never read
     save_anchors(engine, new, folder, pinned=())
     left = {p.name for p in folder.iterdir()}
     assert not left & set(junk) and "notes.txt" in left and len(left) == len(kept) + 1
-    assert _loaded_ids(engine, folder) == {a.id for a in new}
+    assert loaded_ids(engine, folder) == {a.id for a in new}
 
 
 def test_saved_anchors_are_private_from_their_creation(engine, two_saves, tmp_path, monkeypatch):
@@ -146,7 +126,7 @@ def test_saved_anchors_are_private_from_their_creation(engine, two_saves, tmp_pa
     files = list(folder.iterdir())
     assert len(files) == 3 and all(stat.S_IMODE(p.lstat().st_mode) == 0o600 for p in files)
     assert modes and set(modes) == {0o600}
-    assert _loaded_ids(engine, folder) == {a.id for a in new}
+    assert loaded_ids(engine, folder) == {a.id for a in new}
 
 
 def test_a_folder_saved_before_the_atomic_layout_still_loads_and_is_migrated(
@@ -162,7 +142,7 @@ def test_a_folder_saved_before_the_atomic_layout_still_loads_and_is_migrated(
     key = bytes.fromhex(anchor_key.read_text().strip())
     doc["mac"] = {"alg": "hmac-sha256", "key_id": _key_id(key), "value": _mac(key, doc)}
     (folder / "anchors.json").write_text(json.dumps(doc))
-    assert _loaded_ids(engine, folder) == {a.id for a in previous}
+    assert loaded_ids(engine, folder) == {a.id for a in previous}
     save_anchors(engine, new, folder, pinned=())
     assert not (folder / "kv.safetensors").exists()
-    assert _loaded_ids(engine, folder) == {a.id for a in new}
+    assert loaded_ids(engine, folder) == {a.id for a in new}

@@ -7,14 +7,12 @@ client where a client is involved."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
-from urllib.parse import urlsplit
 
 import httpx
 import openai
 import pytest
-from serve_harness import MODEL, running_server, wait_until
+from serve_harness import MODEL, running_server, send_raw, wait_until
 
 from freetoken_agents.integrations.openai_server import prepare as prepare_module
 
@@ -164,7 +162,7 @@ def test_a_client_that_leaves_while_its_prompt_is_tokenized_stops_the_work(serve
     monkeypatch.setattr(backend, "render", lambda *a, **k: rendered.append(1) or real_render(*a, **k))
     before = server.queue()
     content = "a long document about the weather " * 20_000  # 680 kB, tokenized in chunks
-    sock = _send_raw(server.base_url, {"model": MODEL, "messages": [{"role": "user", "content": content}]})
+    sock = send_raw(server.base_url, {"model": MODEL, "messages": [{"role": "user", "content": content}]})
     try:
         assert entered.wait(120), "the worker never started preparing the request"
     finally:
@@ -175,18 +173,6 @@ def test_a_client_that_leaves_while_its_prompt_is_tokenized_stops_the_work(serve
     assert len(calls) == 1 and not rendered  # stopped at the next chunk: never rendered or run
     monkeypatch.undo()
     assert server.client().chat.completions.create(model=MODEL, messages=HI, max_tokens=2).choices
-
-
-def _send_raw(base_url: str, body: dict) -> socket.socket:
-    url = urlsplit(base_url)
-    payload = json.dumps(body).encode()
-    sock = socket.create_connection((url.hostname, url.port))
-    head = (
-        f"POST {url.path}/chat/completions HTTP/1.1\r\nHost: {url.hostname}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + payload)
-    return sock
 
 
 # ---- tenants ------------------------------------------------------------------------------------

@@ -9,14 +9,11 @@ server's /health counters say when each thing has happened.
 from __future__ import annotations
 
 import contextlib
-import json
-import socket
 from concurrent.futures import ThreadPoolExecutor
-from urllib.parse import urlsplit
 
 import openai
 import pytest
-from serve_harness import MODEL, running_server, wait_until
+from serve_harness import MODEL, running_server, send_raw, wait_until
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -113,7 +110,7 @@ def test_a_client_that_leaves_while_queued_is_never_run(server, alone):
         with engine_held(server):
             running = pool.submit(ask, client, QUESTIONS[0])
             wait_until(lambda: server.queue()["running"] == 1, "the worker to take the first request")
-            leaver = _send_raw(
+            leaver = send_raw(
                 server.base_url, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
             )
             wait_until(lambda: server.queue()["queued"] == 1, "the second request to wait")
@@ -126,16 +123,3 @@ def test_a_client_that_leaves_while_queued_is_never_run(server, alone):
     # The engine's context is still the first request's conversation: the dropped one never ran.
     first_prompt = backend.render([{"role": "user", "content": QUESTIONS[0]}], None)
     assert backend.token_ids[: len(first_prompt)] == first_prompt
-
-
-def _send_raw(base_url: str, body: dict) -> socket.socket:
-    """POST a chat completion on a raw socket (the test closes it to disconnect)."""
-    url = urlsplit(base_url)
-    payload = json.dumps(body).encode()
-    sock = socket.create_connection((url.hostname, url.port))
-    head = (
-        f"POST {url.path}/chat/completions HTTP/1.1\r\nHost: {url.hostname}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + payload)
-    return sock

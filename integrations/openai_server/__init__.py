@@ -24,20 +24,11 @@ from .errors import OpenAIError
 __all__ = ["OpenAIError", "ServerConfig", "ServerState", "create_app", "serve", "server_config"]
 
 
-def serve(
-    app: Any,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    log_level: str = "info",
-    timeout_keep_alive: int = 5,
-    limit_concurrency: int = 256,
-) -> None:
+def serve(app: Any, **settings: Any) -> None:
     """Run `app` with uvicorn (one process: the engine is in it) until SIGINT or SIGTERM, then
     shut down gracefully (the running request finishes, waiting ones are cancelled) and return.
-    `timeout_keep_alive`: seconds an idle connection is kept; `limit_concurrency`: connections and
-    tasks past which uvicorn answers 503 at once (so idle or stalled clients cannot use up every
-    file descriptor); headers are capped at 16 KiB."""
+    `settings`: `server_config`'s (host, port, log_level, timeout_keep_alive, limit_concurrency,
+    header_timeout)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -56,15 +47,7 @@ def serve(
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
-    config = server_config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        timeout_keep_alive=timeout_keep_alive,
-        limit_concurrency=limit_concurrency,
-    )
-    Server(config).run()
+    Server(server_config(app, **settings)).run()
 
 
 def server_config(
@@ -77,7 +60,10 @@ def server_config(
     limit_concurrency: int = 256,
     header_timeout: float = 10.0,
 ) -> Any:
-    """uvicorn's settings for `app`, hardened against idle and half-open clients: uvicorn only
+    """uvicorn's settings for `app`, hardened against idle and half-open clients.
+    `timeout_keep_alive`: seconds an idle connection is kept; `limit_concurrency`: connections and
+    tasks past which uvicorn answers 503 at once (so idle or stalled clients cannot use up every
+    file descriptor); headers are capped at 16 KiB. uvicorn only
     times out a connection between requests, so one that connects and never finishes its request
     head would hold a file descriptor forever; here it is closed after `header_timeout` seconds."""
     import uvicorn
