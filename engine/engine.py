@@ -28,6 +28,7 @@ from .options import EngineOptions, Placement, TieringOptions
 from .placement import PlacementChoice, expert_bytes
 from .session import Session
 from .spec import ModelSpec
+from .stop_tokens import stop_token_ids
 from .tokenize import encode as encode_text
 from .tokenize import encode_segments
 from .transformer import MoETransformer
@@ -73,6 +74,8 @@ class Engine:
         self.placement = placement or PlacementChoice("resident", "built directly")
         self._tokenizer = tokenizer
         self._tokenizer_error = tokenizer_error
+        # every eos id the checkpoint declares (CheckpointError for a garbled generation_config.json)
+        self._stop_ids = stop_token_ids(hf_config, tokenizer, source)
         model.attach_experts(experts)
         streams = model.kv_streams()
         max_blocks = None
@@ -227,12 +230,9 @@ class Engine:
         return encode_text(self.tokenizer, text)
 
     def default_stop_token_ids(self) -> tuple[int, ...]:
-        eos = getattr(self.hf_config, "eos_token_id", None)
-        if self._tokenizer is not None and self._tokenizer.eos_token_id is not None:
-            eos = eos if eos is not None else self._tokenizer.eos_token_id
-        if eos is None:
-            return ()
-        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        """Every end-of-sequence id the checkpoint declares (`stop_tokens`): config.json's,
+        generation_config.json's, the tokenizer's."""
+        return self._stop_ids
 
     # ---- sessions and generation ------------------------------------------------------------
     def new_session(self) -> Session:
