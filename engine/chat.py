@@ -27,6 +27,10 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
+import jinja2
+
+from .errors import ChatTemplateError
+
 logger = logging.getLogger(__name__)
 
 TRUSTED_ROLES = frozenset({"system", "assistant"})
@@ -80,14 +84,19 @@ def render_chat(
     """`messages` as text in the tokenizer's chat template (DEFAULT_CHAT_TEMPLATE when it has none).
 
     The one rendering path: the engine's prompts and the embedded model's training corpus both
-    go through it, so the model is trained on exactly the text it is later prompted with."""
-    return tokenizer.apply_chat_template(
-        list(messages),
-        tools=list(tools) if tools else None,
-        add_generation_prompt=add_generation_prompt,
-        chat_template=getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE,
-        tokenize=False,
-    )
+    go through it, so the model is trained on exactly the text it is later prompted with.
+    ChatTemplateError when the template refuses the messages."""
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE,
+            tokenize=False,
+        )
+    except jinja2.TemplateError as e:
+        line = " ".join(str(e).split()) or type(e).__name__
+        raise ChatTemplateError(f"the chat template refused the messages: {line}") from None
 
 
 def render_chat_spans(

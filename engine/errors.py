@@ -19,6 +19,11 @@ class UnsupportedModelError(EngineError):
     """The checkpoint's `model_type` has no architecture adapter."""
 
 
+class ChatTemplateError(EngineError, ValueError):
+    """The checkpoint's chat template refused the messages (its own `raise_exception`, or a
+    Jinja error on their shape); the message is the template's, on one line."""
+
+
 class ContextOverflowError(EngineError):
     """A session would grow past the model's maximum context length."""
 

@@ -35,6 +35,7 @@ from .errors import (
     ToolCallMalformed,
     ToolRetryExhausted,
 )
+from .parsers import step_call_id
 from .retry import RetryPolicy
 from .sync_bridge import iterate_sync, run_sync, step_worker, turn_gate
 from .tool_calls import ResultValidator, ToolCaller
@@ -345,7 +346,7 @@ class Agent:
             turn.failed_at = call.offset
             done = turn.take_redo(call.name, call.arguments)
             if done is None:
-                call_id = f"call_{run.step}_{len(record.tool_calls)}"
+                call_id = step_call_id(run.step, len(record.tool_calls))
                 done = await self._tools.execute(call, call_id, functools.partial(self._tool_event, run))
                 run.emit(AgentEvent("tool_result", run.step, done))
             else:

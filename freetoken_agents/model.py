@@ -35,7 +35,7 @@ from .anchors import AnchorBook, AnchorHandle, RollbackOutcome
 from .backend import GenerateRequest, GenEvent, ModelBackend, Usage, common_prefix_length
 from .constrained import ConstrainedDecode, GrammarFactory
 from .errors import ContextConflict, TokenLimitTooSmall
-from .parsers import parser_for
+from .parsers import parser_for, with_template_call_ids
 from .trace import AnchorKind
 
 if TYPE_CHECKING:
@@ -176,6 +176,8 @@ class FreeTokenModel:
     def render(
         self, messages: Sequence[dict], tools: Sequence[dict] | None, *, generation_prompt: bool = True
     ) -> list[int]:
+        # call ids in the form every template accepts (Mistral's raise on any other): `call_ids`
+        messages = with_template_call_ids(messages)
         return self.engine.apply_chat_template(messages, tools, add_generation_prompt=generation_prompt)
 
     @_context_step

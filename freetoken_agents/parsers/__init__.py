@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .base import ParsedToolCall, ParseResult, ToolCallParser
+from .call_ids import new_call_id, step_call_id, template_call_id, with_template_call_ids
 from .deepseek import DeepSeekParser
 from .harmony import HarmonyParser
 from .hermes import HermesParser
@@ -45,5 +46,9 @@ __all__ = [
     "ParseResult",
     "ParsedToolCall",
     "ToolCallParser",
+    "new_call_id",
     "parser_for",
+    "step_call_id",
+    "template_call_id",
+    "with_template_call_ids",
 ]

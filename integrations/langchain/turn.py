@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call
 from freetoken_agents.constrained import resolve_tool_choice
 from freetoken_agents.engine import SamplingParams
 from freetoken_agents.model import GenerateRequest
+from freetoken_agents.parsers import new_call_id
 
 from ..prefix_cache import prepare_context
 from .engines import EngineHandle
@@ -58,7 +58,7 @@ class TurnState:
 
 
 def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    return new_call_id()  # nine letters and digits: what every chat template accepts
 
 
 def _held(text: str, stops: tuple[str, ...]) -> int:

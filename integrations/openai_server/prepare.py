@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from freetoken_agents import SchemaRejected
-from freetoken_agents.engine import encode_plain
+from freetoken_agents.engine import ChatTemplateError, encode_plain
 from freetoken_agents.schema_check import check_schema
 
 from .errors import OpenAIError, bad_request
@@ -179,7 +179,10 @@ def prepare(
     limit = backend.max_context
     if not _bound_prompt(checked, backend, limit, cancelled):
         return None
-    ids = backend.render(checked.messages, checked.tools or None)
+    try:
+        ids = backend.render(checked.messages, checked.tools or None)
+    except ChatTemplateError as e:  # e.g. a message order or role the model's template refuses
+        raise bad_request(str(e), param="messages") from None
     prompt = len(ids)
     if prompt + 1 > limit:
         raise _too_long(limit, prompt)

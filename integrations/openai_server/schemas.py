@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from freetoken_agents.parsers import new_call_id
+
 _LENIENT = ConfigDict(extra="ignore")
 
 
@@ -152,7 +154,7 @@ def completion_id() -> str:
 
 
 def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    return new_call_id()  # nine letters and digits: what every chat template accepts
 
 
 class PromptTokensDetails(BaseModel):

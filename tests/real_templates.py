@@ -1,0 +1,47 @@
+"""Real chat templates for tests, from the llama.cpp sources on the package index (the
+`llama-cpp-python` sdist holds `vendor/llama.cpp/models/templates/*.jinja`). Fetched once into a
+per-user cache, never vendored; a test that needs one is skipped, with the reason, when the index
+cannot be reached."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import platformdirs
+import pytest
+
+PACKAGE = "llama-cpp-python"
+VERSION = "0.3.36"
+INDEX = f"https://pypi.org/pypi/{PACKAGE}/json"
+CACHE = Path(platformdirs.user_cache_dir("freetoken-tests")) / f"llama.cpp-templates-{VERSION}"
+
+
+def real_template(name: str) -> str:
+    """The text of `models/templates/{name}.jinja` (skips the test when it cannot be fetched)."""
+    path = CACHE / f"{name}.jinja"
+    if not path.is_file():
+        _fetch()
+    if not path.is_file():
+        pytest.skip(f"{name}.jinja is not in {PACKAGE} {VERSION}")
+    return path.read_text(encoding="utf-8")
+
+
+def _fetch() -> None:
+    try:
+        meta = json.load(urllib.request.urlopen(INDEX, timeout=30))
+        files = meta.get("releases", {}).get(VERSION) or []
+        sdist = next(u for u in files if u["packagetype"] == "sdist")
+        data = urllib.request.urlopen(urllib.parse.urljoin(INDEX, sdist["url"]), timeout=300).read()
+    except (OSError, ValueError, StopIteration, KeyError) as e:
+        pytest.skip(f"real chat templates need {PACKAGE} {VERSION} from the package index: {e}")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        for member in archive.getmembers():
+            if "/models/templates/" in member.name and member.name.endswith(".jinja") and member.isfile():
+                text = archive.extractfile(member).read()  # type: ignore[union-attr]
+                (CACHE / Path(member.name).name).write_bytes(text)
