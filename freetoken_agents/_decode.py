@@ -148,6 +148,7 @@ class TurnDecoder:
         self.tools_on = bool(request.tools)
         self.free_used = 0  # free tokens sampled in the turn
         self._bias = _bias_tensor(request.logit_bias, model.vocab_size)
+        self.think = _thinking(model)
         self._new_segment()
 
     def _new_segment(self) -> None:
@@ -157,6 +158,7 @@ class TurnDecoder:
         self.fences = FenceDetector()
         self.searched = 0  # chars of the segment's text already searched for a call marker
         self.emitted = 0  # chars of the segment's text already yielded
+        self.strip_leading = False  # the answer after a reasoning block: skip its leading blank lines
 
     # ---- the turn -------------------------------------------------------------------------------
     def run(self) -> Iterator[GenEvent]:
@@ -192,6 +194,9 @@ class TurnDecoder:
                 return
             self.detok.push(token)
             text = self.detok.text
+            if self.think is not None and self.think.phase != "done":
+                if (yield from self._reasoning(token, text)):
+                    continue
             if self.tools_on:
                 start = parser.call_started(text, self.searched)
                 self.searched = len(text)
@@ -233,8 +238,59 @@ class TurnDecoder:
             logits = logits + self._bias
         return self.sample(logits)
 
+    # ---- a reasoning block at the start of the turn ---------------------------------------------------
+    def _reasoning(self, token: int, text: str) -> Iterator[GenEvent]:
+        """Handle `token` while the turn may begin, or is inside, a `<think>` block: run it and yield
+        "reasoning" deltas (never call or fence detection in there). Returns False when the turn
+        turned out not to begin with a block (the token is the answer's: not run yet)."""
+        think, markers = self.think, self.m.reasoning
+        assert think is not None and markers is not None
+        if think.phase == "maybe":
+            stripped = text.lstrip()
+            if stripped.startswith(markers.start):
+                think.phase, think.start = "inside", len(text) - len(stripped) + len(markers.start)
+            elif markers.start.startswith(stripped):  # may still become the start marker: hold it
+                self._decode(token)
+                return True
+            else:
+                think.phase = "done"
+                return False
+        self._decode(token)
+        end = text.find(markers.end, think.start)
+        # trailing blanks wait for what follows: the block's text ends before the end marker's
+        upto = len(text[: end if end >= 0 else len(text) - markers.held_back(text)].rstrip())
+        yield from self._reasoning_upto(text, upto)
+        if end >= 0:
+            think.phase = "done"
+            rest = text[end + len(markers.end) :].lstrip()
+            self._new_segment()  # the answer starts after this token
+            self.strip_leading = True
+            if rest:  # text the same token carried past the marker
+                yield GenEvent("text", rest)
+        return True
+
+    def _reasoning_upto(self, text: str, upto: int) -> Iterator[GenEvent]:
+        """Yield the block's text up to `upto` not yielded yet (its leading blank lines skipped)."""
+        think = self.think
+        assert think is not None
+        if think.emitted is None:  # nothing yielded yet: start at the first non-blank character
+            block = text[think.start : upto]
+            if not block.strip():
+                return
+            think.emitted = think.start + len(block) - len(block.lstrip())
+        if upto > think.emitted:
+            yield GenEvent("reasoning", text[think.emitted : upto])
+            think.emitted = upto
+
+    def _skip_leading_blanks(self) -> None:
+        if self.strip_leading:
+            text = self.detok.text
+            self.emitted = max(self.emitted, len(text) - len(text.lstrip()))
+            self.strip_leading = not text.strip()
+
     def _emit(self) -> Iterator[GenEvent]:
         """Yield the segment's new text, holding back what may start a call marker or a fence."""
+        self._skip_leading_blanks()
         text = self.detok.text
         hold = self.fences.held_back
         if self.tools_on:
@@ -245,6 +301,10 @@ class TurnDecoder:
 
     def _flush(self) -> Iterator[GenEvent]:
         self.detok.flush()
+        if self.think is not None and self.think.phase == "inside":  # the turn ended in the block
+            yield from self._reasoning_upto(self.detok.text, len(self.detok.text))
+            return
+        self._skip_leading_blanks()
         if len(self.detok.text) > self.emitted:
             yield GenEvent("text", self.detok.text[self.emitted :])
             self.emitted = len(self.detok.text)
@@ -267,6 +327,7 @@ class TurnDecoder:
         if not keep_text:
             self.detok.truncate(keep)
         before = self.detok.text_length_after(keep)
+        self._skip_leading_blanks()
         if before > self.emitted:
             yield GenEvent("text", self.detok.text[self.emitted : before])
             self.emitted = before
@@ -338,6 +399,27 @@ class TurnDecoder:
             yield from self._emit()
         yield from self._flush()
         return "length"
+
+
+@dataclass
+class _Think:
+    """Where the turn stands with a reasoning block: "maybe" (it may begin with one), "inside",
+    "done"; `start`: where the block's text begins in the segment, `emitted`: how far it was
+    yielded (None: not at all yet)."""
+
+    phase: str
+    start: int = 0
+    emitted: int | None = None
+
+
+def _thinking(model: FreeTokenModel) -> _Think | None:
+    """The turn's reasoning state: None when the template has no reasoning blocks; "inside" when the
+    prompt already opened one (the turn starts in it), else "maybe"."""
+    markers = getattr(model, "reasoning", None)
+    if markers is None:
+        return None
+    tail = model.tokenizer.decode(model.token_ids[-8:]) if model.token_ids else ""
+    return _Think("inside") if markers.opened_by(tail) else _Think("maybe")
 
 
 def _bias_tensor(bias: dict[int, float], vocab_size: int) -> torch.Tensor | None:

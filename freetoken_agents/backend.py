@@ -60,13 +60,14 @@ class GenerateRequest(BaseModel):
 
 @dataclass(frozen=True)
 class GenEvent:
-    """A generation event: text delta, an anchor placed mid-turn, or the end of the turn.
+    """A generation event: text delta, reasoning delta (a thinking model's `<think>` block, not
+    part of the answer), an anchor placed mid-turn, or the end of the turn.
 
     finish_reason (on "done"): "stop" (the turn ended), "length" (a token limit or the context's
     end), or "memory" (the engine's memory limit stopped it; every token produced was delivered).
     """
 
-    kind: Literal["text", "anchor", "done"]
+    kind: Literal["text", "reasoning", "anchor", "done"]
     text: str = ""
     anchor: AnchorHandle | None = None
     finish_reason: str | None = None

@@ -35,7 +35,7 @@ from .anchors import AnchorBook, AnchorHandle, RollbackOutcome
 from .backend import GenerateRequest, GenEvent, ModelBackend, Usage, common_prefix_length
 from .constrained import ConstrainedDecode, GrammarFactory
 from .errors import ContextConflict, TokenLimitTooSmall
-from .parsers import parser_for, with_template_call_ids
+from .parsers import parser_for, reasoning_markers, with_template_call_ids
 from .trace import AnchorKind
 
 if TYPE_CHECKING:
@@ -100,6 +100,8 @@ class FreeTokenModel:
         self.tokenizer = engine.tokenizer
         self.name = f"freetoken:{engine.spec.model_type}"
         self.parser = parser_for(family, chat_template=getattr(self.tokenizer, "chat_template", None))
+        # `<think>` blocks go apart from the answer when the template knows them (Qwen3 and the like)
+        self.reasoning = reasoning_markers(getattr(self.tokenizer, "chat_template", None))
         self.stop_ids = tuple(engine.default_stop_token_ids())
         self.validate = validate
         self.max_anchors = max_anchors

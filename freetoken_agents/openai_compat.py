@@ -191,6 +191,9 @@ class OpenAICompatibleModel:
                     self._count(chunk.usage)
                 for choice in chunk.choices or []:
                     delta = choice.delta
+                    reasoning = getattr(delta, "reasoning_content", None)  # vLLM, llama-server, ours
+                    if isinstance(reasoning, str) and reasoning:
+                        yield GenEvent("reasoning", reasoning)
                     if delta.content:
                         self.append_text(delta.content)
                         yield GenEvent("text", delta.content)

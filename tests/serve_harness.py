@@ -61,9 +61,9 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def running_server(**config: Any) -> Iterator[RunningServer]:
-    """A server over the shared engine with `ServerConfig(model_name=MODEL, **config)`."""
-    engine = shared_engine()
+def running_server(engine: Engine | None = None, **config: Any) -> Iterator[RunningServer]:
+    """A server over `engine` (default: the shared one) with `ServerConfig(model_name=MODEL, **config)`."""
+    engine = engine or shared_engine()
     app = create_app(engine, ServerConfig(model_name=MODEL, **config))
     server = uvicorn.Server(server_config(app, port=0, log_level="warning"))  # what `serve` runs
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)

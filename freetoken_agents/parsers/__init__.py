@@ -8,6 +8,7 @@ from .deepseek import DeepSeekParser
 from .harmony import HarmonyParser
 from .hermes import HermesParser
 from .mistral import MistralParser
+from .reasoning import ReasoningMarkers, reasoning_markers
 
 PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesParser,
@@ -45,9 +46,11 @@ __all__ = [
     "MistralParser",
     "ParseResult",
     "ParsedToolCall",
+    "ReasoningMarkers",
     "ToolCallParser",
     "new_call_id",
     "parser_for",
+    "reasoning_markers",
     "step_call_id",
     "template_call_id",
     "with_template_call_ids",

@@ -240,6 +240,7 @@ class ChatFreeToken(BaseChatModel):
     def _result(state: TurnState) -> ChatResult:
         message = AIMessage(
             content=state.content,
+            additional_kwargs={"reasoning_content": state.reasoning} if state.reasoning else {},
             tool_calls=state.tool_calls,
             invalid_tool_calls=state.invalid_tool_calls,
             usage_metadata=state.usage,  # type: ignore[arg-type]

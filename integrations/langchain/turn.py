@@ -51,6 +51,7 @@ class TurnState:
     """What a finished turn produced (for `_generate`, which builds one AIMessage)."""
 
     content: str = ""
+    reasoning: str = ""  # a thinking model's <think> block (additional_kwargs["reasoning_content"])
     tool_calls: list[dict] = field(default_factory=list)
     invalid_tool_calls: list[dict] = field(default_factory=list)
     usage: dict[str, Any] = field(default_factory=dict)
@@ -108,6 +109,10 @@ def run_turn(
         for kind, value in deltas:
             if kind == "done":
                 finish = value or finish
+                continue
+            if kind == "reasoning" and value:  # a thinking model's <think> block: not the answer
+                state.reasoning += value
+                yield AIMessageChunk(content="", additional_kwargs={"reasoning_content": value})
                 continue
             if kind != "text" or not value:
                 continue

@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..prefix_cache import PrefixCache
-from .completion import ContentDelta, Finished, ToolCallDone, run_completion
+from .completion import ContentDelta, Event, Finished, ReasoningDelta, ToolCallDone, run_completion
 from .errors import OpenAIError, bad_request, from_validation_error
 from .prepare import CheckedRequest, check, prepare
 from .queue import EngineWorker, Job, JobEnd, QueueFull
@@ -303,17 +303,19 @@ class _Reply:
         self.id, self.model, self.request = rid, model, request
         self.created = int(time.time())
 
-    async def _events(self, job: Job) -> AsyncIterator[ContentDelta | ToolCallDone | Finished]:
+    async def _events(self, job: Job) -> AsyncIterator[Event]:
         while not isinstance(event := await job.events.get(), JobEnd):
             yield event
         if event.error is not None:
             raise event.error
 
     async def collect(self, job: Job) -> dict[str, Any]:
-        text, calls, done = [], [], None
+        text, reasoning, calls, done = [], [], [], None
         async for event in self._events(job):
             if isinstance(event, ContentDelta):
                 text.append(event.text)
+            elif isinstance(event, ReasoningDelta):
+                reasoning.append(event.text)
             elif isinstance(event, ToolCallDone):
                 calls.append(
                     ToolCallOut(
@@ -325,7 +327,9 @@ class _Reply:
         if done is None or done.finish_reason == "cancelled":
             raise OpenAIError(499, "the request was cancelled", type="cancelled")
         message = ResponseMessage(
-            content="".join(text) if text or not calls else None, tool_calls=calls or None
+            content="".join(text) if text or not calls else None,
+            reasoning_content="".join(reasoning) or None,
+            tool_calls=calls or None,
         )
         choice = Choice(message=message, finish_reason=done.finish_reason)  # type: ignore[arg-type]
         completion = ChatCompletion(
@@ -349,6 +353,8 @@ class _Reply:
                 async for event in self._events(job):
                     if isinstance(event, ContentDelta):
                         yield self._chunk(Delta(content=event.text))
+                    elif isinstance(event, ReasoningDelta):
+                        yield self._chunk(Delta(reasoning_content=event.text))
                     elif isinstance(event, ToolCallDone):
                         call = ToolCallDelta(
                             index=event.index,

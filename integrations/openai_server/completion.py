@@ -38,6 +38,11 @@ class ContentDelta:
 
 
 @dataclass(frozen=True)
+class ReasoningDelta:
+    text: str  # part of a thinking model's <think> block: `reasoning_content`, never the answer
+
+
+@dataclass(frozen=True)
 class ToolCallDone:
     index: int
     id: str
@@ -53,7 +58,7 @@ class Finished:
     cached_tokens: int
 
 
-Event = ContentDelta | ToolCallDone | Finished
+Event = ContentDelta | ReasoningDelta | ToolCallDone | Finished
 
 
 def _held(text: str, markers: tuple[str, ...]) -> int:
@@ -111,6 +116,9 @@ def run_completion(
             if event.kind == "done":
                 # "memory" (the engine's KV budget ran out) and the like: the reply was cut short
                 finish = event.finish_reason if event.finish_reason in ("stop", "length") else "length"
+                continue
+            if event.kind == "reasoning" and event.text:
+                yield ReasoningDelta(event.text)
                 continue
             if event.kind != "text" or not event.text:
                 continue

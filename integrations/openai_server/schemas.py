@@ -177,6 +177,7 @@ class ToolCallOut(BaseModel):
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # a thinking model's <think> block, as vLLM returns it
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -206,6 +207,7 @@ class ToolCallDelta(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

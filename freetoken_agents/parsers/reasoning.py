@@ -1,0 +1,36 @@
+"""Reasoning blocks: the `<think>...</think>` a thinking model writes before its answer (Qwen3,
+QwQ, DeepSeek-R1 distills). Their templates show the markers; vLLM and llama-server return the
+block apart as `reasoning_content`, and so do we: the decoder emits it as "reasoning" events, never
+as the answer's text, and tool calls or code fences inside it are not acted on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    start: str = "<think>"
+    end: str = "</think>"
+
+    def opened_by(self, prompt_tail: str) -> bool:
+        """True when the rendered prompt already opened a block (a template whose generation prompt
+        ends with `<think>`, as QwQ's does): the turn starts inside it."""
+        tail = prompt_tail.rstrip()
+        return tail.endswith(self.start)
+
+    def held_back(self, text: str) -> int:
+        """Length of the suffix of `text` that could begin the end marker."""
+        for k in range(min(len(self.end) - 1, len(text)), 0, -1):
+            if text.endswith(self.end[:k]):
+                return k
+        return 0
+
+
+def reasoning_markers(chat_template: str | None) -> ReasoningMarkers | None:
+    """The markers when the chat template knows reasoning blocks (it names `</think>`), else None."""
+    markers = ReasoningMarkers()
+    if chat_template and markers.end in chat_template:
+        return markers
+    return None
