@@ -345,17 +345,20 @@ class TurnDecoder:
         if force != "*":
             tools = [t for t in tools if t.get("function", t).get("name") == force]
         name = force if force != "*" else None
+        chosen: list[int] | None = None  # prefix tokens already in the context (a name was chosen)
         if parser.needs_name_in_prefix() and name is None:
-            if len(tools) != 1:
-                raise NotImplementedError(
-                    f"{parser.family} calls with several candidate tools are not constrained yet; name one"
-                )
-            name = tools[0].get("function", tools[0])["name"]
+            if len(tools) == 1:
+                name = _tool_name(tools[0])
+            else:  # the model picks the tool: its marker and name, decoded among the candidates only
+                yield GenEvent("anchor", anchor=m.anchor("tool_call"))
+                name, chosen = self._choose_name([_tool_name(t) for t in tools])
+                tools = [t for t in tools if _tool_name(t) == name]
         prefix, suffix = parser.call_prefix(name), parser.call_suffix()
-        prefix_ids = m.tokenizer.encode(prefix, add_special_tokens=False)
+        prefix_ids = chosen if chosen is not None else m.tokenizer.encode(prefix, add_special_tokens=False)
         suffix_ids = m.tokenizer.encode(suffix, add_special_tokens=False) if suffix else []
         limit = self.req.max_call_tokens
-        room = m.max_context - m.position - len(prefix_ids) - len(suffix_ids) - 1
+        ahead = len(prefix_ids) if chosen is None else 0  # a chosen prefix is in the context already
+        room = m.max_context - m.position - ahead - len(suffix_ids) - 1
         decode = None
         if self.req.constrain:
             constraint = m.grammars().json_schema(parser.body_schema(tools))
@@ -370,8 +373,9 @@ class TurnDecoder:
                     value=limit,
                     needed=decode.min_tokens,
                 )
-        yield GenEvent("anchor", anchor=m.anchor("tool_call", label=name))
-        m.prefill(prefix_ids)
+        if chosen is None:
+            yield GenEvent("anchor", anchor=m.anchor("tool_call", label=name))
+            m.prefill(prefix_ids)
         yield GenEvent("text", prefix)
         if decode is None:  # unconstrained: the model writes the arguments and the end marker
             return (yield from self._free_body(min(limit, room)))
@@ -384,6 +388,33 @@ class TurnDecoder:
         if suffix:
             yield GenEvent("text", suffix)
         return "stop"
+
+    def _choose_name(self, names: list[str]) -> tuple[str, list[int]]:
+        """Decode a call's prefix when it holds the tool's name (harmony, DeepSeek) and several tools
+        may be called: tokens all candidates share are forced, and where they differ the model
+        samples among the candidates' next tokens only. Returns the name and the prefix tokens
+        (now in the context)."""
+        m = self.m
+        candidates = {n: m.tokenizer.encode(m.parser.call_prefix(n), add_special_tokens=False) for n in names}
+        taken: list[int] = []
+        while True:
+            alive = {n: ids for n, ids in candidates.items() if ids[: len(taken)] == taken}
+            done = [n for n, ids in alive.items() if len(ids) == len(taken)]
+            if done:
+                return done[0], taken
+            following = {ids[len(taken)] for ids in alive.values()}
+            if len(following) == 1:
+                token = following.pop()
+                m.prefill([token])
+            else:
+                logits = m.next_logits()
+                if self._bias is not None:
+                    logits = logits + self._bias.to(device=logits.device, dtype=logits.dtype)
+                allowed = torch.full_like(logits, float("-inf"))
+                allowed[sorted(following)] = 0.0
+                token = self.sample(logits + allowed)
+                self._decode(token)
+            taken.append(token)
 
     def _free_body(self, limit: int) -> Iterator[GenEvent]:
         """An unconstrained forced call's body: free tokens up to the stop token (not appended:
@@ -420,6 +451,10 @@ def _thinking(model: FreeTokenModel) -> _Think | None:
         return None
     tail = model.tokenizer.decode(model.token_ids[-8:]) if model.token_ids else ""
     return _Think("inside") if markers.opened_by(tail) else _Think("maybe")
+
+
+def _tool_name(tool: dict) -> str:
+    return tool.get("function", tool)["name"]
 
 
 def _bias_tensor(bias: dict[int, float], vocab_size: int) -> torch.Tensor | None:

@@ -61,10 +61,13 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def running_server(engine: Engine | None = None, **config: Any) -> Iterator[RunningServer]:
-    """A server over `engine` (default: the shared one) with `ServerConfig(model_name=MODEL, **config)`."""
+def running_server(
+    engine: Engine | None = None, family: str | None = None, **config: Any
+) -> Iterator[RunningServer]:
+    """A server over `engine` (default: the shared one; `family`: its tool-call format) with
+    `ServerConfig(model_name=MODEL, **config)`."""
     engine = engine or shared_engine()
-    app = create_app(engine, ServerConfig(model_name=MODEL, **config))
+    app = create_app(engine, ServerConfig(model_name=MODEL, **config), family=family)
     server = uvicorn.Server(server_config(app, port=0, log_level="warning"))  # what `serve` runs
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
