@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .base import ParsedToolCall, ParseResult, ToolCallParser
 from .call_ids import new_call_id, step_call_id, template_call_id, with_template_call_ids
-from .deepseek import DeepSeekParser
+from .deepseek import SEP, DeepSeekParser, DeepSeekV31Parser
 from .harmony import HarmonyParser
 from .hermes import HermesParser
 from .mistral import MistralParser
@@ -14,6 +14,7 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesParser,
     "mistral": MistralParser,
     "deepseek": DeepSeekParser,
+    "deepseek_v31": DeepSeekV31Parser,
     "harmony": HarmonyParser,
 }
 
@@ -31,8 +32,8 @@ def parser_for(family: str | None = None, *, chat_template: str | None = None) -
     template = chat_template or ""
     if "[TOOL_CALLS]" in template:
         return MistralParser()
-    if "tool▁calls▁begin" in template:
-        return DeepSeekParser()
+    if "tool▁calls▁begin" in template:  # V3 writes the call's type before the separator, V3.1 not
+        return DeepSeekParser() if f"function{SEP}" in template else DeepSeekV31Parser()
     if "<|channel|>" in template:
         return HarmonyParser()
     return HermesParser()
@@ -41,6 +42,7 @@ def parser_for(family: str | None = None, *, chat_template: str | None = None) -
 __all__ = [
     "PARSERS",
     "DeepSeekParser",
+    "DeepSeekV31Parser",
     "HarmonyParser",
     "HermesParser",
     "MistralParser",

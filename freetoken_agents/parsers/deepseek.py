@@ -1,5 +1,8 @@
 """DeepSeek-V3: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```
-<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`."""
+<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`; DeepSeek-V3.1 and later drop the type and the code fence:
+`<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`. Both forms are parsed; a call is
+written in the form of the model's own template (`DeepSeekV31Parser` when it has no
+`function<｜tool▁sep｜>`)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from .base import ParsedToolCall, ParseResult, ToolCallParser, load_arguments, s
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 _CALL = re.compile(r"^\s*(?:function)?" + re.escape(SEP) + r"([^\n]+)\n```(?:json)?\n(.*?)\n```\s*$", re.S)
+_CALL_V31 = re.compile(r"^\s*([^\s<]+)\s*" + re.escape(SEP) + r"(.*?)\s*$", re.S)
 
 
 class DeepSeekParser(ToolCallParser):
@@ -25,7 +29,7 @@ class DeepSeekParser(ToolCallParser):
         for offset, group in groups.blocks:
             inner = split_blocks(group, CALL_BEGIN, CALL_END)
             for _, raw in inner.blocks:
-                m = _CALL.match(raw)
+                m = _CALL.match(raw) or _CALL_V31.match(raw)
                 if not m:
                     error = "call is malformed"
                     calls.append(ParsedToolCall(name="", arguments=raw, raw=raw, error=error, offset=offset))
@@ -53,3 +57,17 @@ class DeepSeekParser(ToolCallParser):
     def body_schema(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
         (params,) = tools_by_name(tools).values()
         return params
+
+
+class DeepSeekV31Parser(DeepSeekParser):
+    """DeepSeek-V3.1 and later: the name right after the call marker, the JSON arguments unfenced."""
+
+    family = "deepseek_v31"
+
+    def call_prefix(self, name: str | None) -> str:
+        if name is None:
+            raise ValueError("DeepSeek calls name the tool before the arguments: pass a tool name")
+        return f"{CALLS_BEGIN}{CALL_BEGIN}{name}{SEP}"
+
+    def call_suffix(self) -> str:
+        return f"{CALL_END}{CALLS_END}"
