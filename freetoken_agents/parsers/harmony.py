@@ -1,5 +1,8 @@
 """gpt-oss harmony: `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json
-<|message|>{...}<|call|>` (the leading `<|start|>assistant` may be part of the prompt)."""
+<|message|>{...}<|call|>` (the leading `<|start|>assistant` may be part of the prompt). The
+recipient may also stand in the role header, as gpt-oss's own template writes past calls:
+`<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>{...}<|call|>`; both
+forms are parsed and detected, and calls are written in the first."""
 
 from __future__ import annotations
 
@@ -9,10 +12,22 @@ from typing import Any
 from .base import ParsedToolCall, ParseResult, ToolCallParser, load_arguments, tools_by_name
 
 _CALL = re.compile(
-    r"<\|channel\|>commentary to=functions\.([\w.\-]+)\s*"
-    r"(?:<\|constrain\|>\s*\w+)?\s*<\|message\|>(.*?)<\|call\|>",
+    r"(?:<\|channel\|>commentary\s+to=functions\.(?P<name>[\w.\-]+)"
+    r"|to=functions\.(?P<header_name>[\w.\-]+)\s*<\|channel\|>commentary)\s*"
+    r"(?:<\|constrain\|>)?\s*(?:\w+)?\s*<\|message\|>(?P<args>.*?)<\|call\|>",
     re.S,
 )
+_HEADER = "to=functions."  # the recipient in the role header
+_ANALYSIS = re.compile(r"<\|channel\|>analysis<\|message\|>.*?(?:<\|end\|>|$)", re.S)
+_HEADERS = re.compile(r"<\|start\|>assistant|<\|channel\|>\w+|<\|[a-z]+\|>")
+
+
+def _plain(text: str) -> str:
+    """Text outside calls without a final channel: analysis messages (the model's reasoning) and
+    harmony's role and channel headers dropped."""
+    return _HEADERS.sub("", _ANALYSIS.sub("", text))
+
+
 _FINAL = re.compile(r"<\|channel\|>final<\|message\|>(.*?)(?:<\|return\|>|<\|end\|>|$)", re.S)
 
 
@@ -24,22 +39,41 @@ class HarmonyParser(ToolCallParser):
     def parse(self, text: str) -> ParseResult:
         calls, pieces, last = [], [], 0
         for m in _CALL.finditer(text):
-            args, error = load_arguments(m.group(2))
-            raw, offset = m.group(0), m.start()
-            calls.append(ParsedToolCall(name=m.group(1), arguments=args, raw=raw, error=error, offset=offset))
+            args, error = load_arguments(m.group("args"))
+            raw, offset, name = m.group(0), m.start(), m.group("name") or m.group("header_name")
+            calls.append(ParsedToolCall(name=name, arguments=args, raw=raw, error=error, offset=offset))
             pieces.append(text[last : m.start()])
             last = m.end()
         tail = text[last:]
         partial = partial_offset = None
-        i = tail.find(self.start)
-        if i >= 0:
+        i = self.call_started(tail)
+        if i is not None:
             tail, partial, partial_offset = tail[:i], tail[i:], last + i
         rest = "".join(pieces) + tail
         final = _FINAL.search(rest)
-        content = final.group(1) if final else re.sub(r"<\|[a-z]+\|>", "", rest)
+        content = final.group(1) if final else _plain(rest)
         return ParseResult(
             content=content.strip(), calls=calls, partial=partial, partial_offset=partial_offset
         )
+
+    def call_started(self, text: str, since: int = 0) -> int | None:
+        """Where a call starts in either form (module docstring); only a marker ending after
+        `since` counts."""
+        i = text.find(_HEADER, max(0, since - len(self.start) + 1))
+        if i < 0:
+            return None
+        channel = text.rfind(self.start[: -len(_HEADER)], 0, i)  # "<|channel|>commentary "
+        if channel >= 0 and not text[channel + len(self.start) - len(_HEADER) : i].strip():
+            return channel
+        return i
+
+    def held_back(self, text: str) -> int:
+        """The longest suffix of `text` that could begin a call in either form."""
+        best = super().held_back(text)
+        for k in range(min(len(_HEADER) - 1, len(text)), best, -1):
+            if text.endswith(_HEADER[:k]):
+                return k
+        return best
 
     def needs_name_in_prefix(self) -> bool:
         return True

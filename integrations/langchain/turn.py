@@ -118,7 +118,7 @@ def run_turn(
                 continue
             full += value
             cut = len(full)
-            if tools_on and (i := full.find(parser.start)) >= 0:
+            if tools_on and (i := parser.call_started(full)) is not None:
                 cut = i
             hit = [j for j in (full.find(s) for s in stops) if 0 <= j < cut]
             if hit:
@@ -132,12 +132,13 @@ def run_turn(
                 break
         if opts.json_schema is not None:
             finish = "stop"
-        if emitted < len(full) and not (tools_on and parser.start in full):
+        call_at = parser.call_started(full) if tools_on else None
+        if emitted < len(full) and call_at is None:
             yield AIMessageChunk(content=full[emitted:])
             emitted = len(full)
-        if emitted < len(full) and tools_on and parser.start in full:
+        if emitted < len(full) and call_at is not None:
             # text before the call that was not yet emitted
-            head = full[: full.find(parser.start)]
+            head = full[:call_at]
             if len(head) > emitted:
                 yield AIMessageChunk(content=head[emitted:])
                 emitted = len(head)

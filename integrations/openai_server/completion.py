@@ -124,8 +124,7 @@ def run_completion(
                 continue
             full += event.text
             if req.tools_on and calls.start is None:
-                i = full.find(parser.start, max(0, emitted - len(parser.start)))
-                calls.start = i if i >= 0 else None
+                calls.start = parser.call_started(full, emitted)
             cut = calls.start if calls.start is not None else len(full)
             hit = [j for j in (full.find(s, max(0, emitted - len(s))) for s in stops) if 0 <= j < cut]
             if hit:

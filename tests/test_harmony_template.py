@@ -1,0 +1,61 @@
+"""gpt-oss harmony held to its real chat template (issue 35: a call in the form the template writes
+past calls, recipient in the role header, was not parsed, and analysis text leaked into content)."""
+
+from __future__ import annotations
+
+import pytest
+from real_templates import real_template
+from serve_harness import TOOLS, shared_engine
+
+from freetoken_agents import FreeTokenModel, GenerateRequest
+from freetoken_agents.engine import Engine
+from freetoken_agents.parsers import HarmonyParser
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ASK = [{"role": "user", "content": "What is 6 times 7?"}]
+
+
+@pytest.fixture
+def model() -> FreeTokenModel:
+    engine = Engine.from_pretrained(shared_engine().source)  # its own tokenizer object
+    engine.tokenizer.chat_template = real_template("openai-gpt-oss-120b")
+    return FreeTokenModel(engine)  # the family guessed from the template
+
+
+def rendered_call(model: FreeTokenModel, thinking: str = "") -> str:
+    function = {"name": "multiply", "arguments": {"a": 6, "b": 7}}
+    message = {"role": "assistant", "content": "", "tool_calls": [{"id": "abcDEF123", "function": function}]}
+    if thinking:
+        message["thinking"] = thinking
+    history = [*ASK, message, {"role": "tool", "tool_call_id": "abcDEF123", "content": "42"}]
+    return model.tokenizer.decode(model.render(history, TOOLS))
+
+
+def test_a_past_call_as_the_template_writes_it_parses_back(model):
+    assert isinstance(model.parser, HarmonyParser)
+    text = rendered_call(model, thinking="Multiply them.")
+    assert "<|start|>assistant to=functions.multiply<|channel|>commentary" in text  # the header form
+    reply = text[text.index("<|start|>assistant<|channel|>analysis") :]
+    parsed = model.parser.parse(reply)
+    [call] = parsed.calls
+    assert (call.name, call.arguments, call.error) == ("multiply", {"a": 6, "b": 7}, None)
+    assert "Multiply them." not in parsed.content and "analysis" not in parsed.content
+    assert model.parser.call_started(reply) == reply.index("to=functions.multiply")
+
+
+def test_a_forced_call_parses_and_the_next_turn_renders(model):
+    model.sync(model.render(ASK, TOOLS))
+    request = GenerateRequest(tools=TOOLS, force="multiply", max_call_tokens=48, temperature=0)
+    text = "".join(e.text for e in model.generate(request) if e.kind == "text")
+    [call] = model.parser.parse(text).calls
+    assert call.error is None and call.name == "multiply"
+    function = {"name": call.name, "arguments": call.arguments}
+    history = [
+        *ASK,
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "abcDEF123", "function": function}]},
+    ]
+    history.append({"role": "tool", "tool_call_id": "abcDEF123", "content": "42"})
+    again = model.tokenizer.decode(model.render(history, TOOLS))  # the template accepts our call back
+    [back] = model.parser.parse(again[again.rindex("<|start|>assistant to=") :]).calls
+    assert (back.name, back.arguments) == (call.name, call.arguments)
