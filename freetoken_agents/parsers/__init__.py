@@ -7,12 +7,13 @@ from .call_ids import new_call_id, step_call_id, template_call_id, with_template
 from .deepseek import SEP, DeepSeekParser, DeepSeekV31Parser
 from .harmony import HarmonyParser
 from .hermes import HermesParser
-from .mistral import MistralParser
+from .mistral import MistralParser, MistralV11Parser
 from .reasoning import ReasoningMarkers, reasoning_markers
 
 PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesParser,
     "mistral": MistralParser,
+    "mistral_v11": MistralV11Parser,
     "deepseek": DeepSeekParser,
     "deepseek_v31": DeepSeekV31Parser,
     "harmony": HarmonyParser,
@@ -31,7 +32,7 @@ def parser_for(family: str | None = None, *, chat_template: str | None = None) -
             ) from None
     template = chat_template or ""
     if "[TOOL_CALLS]" in template:
-        return MistralParser()
+        return MistralV11Parser() if "[ARGS]" in template else MistralParser()
     if "tool▁calls▁begin" in template:  # V3 writes the call's type before the separator, V3.1 not
         return DeepSeekParser() if f"function{SEP}" in template else DeepSeekV31Parser()
     if "<|channel|>" in template:
@@ -46,6 +47,7 @@ __all__ = [
     "HarmonyParser",
     "HermesParser",
     "MistralParser",
+    "MistralV11Parser",
     "ParseResult",
     "ParsedToolCall",
     "ReasoningMarkers",

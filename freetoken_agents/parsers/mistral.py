@@ -1,11 +1,14 @@
-"""Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` up to the end of the turn."""
+"""Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` up to the end of the turn (v3:
+Nemo, Mixtral); v11 (Small 3.2, Devstral) writes `[TOOL_CALLS]NAME[ARGS]{...}` per call
+(`MistralV11Parser`, picked for a template that has `[ARGS]`)."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
-from .base import ParsedToolCall, ParseResult, ToolCallParser, load_arguments, name_args_schema
+from .base import ParsedToolCall, ParseResult, ToolCallParser, load_arguments, name_args_schema, tools_by_name
 
 
 class MistralParser(ToolCallParser):
@@ -44,3 +47,52 @@ class MistralParser(ToolCallParser):
 
     def body_schema(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
         return name_args_schema(tools)
+
+
+_V11_CALL = re.compile(r"\[TOOL_CALLS\]([\w.\-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")
+
+
+class MistralV11Parser(ToolCallParser):
+    """Mistral v11 (Small 3.2, Devstral): `[TOOL_CALLS]NAME[ARGS]{...}` per call, the history's
+    calls also carrying `[CALL_ID]ID` before `[ARGS]`; calls follow one another up to the turn's end."""
+
+    family = "mistral_v11"
+    start = "[TOOL_CALLS]"
+    end = ""
+
+    def parse(self, text: str) -> ParseResult:
+        i = text.find(self.start)
+        if i < 0:
+            return ParseResult(content=text.strip())
+        content, calls, at = text[:i], [], i
+        decoder = json.JSONDecoder()
+        while at < len(text) and text.startswith(self.start, at):
+            head = _V11_CALL.match(text, at)
+            if head is None:
+                return ParseResult(content=content.strip(), calls=calls, partial=text[at:], partial_offset=at)
+            body = text[head.end() :]
+            try:
+                _, used = decoder.raw_decode(body)
+            except json.JSONDecodeError:
+                return ParseResult(content=content.strip(), calls=calls, partial=text[at:], partial_offset=at)
+            raw = text[at : head.end() + used]
+            args, error = load_arguments(body[:used])
+            calls.append(ParsedToolCall(name=head.group(1), arguments=args, raw=raw, error=error, offset=at))
+            at = head.end() + used
+            at += len(text[at:]) - len(text[at:].lstrip())
+        return ParseResult(content=(content + text[at:]).strip(), calls=calls)
+
+    def needs_name_in_prefix(self) -> bool:
+        return True
+
+    def call_prefix(self, name: str | None) -> str:
+        if name is None:
+            raise ValueError("Mistral v11 calls name the tool before the arguments: pass a tool name")
+        return f"{self.start}{name}[ARGS]"
+
+    def call_suffix(self) -> str:
+        return ""
+
+    def body_schema(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
+        (params,) = tools_by_name(tools).values()
+        return params
