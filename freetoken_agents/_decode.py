@@ -150,6 +150,8 @@ class TurnDecoder:
         self._bias = _bias_tensor(request.logit_bias, model.vocab_size)
         self.think = _thinking(model)
         self._new_segment()
+        # harmony: the answer may open with role/channel headers even without an analysis block
+        self.strip_leading = bool(model.reasoning is not None and model.reasoning.answer_headers)
 
     def _new_segment(self) -> None:
         """Start a free-text segment at the current end of the context."""
@@ -282,17 +284,31 @@ class TurnDecoder:
             yield GenEvent("reasoning", text[think.emitted : upto])
             think.emitted = upto
 
-    def _skip_leading_blanks(self) -> None:
-        if self.strip_leading:
-            text = self.detok.text
-            self.emitted = max(self.emitted, len(text) - len(text.lstrip()))
-            self.strip_leading = not text.strip()
+    def _skip_answer_start(self) -> int:
+        """While the answer's start is pending (after a reasoning block; harmony: the whole turn),
+        skip its blank lines and the markers' answer headers; returns how many characters after
+        them to hold back (they may still become a header)."""
+        if not self.strip_leading:
+            return 0
+        text, at = self.detok.text, 0
+        headers = self.m.reasoning.answer_headers if self.m.reasoning is not None else ()
+        while True:
+            at = len(text) - len(text[at:].lstrip())
+            header = next((h for h in headers if text.startswith(h, at)), None)
+            if header is None:
+                break
+            at += len(header)
+        self.emitted = max(self.emitted, at)
+        rest = text[at:]
+        if not rest or any(h.startswith(rest) for h in headers):
+            return len(rest)
+        self.strip_leading = False
+        return 0
 
     def _emit(self) -> Iterator[GenEvent]:
         """Yield the segment's new text, holding back what may start a call marker or a fence."""
-        self._skip_leading_blanks()
         text = self.detok.text
-        hold = self.fences.held_back
+        hold = max(self.fences.held_back, self._skip_answer_start())
         if self.tools_on:
             hold = max(hold, self.m.parser.held_back(text[-len(self.m.parser.start) :]))
         if len(text) - hold > self.emitted:
@@ -304,7 +320,7 @@ class TurnDecoder:
         if self.think is not None and self.think.phase == "inside":  # the turn ended in the block
             yield from self._reasoning_upto(self.detok.text, len(self.detok.text))
             return
-        self._skip_leading_blanks()
+        self._skip_answer_start()
         if len(self.detok.text) > self.emitted:
             yield GenEvent("text", self.detok.text[self.emitted :])
             self.emitted = len(self.detok.text)
@@ -327,7 +343,7 @@ class TurnDecoder:
         if not keep_text:
             self.detok.truncate(keep)
         before = self.detok.text_length_after(keep)
-        self._skip_leading_blanks()
+        self._skip_answer_start()
         if before > self.emitted:
             yield GenEvent("text", self.detok.text[self.emitted : before])
             self.emitted = before

@@ -59,3 +59,23 @@ def test_a_forced_call_parses_and_the_next_turn_renders(model):
     again = model.tokenizer.decode(model.render(history, TOOLS))  # the template accepts our call back
     [back] = model.parser.parse(again[again.rindex("<|start|>assistant to=") :]).calls
     assert (back.name, back.arguments) == (call.name, call.arguments)
+
+
+def split_turn(model: FreeTokenModel, prefix: str) -> tuple[str, str]:
+    model.sync(model.render(ASK, None))
+    events = list(model.generate(GenerateRequest(prefix=prefix, max_new_tokens=2, temperature=0)))
+    text = "".join(e.text for e in events if e.kind == "text")
+    return "".join(e.text for e in events if e.kind == "reasoning"), text
+
+
+def test_the_analysis_channel_is_reasoning_and_the_final_channel_the_answer(model):
+    # what gpt-oss writes after the template's generation prompt `<|start|>assistant`; the old
+    # decoder returned all of it, headers included, as the answer
+    prefix = "<|channel|>analysis<|message|>Add them.<|end|><|start|>assistant<|channel|>final<|message|>Five"
+    reasoning, text = split_turn(model, prefix)
+    assert reasoning == "Add them." and text.startswith("Five") and "<|" not in text
+
+
+def test_a_final_channel_without_analysis_loses_only_its_header(model):
+    reasoning, text = split_turn(model, "<|channel|>final<|message|>Five")
+    assert reasoning == "" and text.startswith("Five") and "<|" not in text

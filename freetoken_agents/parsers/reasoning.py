@@ -1,7 +1,10 @@
 """Reasoning blocks: the `<think>...</think>` a thinking model writes before its answer (Qwen3,
-QwQ, DeepSeek-R1 distills). Their templates show the markers; vLLM and llama-server return the
-block apart as `reasoning_content`, and so do we: the decoder emits it as "reasoning" events, never
-as the answer's text, and tool calls or code fences inside it are not acted on.
+QwQ, DeepSeek-R1 distills), and gpt-oss's analysis channel (`<|channel|>analysis<|message|>...
+<|end|>`, then `<|start|>assistant<|channel|>final<|message|>` before the answer). Their templates
+show the markers; vLLM and llama-server return the block apart as `reasoning_content`, and so do
+we: the decoder emits it as "reasoning" events, never as the answer's text, and tool calls or code
+fences inside it are not acted on. `answer_headers`: markup that may open the answer and is not
+part of it (harmony's role and channel headers).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 class ReasoningMarkers:
     start: str = "<think>"
     end: str = "</think>"
+    answer_headers: tuple[str, ...] = ()
 
     def opened_by(self, prompt_tail: str) -> bool:
         """True when the rendered prompt already opened a block (a template whose generation prompt
@@ -29,8 +33,18 @@ class ReasoningMarkers:
 
 
 def reasoning_markers(chat_template: str | None) -> ReasoningMarkers | None:
-    """The markers when the chat template knows reasoning blocks (it names `</think>`), else None."""
+    """The markers when the chat template knows reasoning blocks (harmony's analysis channel, or
+    `</think>`), else None."""
+    if chat_template and HARMONY.start in chat_template:
+        return HARMONY
     markers = ReasoningMarkers()
     if chat_template and markers.end in chat_template:
         return markers
     return None
+
+
+HARMONY = ReasoningMarkers(
+    start="<|channel|>analysis<|message|>",
+    end="<|end|>",
+    answer_headers=("<|start|>assistant", "<|channel|>final<|message|>"),
+)
