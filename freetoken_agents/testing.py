@@ -173,7 +173,7 @@ class ScriptedModel:
     def generate(self, request: GenerateRequest) -> Iterator[GenEvent]:
         """Play the next scripted turn: text in `chunk`-sized events, an anchor before each tool
         call and before each code fence the text opens."""
-        from ._decode import opening_fences
+        from ._fences import opening_fences
 
         if self._played >= len(self.turns):
             raise UnexpectedModelBehavior(

@@ -31,7 +31,7 @@ import tenacity
 from pydantic import BaseModel, Field, computed_field
 
 from freetoken_agents import FreeTokenModel, GenerateRequest, ModelCausedError
-from freetoken_agents._decode import opening_fences
+from freetoken_agents._fences import opening_fences
 from freetoken_agents.anchors import AnchorHandle
 from freetoken_agents.trace import AnchorRecord, RollbackRecord
 

@@ -11,6 +11,7 @@ import tarfile
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import platformdirs
 import pytest
@@ -19,6 +20,20 @@ PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
 INDEX = f"https://pypi.org/pypi/{PACKAGE}/json"
 CACHE = Path(platformdirs.user_cache_dir("freetoken-tests")) / f"llama.cpp-templates-{VERSION}"
+
+
+def model_with_template(name: str, family: str | None = None) -> Any:
+    """A FreeTokenModel over the embedded model's weights whose tokenizer renders with the real
+    template `name` (its own engine and tokenizer object; the tool-call family guessed from the
+    template unless `family` names one)."""
+    from serve_harness import shared_engine
+
+    from freetoken_agents import FreeTokenModel
+    from freetoken_agents.engine import Engine
+
+    engine = Engine.from_pretrained(shared_engine().source)
+    engine.tokenizer.chat_template = real_template(name)
+    return FreeTokenModel(engine, family=family)
 
 
 def real_template(name: str) -> str:

@@ -13,7 +13,7 @@ import torch
 from tiny_models import build_tiny_model, fresh_logits
 
 from freetoken_agents import Agent, FreeTokenModel, GenerateRequest, RetryPolicy, tool
-from freetoken_agents._decode import FenceDetector, fence_held_back, opening_fences
+from freetoken_agents._fences import FenceDetector, fence_held_back, opening_fences
 from freetoken_agents.constrained import JsonConstraint
 from freetoken_agents.engine import Engine
 

@@ -8,11 +8,11 @@ import re
 
 import httpx
 import pytest
-from real_templates import real_template
-from serve_harness import MODEL, running_server, shared_engine
+from real_templates import model_with_template
+from serve_harness import MODEL, running_server
 
 from freetoken_agents import FreeTokenModel
-from freetoken_agents.engine import ChatTemplateError, Engine
+from freetoken_agents.engine import ChatTemplateError
 from freetoken_agents.parsers import new_call_id, step_call_id, template_call_id, with_template_call_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,9 +50,7 @@ def test_a_foreign_id_maps_to_one_accepted_id_in_the_call_and_its_result():
 
 @pytest.fixture
 def mistral_nemo() -> FreeTokenModel:
-    engine = Engine.from_pretrained(shared_engine().source)  # its own tokenizer object
-    engine.tokenizer.chat_template = real_template("mistralai-Mistral-Nemo-Instruct-2407")
-    return FreeTokenModel(engine, family="mistral")
+    return model_with_template("mistralai-Mistral-Nemo-Instruct-2407", family="mistral")
 
 
 @pytest.mark.parametrize("call_id", ["call_1_0", "call_7f3a9c0e11b2d4e5f6a7b8c9", "abcDEF123"])

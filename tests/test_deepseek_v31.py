@@ -6,11 +6,10 @@ past call, the parser reads; what the decoder writes is in the template's form."
 from __future__ import annotations
 
 import pytest
-from real_templates import real_template
-from serve_harness import TOOLS, shared_engine
+from real_templates import model_with_template
+from serve_harness import TOOLS
 
 from freetoken_agents import FreeTokenModel, GenerateRequest
-from freetoken_agents.engine import Engine
 from freetoken_agents.parsers import DeepSeekParser, DeepSeekV31Parser, parser_for
 from freetoken_agents.parsers.deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 
@@ -22,9 +21,7 @@ ASK = [{"role": "user", "content": "What is 6 times 7?"}]
 
 @pytest.fixture
 def model() -> FreeTokenModel:
-    engine = Engine.from_pretrained(shared_engine().source)  # its own tokenizer object
-    engine.tokenizer.chat_template = real_template(V31)
-    return FreeTokenModel(engine)  # the family guessed from the template
+    return model_with_template(V31)  # the family guessed from the template
 
 
 def test_the_v31_template_gets_the_v31_parser(model):

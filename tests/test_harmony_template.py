@@ -4,11 +4,10 @@ past calls, recipient in the role header, was not parsed, and analysis text leak
 from __future__ import annotations
 
 import pytest
-from real_templates import real_template
-from serve_harness import TOOLS, shared_engine
+from real_templates import model_with_template
+from serve_harness import TOOLS
 
 from freetoken_agents import FreeTokenModel, GenerateRequest
-from freetoken_agents.engine import Engine
 from freetoken_agents.parsers import HarmonyParser
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -18,9 +17,7 @@ ASK = [{"role": "user", "content": "What is 6 times 7?"}]
 
 @pytest.fixture
 def model() -> FreeTokenModel:
-    engine = Engine.from_pretrained(shared_engine().source)  # its own tokenizer object
-    engine.tokenizer.chat_template = real_template("openai-gpt-oss-120b")
-    return FreeTokenModel(engine)  # the family guessed from the template
+    return model_with_template("openai-gpt-oss-120b")  # the family guessed from the template
 
 
 def rendered_call(model: FreeTokenModel, thinking: str = "") -> str:

@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import pytest
-from real_templates import real_template
-from serve_harness import TOOLS, shared_engine
+from real_templates import model_with_template, real_template
+from serve_harness import TOOLS
 
 from freetoken_agents import FreeTokenModel, GenerateRequest
-from freetoken_agents.engine import Engine
 from freetoken_agents.parsers import MistralParser, MistralV11Parser, parser_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -18,9 +17,7 @@ ASK = [{"role": "user", "content": "What is 6 times 7?"}]
 
 @pytest.fixture
 def model() -> FreeTokenModel:
-    engine = Engine.from_pretrained(shared_engine().source)  # its own tokenizer object
-    engine.tokenizer.chat_template = real_template("Mistral-Small-3.2-24B-Instruct-2506")
-    return FreeTokenModel(engine)  # the family guessed from the template
+    return model_with_template("Mistral-Small-3.2-24B-Instruct-2506")  # the family guessed from the template
 
 
 def test_the_template_picks_the_parser(model):
