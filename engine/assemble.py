@@ -39,6 +39,7 @@ from .placement import (
     resolve_placement,
     tiered_budget,
 )
+from .stop_tokens import read_generation_eos
 from .transformer import MoETransformer
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ def assemble(engine_cls: type[Engine], path: str | Path, options: EngineOptions)
         on_kv_resize=on_kv_resize,
         expert_quant=expert_quant,
         dense_quant=dense_quant,
+        generation_eos=read_generation_eos(path, loaded_ftw.ftw if loaded_ftw is not None else None),
     )
     logger.info(
         "loaded %s from %s in %.2fs (placement %s)",

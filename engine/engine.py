@@ -63,6 +63,7 @@ class Engine:
         block_size: int = DEFAULT_BLOCK_SIZE,
         expert_quant: str = "auto",
         dense_quant: Sequence[str] = (),
+        generation_eos: int | Sequence[int] | None = None,
     ) -> None:
         self.spec, self.model, self.experts = spec, model, experts
         # What `from_pretrained` was asked to hold in int8 (`int8.py`); recorded, not applied here.
@@ -74,8 +75,8 @@ class Engine:
         self.placement = placement or PlacementChoice("resident", "built directly")
         self._tokenizer = tokenizer
         self._tokenizer_error = tokenizer_error
-        # every eos id the checkpoint declares (CheckpointError for a garbled generation_config.json)
-        self._stop_ids = stop_token_ids(hf_config, tokenizer, source)
+        # every eos id the checkpoint declares (`stop_tokens`)
+        self._stop_ids = stop_token_ids(hf_config, tokenizer, generation_eos)
         model.attach_experts(experts)
         streams = model.kv_streams()
         max_blocks = None

@@ -13,23 +13,25 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointError
+
+if TYPE_CHECKING:
+    from .ftw.reader import FTWFile
 
 logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG = "generation_config.json"
 
 
-def stop_token_ids(hf_config: Any, tokenizer: Any | None, source: Path | None) -> tuple[int, ...]:
-    """config.json's eos ids, then generation_config.json's (the source folder's, or the one an
-    FTW file embeds), then the tokenizer's, each once. CheckpointError for a generation_config.json
-    that is not JSON or whose eos_token_id is not an int or a list of ints."""
+def stop_token_ids(hf_config: Any, tokenizer: Any | None, generation_eos: Any = None) -> tuple[int, ...]:
+    """config.json's eos ids, then generation_config.json's (`generation_eos`, as
+    `read_generation_eos` found it), then the tokenizer's, each once."""
     ids: list[int] = []
     for eos in (
         getattr(hf_config, "eos_token_id", None),
-        _generation_eos(source),
+        generation_eos,
         getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None,
     ):
         for token in _as_ids(eos):
@@ -44,9 +46,16 @@ def _as_ids(eos: Any) -> list[int]:
     return [int(t) for t in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
-def _generation_eos(source: Path | None) -> Any:
-    """generation_config.json's eos_token_id (None when there is no such file or field)."""
-    text = _generation_config_text(source)
+def read_generation_eos(source: Path, ftw: FTWFile | None = None) -> int | list[int] | None:
+    """generation_config.json's eos_token_id: the one `ftw` (the engine's open FTW file) embeds, else
+    the `source` folder's; None when there is no such file or field. CheckpointError for a file
+    that is not JSON or whose eos_token_id is not an int or a list of ints."""
+    if ftw is not None:
+        data = ftw.tokenizer_files.get(GENERATION_CONFIG)
+        text = data.decode("utf-8") if data is not None else None
+    else:
+        path = source / GENERATION_CONFIG
+        text = path.read_text(encoding="utf-8") if source.is_dir() and path.is_file() else None
     if text is None:
         return None
     try:
@@ -58,18 +67,3 @@ def _generation_eos(source: Path | None) -> Any:
     if not valid:
         raise CheckpointError(f"{source}: {GENERATION_CONFIG} eos_token_id must be an int or a list of ints")
     return eos
-
-
-def _generation_config_text(source: Path | None) -> str | None:
-    if source is None:
-        return None
-    if source.is_dir():
-        path = source / GENERATION_CONFIG
-        return path.read_text(encoding="utf-8") if path.is_file() else None
-    if source.suffix == ".ftw" and source.is_file():
-        from .ftw.reader import FTWFile
-
-        with FTWFile(source) as ftw:
-            data = ftw.tokenizer_files.get(GENERATION_CONFIG)
-        return data.decode("utf-8") if data is not None else None
-    return None
