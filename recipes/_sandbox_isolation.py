@@ -35,7 +35,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -265,6 +265,29 @@ def _status_uids(pid: str) -> tuple[set[int], bool] | None:
     return uids, zombie
 
 
+def kill_if_still(pid: str, still: Callable[[], bool]) -> bool:
+    """SIGKILL process `pid` if `still()` holds, checked after a pidfd for it is taken: the process
+    checked is the one signalled, so a pid reused in between is never hit. True if signalled."""
+    try:
+        fd = os.pidfd_open(int(pid))
+    except OSError:
+        return False
+    try:
+        if still():
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            return True
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return False
+
+
+def _live_process_of(pid: str, uid: int) -> bool:
+    status = _status_uids(pid)
+    return status is not None and uid in status[0] and not status[1]
+
+
 def _kill_processes(uid: int) -> int:
     """SIGKILL every live process of `uid`, through a pidfd taken before the uid is checked (a pid
     reused in between can never be hit); repeat until none is left (a fork bomb is bounded by
@@ -273,22 +296,9 @@ def _kill_processes(uid: int) -> int:
     for _ in range(200):
         found = 0
         for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-            status = _status_uids(pid)
-            if status is None or uid not in status[0] or status[1]:
-                continue
-            try:
-                fd = os.pidfd_open(int(pid))
-            except OSError:
-                continue
-            try:
-                status = _status_uids(pid)
-                if status is not None and uid in status[0] and not status[1]:
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-                    found += 1
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+            still = functools.partial(_live_process_of, pid, uid)
+            if still() and kill_if_still(pid, still):  # the first check spares a pidfd per process
+                found += 1
         killed += found
         if not found:
             return killed

@@ -26,11 +26,12 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
 from typing import Literal
+
+from ._sandbox_isolation import kill_if_still
 
 logger = logging.getLogger(__name__)
 
@@ -165,21 +166,11 @@ def _kill_members(cgroup: Path) -> int:
         pids = (cgroup / "cgroup.procs").read_text().split()
     except OSError:
         return 0
-    killed = 0
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(int(pid))
-        except OSError:
-            continue
-        try:
-            if pid in (cgroup / "cgroup.procs").read_text().split():
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-                killed += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return killed
+    return sum(kill_if_still(pid, functools.partial(_is_member, cgroup, pid)) for pid in pids)
+
+
+def _is_member(cgroup: Path, pid: str) -> bool:
+    return pid in (cgroup / "cgroup.procs").read_text().split()
 
 
 def _make_v2(name: str, memory: int, pids: int) -> list[Path]:
