@@ -75,10 +75,38 @@ class ToolCallParser(ABC):
 
     def held_back(self, text: str) -> int:
         """Length of the suffix of `text` that could be the start of a call marker."""
-        for k in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if text.endswith(self.start[:k]):
-                return k
-        return 0
+        return marker_prefix_at_end(text, self.start)
+
+
+def marker_prefix_at_end(text: str, marker: str) -> int:
+    """Length of the longest proper prefix of `marker` that `text` ends with (0: none)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class NamedCallParser(ToolCallParser):
+    """A family whose call prefix names the tool (harmony, DeepSeek, Mistral v11): the body holds
+    only the arguments, under that one tool's parameters. `label` names the family in errors."""
+
+    label = ""
+
+    def needs_name_in_prefix(self) -> bool:
+        return True
+
+    def call_prefix(self, name: str | None) -> str:
+        if name is None:
+            raise ValueError(f"{self.label} calls name the tool before the arguments: pass a tool name")
+        return self.named_prefix(name)
+
+    @abstractmethod
+    def named_prefix(self, name: str) -> str:
+        """The text before a call's arguments to the tool `name`."""
+
+    def body_schema(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
+        (params,) = tools_by_name(tools).values()
+        return params
 
 
 def load_arguments(raw: str) -> tuple[dict[str, Any] | str, str | None]:

@@ -7,9 +7,14 @@ written in the form of the model's own template (`DeepSeekV31Parser` when it has
 from __future__ import annotations
 
 import re
-from typing import Any
 
-from .base import ParsedToolCall, ParseResult, ToolCallParser, load_arguments, split_blocks, tools_by_name
+from .base import (
+    NamedCallParser,
+    ParsedToolCall,
+    ParseResult,
+    load_arguments,
+    split_blocks,
+)
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -17,8 +22,9 @@ _CALL = re.compile(r"^\s*(?:function)?" + re.escape(SEP) + r"([^\n]+)\n```(?:jso
 _CALL_V31 = re.compile(r"^\s*([^\s<]+)\s*" + re.escape(SEP) + r"(.*?)\s*$", re.S)
 
 
-class DeepSeekParser(ToolCallParser):
+class DeepSeekParser(NamedCallParser):
     family = "deepseek"
+    label = "DeepSeek"
     start = CALLS_BEGIN
     end = CALLS_END
 
@@ -43,20 +49,11 @@ class DeepSeekParser(ToolCallParser):
             content=groups.rest.strip(), calls=calls, partial=partial, partial_offset=partial_offset
         )
 
-    def needs_name_in_prefix(self) -> bool:
-        return True
-
-    def call_prefix(self, name: str | None) -> str:
-        if name is None:
-            raise ValueError("DeepSeek calls name the tool before the arguments: pass a tool name")
+    def named_prefix(self, name: str) -> str:
         return f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}{name}\n```json\n"
 
     def call_suffix(self) -> str:
         return f"\n```{CALL_END}{CALLS_END}"
-
-    def body_schema(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
-        (params,) = tools_by_name(tools).values()
-        return params
 
 
 class DeepSeekV31Parser(DeepSeekParser):
@@ -64,9 +61,7 @@ class DeepSeekV31Parser(DeepSeekParser):
 
     family = "deepseek_v31"
 
-    def call_prefix(self, name: str | None) -> str:
-        if name is None:
-            raise ValueError("DeepSeek calls name the tool before the arguments: pass a tool name")
+    def named_prefix(self, name: str) -> str:
         return f"{CALLS_BEGIN}{CALL_BEGIN}{name}{SEP}"
 
     def call_suffix(self) -> str:

@@ -7,9 +7,14 @@ forms are parsed and detected, and calls are written in the first."""
 from __future__ import annotations
 
 import re
-from typing import Any
 
-from .base import ParsedToolCall, ParseResult, ToolCallParser, load_arguments, tools_by_name
+from .base import (
+    NamedCallParser,
+    ParsedToolCall,
+    ParseResult,
+    load_arguments,
+    marker_prefix_at_end,
+)
 
 _CALL = re.compile(
     r"(?:<\|channel\|>commentary\s+to=functions\.(?P<name>[\w.\-]+)"
@@ -31,8 +36,9 @@ def _plain(text: str) -> str:
 _FINAL = re.compile(r"<\|channel\|>final<\|message\|>(.*?)(?:<\|return\|>|<\|end\|>|$)", re.S)
 
 
-class HarmonyParser(ToolCallParser):
+class HarmonyParser(NamedCallParser):
     family = "harmony"
+    label = "harmony"
     start = "<|channel|>commentary to=functions."
     end = "<|call|>"
 
@@ -69,23 +75,10 @@ class HarmonyParser(ToolCallParser):
 
     def held_back(self, text: str) -> int:
         """The longest suffix of `text` that could begin a call in either form."""
-        best = super().held_back(text)
-        for k in range(min(len(_HEADER) - 1, len(text)), best, -1):
-            if text.endswith(_HEADER[:k]):
-                return k
-        return best
+        return max(marker_prefix_at_end(text, self.start), marker_prefix_at_end(text, _HEADER))
 
-    def needs_name_in_prefix(self) -> bool:
-        return True
-
-    def call_prefix(self, name: str | None) -> str:
-        if name is None:
-            raise ValueError("harmony calls name the tool before the arguments: pass a tool name")
+    def named_prefix(self, name: str) -> str:
         return f"{self.start}{name} <|constrain|>json<|message|>"
 
     def call_suffix(self) -> str:
         return self.end
-
-    def body_schema(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
-        (params,) = tools_by_name(tools).values()
-        return params

@@ -8,7 +8,14 @@ import json
 import re
 from typing import Any
 
-from .base import ParsedToolCall, ParseResult, ToolCallParser, load_arguments, name_args_schema, tools_by_name
+from .base import (
+    NamedCallParser,
+    ParsedToolCall,
+    ParseResult,
+    ToolCallParser,
+    load_arguments,
+    name_args_schema,
+)
 
 
 class MistralParser(ToolCallParser):
@@ -49,14 +56,16 @@ class MistralParser(ToolCallParser):
         return name_args_schema(tools)
 
 
+_SPACE = re.compile(r"\s*")
 _V11_CALL = re.compile(r"\[TOOL_CALLS\]([\w.\-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")
 
 
-class MistralV11Parser(ToolCallParser):
+class MistralV11Parser(NamedCallParser):
     """Mistral v11 (Small 3.2, Devstral): `[TOOL_CALLS]NAME[ARGS]{...}` per call, the history's
     calls also carrying `[CALL_ID]ID` before `[ARGS]`; calls follow one another up to the turn's end."""
 
     family = "mistral_v11"
+    label = "Mistral v11"
     start = "[TOOL_CALLS]"
     end = ""
 
@@ -70,29 +79,19 @@ class MistralV11Parser(ToolCallParser):
             head = _V11_CALL.match(text, at)
             if head is None:
                 return ParseResult(content=content.strip(), calls=calls, partial=text[at:], partial_offset=at)
-            body = text[head.end() :]
             try:
-                _, used = decoder.raw_decode(body)
+                _, end = decoder.raw_decode(text, head.end())
             except json.JSONDecodeError:
                 return ParseResult(content=content.strip(), calls=calls, partial=text[at:], partial_offset=at)
-            raw = text[at : head.end() + used]
-            args, error = load_arguments(body[:used])
-            calls.append(ParsedToolCall(name=head.group(1), arguments=args, raw=raw, error=error, offset=at))
-            at = head.end() + used
-            at += len(text[at:]) - len(text[at:].lstrip())
+            args, error = load_arguments(text[head.end() : end])
+            calls.append(
+                ParsedToolCall(name=head.group(1), arguments=args, raw=text[at:end], error=error, offset=at)
+            )
+            at = _SPACE.match(text, end).end()
         return ParseResult(content=(content + text[at:]).strip(), calls=calls)
 
-    def needs_name_in_prefix(self) -> bool:
-        return True
-
-    def call_prefix(self, name: str | None) -> str:
-        if name is None:
-            raise ValueError("Mistral v11 calls name the tool before the arguments: pass a tool name")
+    def named_prefix(self, name: str) -> str:
         return f"{self.start}{name}[ARGS]"
 
     def call_suffix(self) -> str:
         return ""
-
-    def body_schema(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
-        (params,) = tools_by_name(tools).values()
-        return params

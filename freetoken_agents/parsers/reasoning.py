@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .base import marker_prefix_at_end
+
 
 @dataclass(frozen=True)
 class ReasoningMarkers:
@@ -26,10 +28,7 @@ class ReasoningMarkers:
 
     def held_back(self, text: str) -> int:
         """Length of the suffix of `text` that could begin the end marker."""
-        for k in range(min(len(self.end) - 1, len(text)), 0, -1):
-            if text.endswith(self.end[:k]):
-                return k
-        return 0
+        return marker_prefix_at_end(text, self.end)
 
 
 def reasoning_markers(chat_template: str | None) -> ReasoningMarkers | None:
