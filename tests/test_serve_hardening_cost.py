@@ -208,3 +208,23 @@ def test_prefix_reuse_is_scoped_per_api_key():
             headers={"Authorization": "Bearer x"},
         )
         assert stranger.status_code == 401
+
+
+def test_the_longest_token_cache_never_outlives_its_tokenizer():
+    # keyed by id() before: a later tokenizer at the same address got the old vocabulary's bound
+    import gc
+
+    class Tokenizer:
+        def __init__(self, longest: int) -> None:
+            self.vocab = {"x" * longest: 0, "y": 1}
+
+        def get_vocab(self) -> dict[str, int]:
+            return self.vocab
+
+    before = len(prepare_module._LONGEST)
+    first = Tokenizer(5)
+    assert prepare_module._longest_token(first) == 5
+    del first
+    gc.collect()
+    assert len(prepare_module._LONGEST) == before
+    assert prepare_module._longest_token(Tokenizer(40)) == 40

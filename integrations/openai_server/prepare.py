@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -265,16 +266,16 @@ def _chunks(text: str) -> Iterator[tuple[str, bool]]:
     yield text[start:], clean
 
 
-_LONGEST: dict[int, int] = {}
+# per tokenizer object, forgotten with it (an id() key could be reused by another tokenizer)
+_LONGEST: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 def _longest_token(tokenizer: Any) -> int:
     """The most characters one token's text can decode to (its vocabulary string's length is an
     upper bound: byte-level and byte-fallback spellings are never shorter than the text)."""
-    key = id(tokenizer)
-    if key not in _LONGEST:
-        _LONGEST[key] = max(1, max(map(len, tokenizer.get_vocab()), default=1))
-    return _LONGEST[key]
+    if tokenizer not in _LONGEST:
+        _LONGEST[tokenizer] = max(1, max(map(len, tokenizer.get_vocab()), default=1))
+    return _LONGEST[tokenizer]
 
 
 def _too_long(limit: int, prompt: int | None) -> OpenAIError:
