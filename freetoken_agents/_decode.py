@@ -365,7 +365,7 @@ class _Think:
 def _thinking(model: FreeTokenModel) -> _Think | None:
     """The turn's reasoning state: None when the template has no reasoning blocks; "inside" when the
     prompt already opened one (the turn starts in it), else "maybe"."""
-    markers = getattr(model, "reasoning", None)
+    markers = model.reasoning
     if markers is None:
         return None
     tail = model.tokenizer.decode(model.token_ids[-8:]) if model.token_ids else ""
