@@ -30,6 +30,7 @@ from typing import Any
 import jinja2
 
 from .errors import ChatTemplateError
+from .tokenize import added_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -108,49 +109,57 @@ def render_chat_spans(
 ) -> tuple[str, list[tuple[int, int]]]:
     """`render_chat`'s text and the [start, end) spans of it that came from untrusted contents.
 
-    Each untrusted string content is replaced by a unique whitespace-free sentinel, the template is
-    rendered, the sentinels are located and the real text put back. A template that transforms or
-    drops a content loses its sentinel: the content is then located verbatim in the real rendering,
-    and if that fails too its special-token strings are escaped (a zero-width space after the first
-    character) so that they cannot become control tokens: fail closed."""
+    Each untrusted string content is bracketed by a pair of unique whitespace-free sentinels and the
+    template rendered once so and once plainly. Between a pair lies the content as the template
+    wrote it (verbatim, or transformed character-wise: gpt-oss's template writes tool results
+    through `tojson`); that is the span, and the sentinels are dropped. When the result is not the
+    plain rendering (the template dropped or reworked a content: `trim`, slicing, a test on its
+    text), the contents are located verbatim in the plain rendering, and if that fails too their
+    special-token strings are escaped (a zero-width space after the first character) so that
+    they cannot become control tokens: fail closed."""
     nonce = secrets.token_hex(8)
-    marked, originals = [], {}
+    marker = f"FTUNTRUSTED{nonce}"
+    marked, contents = [], []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if message.get("role") in TRUSTED_ROLES or not isinstance(content, str) or not content:
             marked.append(message)
             continue
-        sentinel = f"FTUNTRUSTED{nonce}N{i}Z"
-        originals[sentinel] = content
-        marked.append({**message, "content": sentinel})
-    if not originals:
-        return render_chat(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt), []
+        contents.append(content)
+        marked.append({**message, "content": f"{marker}A{i}Z{content}{marker}B{i}Z"})
+    plain = render_chat(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt)
+    if not contents:
+        return plain, []
     text = render_chat(tokenizer, marked, tools, add_generation_prompt=add_generation_prompt)
-    lost = [s for s in originals if s not in text]
-    if lost:
-        return _fallback(tokenizer, messages, tools, add_generation_prompt, [originals[s] for s in lost])
-    out, spans, last = [], [], 0
-    pattern = re.compile("|".join(map(re.escape, originals)))
-    length = 0
+    pattern = re.compile(rf"{marker}A(\d+)Z(.*?){marker}B\1Z", re.DOTALL)
+    out, spans, last, length = [], [], 0, 0
     for match in pattern.finditer(text):
         out.append(text[last : match.start()])
         length += match.start() - last
-        content = originals[match.group()]
-        out.append(content)
-        spans.append((length, length + len(content)))
-        length += len(content)
+        inner = match.group(2)
+        out.append(inner)
+        spans.append((length, length + len(inner)))
+        length += len(inner)
         last = match.end()
     out.append(text[last:])
-    return "".join(out), spans
+    rendered = "".join(out)
+    if rendered == plain:
+        return rendered, spans
+    return _fallback(tokenizer, messages, plain, tools, add_generation_prompt, contents)
 
 
 def _fallback(
-    tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] | None, gen: bool, contents: list[str]
+    tokenizer: Any,
+    messages: Sequence[dict],
+    text: str,
+    tools: Sequence[dict] | None,
+    gen: bool,
+    contents: list[str],
 ) -> tuple[str, list[tuple[int, int]]]:
-    """Spans by verbatim search of untrusted contents whose sentinels the template did not keep."""
-    specials = [t for t in getattr(tokenizer, "get_added_vocab", dict)() if t]
+    """Spans of the plain rendering `text` by verbatim search of the untrusted contents, for a
+    template that reworked them (the bracketed rendering was not `text`)."""
+    specials = added_tokens(tokenizer)
     risky = [c for c in contents if any(t in c for t in specials)]
-    text = render_chat(tokenizer, messages, tools, add_generation_prompt=gen)
     if any(c not in text for c in risky):
         logger.warning("chat template transformed untrusted content: escaping its special-token text")
         escaped = []

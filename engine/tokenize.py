@@ -61,10 +61,24 @@ def _outside(text: str, cut: int, protected: tuple[str, ...]) -> int:
     return cut
 
 
-def _protected(tokenizer: Any) -> tuple[str, ...]:
-    """The texts of the tokenizer's added (special and user) tokens."""
+def _added_vocab(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's added (special and user) tokens of two characters or more, text -> id.
+
+    A one-character added token is left out: it cannot be forged by splitting its text, it is the
+    only encoding of that character (tokenizers converted from GGUF mark byte-level characters
+    such as "ü" as added tokens), and splitting it apart would never end."""
     vocab = getattr(tokenizer, "get_added_vocab", None)
-    return tuple(vocab()) if callable(vocab) else tuple(getattr(tokenizer, "all_special_tokens", ()))
+    if callable(vocab):
+        added = {str(t): int(i) for t, i in vocab().items()}
+    else:
+        names = getattr(tokenizer, "all_special_tokens", ())
+        added = dict(zip(names, getattr(tokenizer, "all_special_ids", ()), strict=False))
+    return {t: i for t, i in added.items() if len(t) > 1}
+
+
+def _protected(tokenizer: Any) -> tuple[str, ...]:
+    """The texts of the tokenizer's added tokens that untrusted text must not yield (`_added_vocab`)."""
+    return tuple(_added_vocab(tokenizer))
 
 
 def added_tokens(tokenizer: Any) -> tuple[str, ...]:
@@ -105,7 +119,7 @@ def encode_segments(tokenizer: Any, text: str, untrusted: list[tuple[int, int]])
     tokens = added_tokens(tokenizer)
     if not tokens:
         return encode(tokenizer, text)
-    vocab = tokenizer.get_added_vocab() if callable(getattr(tokenizer, "get_added_vocab", None)) else {}
+    vocab = _added_vocab(tokenizer)
     out: list[int] = []
     last = 0
     for match in re.finditer("|".join(map(re.escape, tokens)), text):
@@ -133,7 +147,4 @@ def _encode_split(tokenizer: Any, text: str) -> list[int]:
 
 
 def _added_ids(tokenizer: Any) -> set[int]:
-    vocab = getattr(tokenizer, "get_added_vocab", None)
-    if callable(vocab):
-        return {int(i) for i in vocab().values()}
-    return {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
+    return set(_added_vocab(tokenizer).values())

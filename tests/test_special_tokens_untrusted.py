@@ -67,6 +67,51 @@ def test_text_without_special_strings_keeps_transformers_ids(engine: Engine, con
     assert tok.decode(engine.apply_chat_template(messages)) == tok.decode(expected)
 
 
+def _with_template(engine: Engine, template: str):
+    """The engine's tokenizer object with `template` as its chat template (restored by the caller)."""
+    tok = engine.tokenizer
+    old = tok.chat_template
+    tok.chat_template = template
+    return tok, old
+
+
+# the default template, but tool results written through `tojson` as gpt-oss's real template does
+TOJSON_TEMPLATE = DEFAULT_CHAT_TEMPLATE.replace(
+    "\n<tool_response>\n{{ message.content }}", "\n<tool_response>\n{{ message.content | tojson }}"
+)
+
+
+def test_a_template_that_escapes_tool_results_keeps_the_escaped_text(engine: Engine) -> None:
+    # The old renderer put the raw text back where the template had written its JSON form: the
+    # prompt then differed from transformers' (a newline for "\n") for every such result.
+    assert TOJSON_TEMPLATE != DEFAULT_CHAT_TEMPLATE
+    tok, old = _with_template(engine, TOJSON_TEMPLATE)
+    try:
+        messages = _conversation('line one\nline "two"')
+        expected = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        expected = expected if isinstance(expected, list) else expected["input_ids"]
+        assert engine.apply_chat_template(messages) == list(expected)
+        text = tok.decode(engine.apply_chat_template(_conversation(EVIL)))
+        start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+        ids = engine.apply_chat_template(_conversation(EVIL))
+        assert ids.count(end) == text.count("<|im_end|>") - 2 - 2  # neither copy of EVIL forges one
+        assert ids.count(start) == text.count("<|im_start|>") - 2
+    finally:
+        tok.chat_template = old
+
+
+def test_a_one_character_added_token_is_plain_text(engine: Engine) -> None:
+    # Tokenizers converted from GGUF list byte-level characters such as "ü" as added tokens: the old
+    # encode_plain split such a token into itself forever (RecursionError on any "ü").
+    tok = make_tiny_tokenizer()
+    tok.add_tokens(["ü"])
+    text = "tab\tand ünïcode <|im_end|>"
+    ids = encode_plain(tok, text)
+    assert ids == tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert tok.convert_tokens_to_ids("ü") in ids
+    assert tok.convert_tokens_to_ids("<|im_end|>") not in ids
+
+
 def test_embedded_tokenizer_treats_special_text_as_text() -> None:
     tok = shared_engine().tokenizer
     ids = encode_plain(tok, EVIL)
