@@ -20,6 +20,8 @@ PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
 INDEX = f"https://pypi.org/pypi/{PACKAGE}/json"
 CACHE = Path(platformdirs.user_cache_dir("freetoken-tests")) / f"llama.cpp-templates-{VERSION}"
+VOCABS = ("ggml-vocab-qwen2.gguf", "ggml-vocab-deepseek-llm.gguf")
+"""The sdist's real tokenizer vocabularies kept beside the templates (`real_tokenizers.py`)."""
 
 
 def model_with_template(name: str, family: str | None = None) -> Any:
@@ -46,6 +48,16 @@ def real_template(name: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
+def real_vocab(name: str) -> Path:
+    """The path of the sdist's `models/{name}` vocabulary GGUF (skips the test when unavailable)."""
+    path = CACHE / name
+    if not path.is_file():
+        _fetch()
+    if not path.is_file():
+        pytest.skip(f"{name} is not in {PACKAGE} {VERSION}")
+    return path
+
+
 def _fetch() -> None:
     try:
         meta = json.load(urllib.request.urlopen(INDEX, timeout=30))
@@ -57,6 +69,8 @@ def _fetch() -> None:
     CACHE.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data)) as archive:
         for member in archive.getmembers():
-            if "/models/templates/" in member.name and member.name.endswith(".jinja") and member.isfile():
+            name = Path(member.name).name
+            wanted = name.endswith(".jinja") and "/models/templates/" in member.name
+            if member.isfile() and (wanted or name in VOCABS):
                 text = archive.extractfile(member).read()  # type: ignore[union-attr]
-                (CACHE / Path(member.name).name).write_bytes(text)
+                (CACHE / name).write_bytes(text)
