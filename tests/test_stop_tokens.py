@@ -70,3 +70,39 @@ def test_a_garbled_generation_config_is_a_checkpoint_error_at_load(qwen3_like, t
     (folder / "generation_config.json").write_text(text)
     with pytest.raises(CheckpointError, match=says):
         Engine.from_pretrained(folder)
+
+
+# gpt-oss's generation_config.json as published: eos_token_id [<|return|>, <|endoftext|>, <|call|>]
+# (200002, 199999, 200012 in o200k_harmony); here the same tokens by name in the tiny tokenizer.
+HARMONY_EOS = ("<|return|>", "<|endoftext|>", "<|call|>")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_like(tiny_checkpoint, tmp_path_factory) -> Path:
+    from real_templates import real_template
+    from real_tokenizers import HARMONY_SPECIAL
+
+    folder = tmp_path_factory.mktemp("gpt-oss-like") / "model"
+    shutil.copytree(tiny_checkpoint("gpt_oss"), folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(HARMONY_SPECIAL)})
+    tokenizer.chat_template = real_template("openai-gpt-oss-120b")
+    tokenizer.save_pretrained(folder)
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in HARMONY_EOS]
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": eos}))
+    return folder
+
+
+@pytest.mark.parametrize("token", ["<|call|>", "<|return|>"])
+def test_gpt_oss_call_and_return_end_the_turn(gpt_oss_like, token):
+    engine = Engine.from_pretrained(gpt_oss_like)
+    reference = transformers.GenerationConfig.from_pretrained(gpt_oss_like).eos_token_id
+    assert set(reference) <= set(engine.default_stop_token_ids())
+    model = FreeTokenModel(engine)
+    model.sync(model.render([{"role": "user", "content": "hi"}], None))
+    token_id = engine.tokenizer.convert_tokens_to_ids(token)
+    request = GenerateRequest(max_new_tokens=20, logit_bias={token_id: 100.0}, temperature=0.0)
+    done = list(model.generate(request))[-1]
+    assert done.kind == "done" and done.finish_reason == "stop"
+    assert model.usage().decoded <= 1  # it stopped at the harmony end token, not after 20 tokens
