@@ -1,7 +1,7 @@
 """FreeToken's MoE inference engine.
 
 from freetoken_agents.engine import Engine
-engine = Engine.from_pretrained("path/to/hf-checkpoint")
+engine = Engine.from_pretrained("path/to/hf-checkpoint")   # or an .ftw file, or a Hub id "org/name"
 with engine.new_session() as s:
     logits = s.prefill([1, 2, 3])      # [T, V]
     logits = s.decode(4)               # [V]
@@ -25,10 +25,12 @@ from .errors import (
     FTWFormatError,
     InvalidTokenError,
     MemoryBudgetError,
+    ModelNotFoundError,
     UnsupportedModelError,
 )
 from .experts import ExpertProvider, ExpertWeights, InMemoryExpertProvider
 from .generate import GenerationResult, SamplingParams, TokenEvent
+from .hub import HubId, is_hub_id, parse_hub_id, resolve_model
 from .int8 import EXPERT_QUANTS
 from .memory import MemoryBudget
 from .options import PLACEMENTS, EngineOptions, Placement, TieringOptions
@@ -60,10 +62,12 @@ __all__ = [
     "ExpertWeights",
     "FTWFormatError",
     "GenerationResult",
+    "HubId",
     "InMemoryExpertProvider",
     "InvalidTokenError",
     "MemoryBudget",
     "MemoryBudgetError",
+    "ModelNotFoundError",
     "PLACEMENTS",
     "Placement",
     "ModelSpec",
@@ -74,5 +78,8 @@ __all__ = [
     "TokenEvent",
     "UnsupportedModelError",
     "encode_plain",
+    "is_hub_id",
+    "parse_hub_id",
     "render_chat",
+    "resolve_model",
 ]

@@ -21,6 +21,7 @@ from .chat import render_chat_spans
 from .errors import EngineError
 from .experts import ExpertProvider
 from .generate import GenerationResult, SamplingParams, TokenEvent, stream_tokens
+from .hub import resolve_model
 from .int8 import check_quant_options
 from .kv import DEFAULT_BLOCK_SIZE, BlockPool, bytes_per_block
 from .memory import MemoryBudget
@@ -116,8 +117,10 @@ class Engine:
         progress: bool = True,
         tiering: TieringOptions | None = None,
     ) -> Engine:
-        """Load a Hugging Face checkpoint folder (config.json + *.safetensors [+ tokenizer]) or an
-        FTW file, with its experts where `placement` and `memory` say (`options.EngineOptions`
+        """Load a Hugging Face checkpoint folder (config.json + *.safetensors [+ tokenizer]), an
+        FTW file, or a Hugging Face Hub id ``org/name[@revision][:QUANT]`` (fetched into the
+        huggingface_hub cache, `hub.resolve_model`; an existing local path of the same spelling
+        wins), with its experts where `placement` and `memory` say (`options.EngineOptions`
         documents every option; `assemble.py` is where the engine is built).
 
             memory: byte budgets: fast_bytes (tier 1 + KV cache), host_bytes (tier 2), kv_bytes
@@ -135,7 +138,8 @@ class Engine:
                 1 on a GPU too); "none" decodes every codec to `dtype`. dense_quant: a
                 subset of ("attention", "lm_head").
 
-        Raises CheckpointError (missing/garbled files or tensors), FTWFormatError (a corrupted,
+        Raises CheckpointError (missing/garbled files or tensors; its ModelNotFoundError: a Hub id
+        that cannot be fetched: missing, gated, offline with nothing cached), FTWFormatError (a corrupted,
         truncated or foreign FTW file), UnsupportedModelError (unknown model_type), EngineError
         (bad options: an unknown or absent device, an unknown quant or placement),
         MemoryBudgetError (a budget below what one layer needs, naming the smallest that works).
@@ -156,8 +160,9 @@ class Engine:
 
     @classmethod
     def from_options(cls, path: str | Path, options: EngineOptions) -> Engine:
-        """`from_pretrained` with the options already validated (what every front end passes)."""
-        return assemble(cls, path, options)
+        """`from_pretrained` with the options already validated (what every front end passes).
+        A Hub id is resolved here, once, to local files (`hub.resolve_model`)."""
+        return assemble(cls, resolve_model(path, progress=options.progress), options)
 
     def use_expert_provider(self, provider: ExpertProvider) -> None:
         """Route every MoE layer through `provider`, a wrapper of the current one (routing

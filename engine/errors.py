@@ -15,6 +15,20 @@ class CheckpointError(EngineError):
     """A checkpoint folder or file is missing, incomplete or inconsistent with its config."""
 
 
+class ModelNotFoundError(CheckpointError):
+    """A Hugging Face Hub id (``org/name[@revision][:QUANT]``) could not be resolved to local files
+    (`hub.resolve_model`): the repo or revision does not exist or is private, the repo is gated
+    and this account has no access, the files are not cached while offline (HF_HUB_OFFLINE=1) or
+    the Hub cannot be reached, the repo holds no weights the engine loads, or a ``:QUANT`` matches
+    no file or several. The message is one line naming the id and what to do (log in, unset
+    HF_HUB_OFFLINE, check the id, pick a quant). `model_id`: the id as spelled.
+    """
+
+    def __init__(self, message: str, *, model_id: str) -> None:
+        super().__init__(message)
+        self.model_id = model_id
+
+
 class UnsupportedModelError(EngineError):
     """The checkpoint's `model_type` has no architecture adapter."""
 

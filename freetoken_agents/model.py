@@ -149,8 +149,10 @@ class FreeTokenModel:
         validate: str | None = None,
         **engine_options: Any,
     ) -> FreeTokenModel:
-        """Load `path` with `Engine.from_pretrained(path, **engine_options)` (device, dtype,
-        memory, placement, ... passed unchanged) and wrap it. `.engine` is the loaded engine."""
+        """Load `path` (a checkpoint folder, an .ftw file, or a Hugging Face Hub id
+        ``org/name[@revision][:QUANT]``) with `Engine.from_pretrained(path, **engine_options)`
+        (device, dtype, memory, placement, ... passed unchanged) and wrap it. `.engine` is the
+        loaded engine."""
         from freetoken_agents.engine import Engine
 
         engine = Engine.from_pretrained(path, **engine_options)

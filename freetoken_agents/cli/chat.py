@@ -28,7 +28,7 @@ from ..recipes._common import (
     use_threads,
 )
 from .argtypes import non_negative_float
-from .common import CLIError, show_progress, sync_with_progress, write
+from .common import CLIError, model_label, show_progress, sync_with_progress, write
 
 HELP = """commands:
   /anchor [label]       place an anchor after the last turn
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     session = ChatSession(FreeTokenModel.from_pretrained(path, **options.as_kwargs()), args)
     interactive = sys.stdin.isatty()
     if interactive:
-        write(f"chatting with {path.name}; /help for commands\n")
+        write(f"chatting with {model_label(args.model, path)}; /help for commands\n")
     while True:
         if interactive:
             write("you> ")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 PREFILL_CHUNK = 512
@@ -20,6 +21,14 @@ def write(text: str) -> None:
     """CLI output: stdout, flushed at once (streamed tokens show as they come)."""
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def model_label(model: str | None, path: Path) -> str:
+    """How a command names its model: a Hugging Face Hub id as given (``org/name[@revision]``),
+    else the file or folder name of `path` (what `model` resolved to locally)."""
+    from ..engine import is_hub_id
+
+    return model if model is not None and is_hub_id(model) else path.name
 
 
 def show_progress(no_progress: bool = False) -> bool:

@@ -21,7 +21,7 @@ from ..recipes._printing import AgentPrinter, CodingPrinter, answer_block, trace
 from ..recipes.coding_assistant import CodingResult, solve
 from ..recipes.tiny import world
 from ..recipes.tiny.coding import code_task
-from .common import write
+from .common import model_label, write
 
 DEMO_SEED = 12
 """The one constant that picks the demo's held-out question and coding tasks."""
@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     path = model_path(args.model)
     model = FreeTokenModel.from_pretrained(path, **engine_options(args).as_kwargs())
     which = "the embedded model" if args.model is None else "model"
-    write(f"FreeToken demo: {which} {path.name}, loaded in {time.perf_counter() - t0:.1f} s\n\n")
+    label = model_label(args.model, path)
+    write(f"FreeToken demo: {which} {label}, loaded in {time.perf_counter() - t0:.1f} s\n\n")
     agent_outcome = _agent_part(model, args.seed, args.max_new_tokens)
     results = _coding_part(model, args.seed, args.tasks, args.attempts, args.max_new_tokens)
     passed = sum(r.passed for r in results)

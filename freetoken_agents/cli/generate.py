@@ -14,7 +14,11 @@ from .common import PREFILL_CHUNK, CLIError, prefill_session, show_progress, wri
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt, streaming tokens to stdout")
-    p.add_argument("model", nargs="?", help="Hugging Face checkpoint folder or .ftw file (default: embedded)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        help="Hugging Face checkpoint folder, .ftw file, or Hub id org/name[@revision] (default: embedded)",
+    )
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")

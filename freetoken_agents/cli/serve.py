@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..parsers import PARSERS
 from ..recipes._common import add_engine_arguments, engine_options, positive_int, use_threads
-from .common import CLIError
+from .common import CLIError, model_label
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--model",
         default=None,
         metavar="PATH",
-        help="Hugging Face checkpoint folder or .ftw file (default: the embedded model)",
+        help="Hugging Face checkpoint folder, .ftw file, or Hub id org/name[@revision] (default: the "
+        "embedded model)",
     )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
@@ -43,7 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "tenant, prefix reuse never crosses keys",
     )
     p.add_argument(
-        "--served-model-name", default=None, help="the model id clients pass (default: the file name)"
+        "--served-model-name",
+        default=None,
+        help="the model id clients pass (default: the Hub id as given, else the file name)",
     )
     p.add_argument(
         "--max-queue", type=positive_int, default=16, help="requests that may wait for the engine (then 429)"
@@ -100,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     use_threads(args.threads, args.model)
     path = Path(args.model) if args.model is not None else default_model()
     engine = Engine.from_options(path, engine_options(args))
-    name = args.served_model_name or (path.stem if path.suffix == ".ftw" else path.name)
+    name = args.served_model_name or served_name(args.model, path)
     config = ServerConfig(
         model_name=name,
         api_key=api_key,
@@ -118,6 +121,13 @@ def run(args: argparse.Namespace) -> int:
         limit_concurrency=args.limit_concurrency,
     )
     return 0
+
+
+def served_name(model: str | None, path: Path) -> str:
+    """The model id the server reports by default: a Hub id as given (``org/name[@revision]``),
+    else the file's stem (.ftw) or the folder's name."""
+    label = model_label(model, path)
+    return path.stem if label == path.name and path.suffix == ".ftw" else label
 
 
 def _loopback(host: str) -> bool:

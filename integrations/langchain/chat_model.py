@@ -36,7 +36,7 @@ _END = object()
 
 
 class ChatFreeToken(BaseChatModel):
-    """A FreeToken model (Hugging Face checkpoint folder or .ftw file) as a LangChain chat model.
+    """A FreeToken model (Hugging Face checkpoint folder, .ftw file or Hub id) as a LangChain chat model.
 
     Construction is cheap: the engine loads on the first call and is shared by every instance
     with the same path and load options. Prompts are rendered with the checkpoint's chat
@@ -52,7 +52,9 @@ class ChatFreeToken(BaseChatModel):
     model_config = ConfigDict(populate_by_name=True, extra="ignore", arbitrary_types_allowed=True)
 
     model: str = Field(alias="model_name")
-    """Path of a Hugging Face checkpoint folder or an .ftw file (also accepted as `model_name`)."""
+    """Path of a Hugging Face checkpoint folder or an .ftw file, or a Hugging Face Hub id
+    ``org/name[@revision]`` (fetched into the huggingface_hub cache on the first call; a local path
+    of the same spelling wins); also accepted as `model_name`."""
     temperature: float = 0.0
     """Sampling temperature; 0 is greedy."""
     max_tokens: int | None = 256

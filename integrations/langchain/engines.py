@@ -1,4 +1,4 @@
-"""A process-wide cache of loaded engines, keyed by model path and load options.
+"""A process-wide cache of loaded engines, keyed by model path (or Hub id) and load options.
 
 LangChain constructs chat models often (per request, per agent step, thousands of times in its
 standard test suite), so `ChatFreeToken(...)` must not load weights. The first generation calls
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from freetoken_agents.engine import Engine, EngineOptions
+from freetoken_agents.engine import Engine, EngineOptions, is_hub_id
 
 from ..prefix_cache import PrefixCache
 from .backend import LangChainBackend
@@ -44,9 +44,10 @@ _LOAD_LOCK = threading.Lock()
 
 
 def engine_key(path: str | Path, options: EngineOptions, family: str | None = None) -> tuple:
-    """The cache key: resolved path, the engine options (everything that changes what gets
-    loaded) and the tool-call family the backend parses."""
-    resolved = str(Path(path).expanduser().resolve())
+    """The cache key: resolved path (a Hugging Face Hub id, `org/name[@revision]`, as spelled: the
+    engine fetches it), the engine options (everything that changes what gets loaded) and the
+    tool-call family the backend parses."""
+    resolved = str(path) if is_hub_id(path) else str(Path(path).expanduser().resolve())
     return (resolved, options.key(), family)
 
 
@@ -57,7 +58,7 @@ def shared_engine(
     family: str | None = None,
     max_anchors: int = 32,
 ) -> EngineHandle:
-    """The shared handle for `path` (an HF checkpoint folder or an .ftw file) loaded with
+    """The shared handle for `path` (an HF checkpoint folder, an .ftw file or a Hub id) loaded with
     `options` (`freetoken_agents.engine.EngineOptions`: device, dtype, memory, placement...,
     passed to `Engine.from_options` unchanged), loading on first use.
 
