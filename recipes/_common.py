@@ -49,7 +49,8 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         metavar="PATH",
-        help="Hugging Face checkpoint folder or .ftw file (default: the embedded model)",
+        help="Hugging Face checkpoint folder, .ftw file, or Hub id org/name[@revision] "
+        "(default: the embedded model)",
     )
     add_engine_arguments(parser)
 
