@@ -25,6 +25,7 @@ from .errors import CheckpointError, EngineError
 from .experts import ExpertProvider, InMemoryExpertProvider
 from .ftw.cache import cached_ftw, lossless_quant
 from .ftw.load import load_ftw
+from .gguf.reader import is_gguf_path
 from .hf_folder import expert_source_dtype, load_hf_dense, load_hf_experts, load_hf_tokenizer
 from .int8 import check_quant_options, quantize_dense
 from .memory import TieredExpertProvider
@@ -66,6 +67,8 @@ def assemble(engine_cls: type[Engine], path: str | Path, options: EngineOptions)
     dev = str(device)
     dtype = options.dtype
     expert_quant, dense_quant = check_quant_options(options.expert_quant, options.dense_quant)
+    if is_gguf_path(path):  # llama.cpp weights: converted once into the FTW cache, then an FTW file
+        path = _converted_gguf(path, options)
     ftw_path: Path | None = None
     loaded_ftw = None
     hf = None
@@ -145,6 +148,27 @@ def _converted(hf: Any, folder: Path, dtype: torch.dtype, options: EngineOptions
         raise EngineError(f"cannot convert {folder} for tiered placement: {e}") from e
     except OSError as e:
         raise CheckpointError(f"cannot write the converted checkpoint of {folder}: {e}") from e
+
+
+def _converted_gguf(path: Path, options: EngineOptions) -> Path:
+    """The cached FTW conversion of a GGUF file (each expert weight in its own precision class,
+    unless `options.quant` names one codec for all)."""
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {path} does not exist")
+    try:
+        entry = cached_ftw(
+            path,
+            quant=options.quant or "source",
+            dense_dtype=None,
+            cache_dir=options.cache_dir,
+            progress=options.progress,
+        )
+    except ValueError as e:
+        raise EngineError(f"cannot convert {path}: {e}") from e
+    except OSError as e:
+        raise CheckpointError(f"cannot write the converted model of {path}: {e}") from e
+    logger.info("%s is served from its FTW conversion %s", path, entry)
+    return entry
 
 
 def _tiered_provider(

@@ -77,10 +77,11 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_registry() -> None:
-    assert CODECS == ("fp32", "bf16", "fp8_e4m3", "int8", "mxfp4")
+    assert CODECS == ("fp32", "bf16", "fp8_e4m3", "int8", "mxfp4", "int8_b32", "uint4_b32")
     for name in CODECS:
         assert get_codec(name).name == name
-    with pytest.raises(ValueError, match="known codecs: fp32, bf16, fp8_e4m3, int8, mxfp4"):
+    known = "known codecs: fp32, bf16, fp8_e4m3, int8, mxfp4, int8_b32, uint4_b32"
+    with pytest.raises(ValueError, match=known):
         get_codec("nf4")
 
 

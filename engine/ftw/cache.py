@@ -29,6 +29,11 @@ be resident is converted on its first tiered load, with a progress bar, into
   which is not covered here (the engine fingerprint hashes the files it serves regardless).
 - Concurrency: conversions of one entry are serialised across processes by a file lock
   (`filelock`).
+- GGUF sources (`Engine.from_pretrained("x.gguf")`): the same cache, keyed on the GGUF file(s)
+  (name, size, the first MiB: magic, metadata and tensor directory) and the quant (``"source"``,
+  the default, keeps each expert weight's precision class, `gguf.convert`); the source record and
+  its checks cover every part of a split GGUF in place of the ``*.safetensors`` files, and the
+  entry is built by `gguf.convert_gguf`.
 """
 
 from __future__ import annotations
@@ -76,9 +81,31 @@ def _safetensors_header(path: Path) -> bytes:
         return head + f.read(min(n, 100 * 2**20))
 
 
+def _weight_files(source: Path) -> list[Path]:
+    """The files a conversion reads weights from: the GGUF parts, or the folder's safetensors."""
+    if source.is_file():
+        from ..gguf.reader import gguf_parts
+
+        return gguf_parts(source)
+    return sorted(source.glob("*.safetensors"))
+
+
+def _file_head(path: Path) -> bytes:
+    """What identifies a weights file cheaply: a safetensors header, or a GGUF file's first MiB."""
+    if path.suffix.lower() == ".gguf":
+        with open(path, "rb") as f:
+            return f.read(2**20)
+    return _safetensors_header(path)
+
+
 def checkpoint_key(folder: Path) -> str:
-    """A short hex key of the checkpoint folder's identity (see the module docstring)."""
+    """A short hex key of the checkpoint folder's (or GGUF file's) identity (see the module docstring)."""
     h = hashlib.sha256(KEY_VERSION)
+    if folder.is_file():
+        for path in _weight_files(folder):
+            h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+            h.update(hashlib.sha256(_file_head(path)).digest())
+        return h.hexdigest()[:20]
     for name in ("config.json", *EMBEDDED_FILES):
         path = folder / name
         if path.is_file():
@@ -112,19 +139,28 @@ def cached_ftw(
     folder: Path,
     *,
     quant: str,
-    dense_dtype: torch.dtype,
+    dense_dtype: torch.dtype | None,
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
 ) -> Path:
     """The verified FTW conversion of `folder` with expert codec `quant`, converting (and
-    verifying) it first when the cache has no sound entry. ValueError for an unknown quant;
-    the converter's CheckpointError / UnsupportedModelError for a bad folder."""
-    if quant not in QUANTS:
-        raise ValueError(f"unknown quant {quant!r}; expected one of {', '.join(QUANTS)}")
+    verifying) it first when the cache has no sound entry. `folder` may be a GGUF file (quant
+    "source" or a `QUANT_CODECS` name). ValueError for an unknown quant; the converter's
+    CheckpointError / UnsupportedModelError for a bad folder or file."""
     folder = Path(folder).resolve()
+    gguf = folder.is_file()
+    if gguf:
+        from ..gguf.convert import GGUF_QUANTS
+
+        if quant not in GGUF_QUANTS:
+            raise ValueError(
+                f"unknown quant {quant!r} for a GGUF file; expected one of {', '.join(GGUF_QUANTS)}"
+            )
+    elif quant not in QUANTS:
+        raise ValueError(f"unknown quant {quant!r}; expected one of {', '.join(QUANTS)}")
     root = cache_root(cache_dir)
     root.mkdir(parents=True, exist_ok=True)
-    dense = str(dense_dtype).removeprefix("torch.")
+    dense = "source" if dense_dtype is None else str(dense_dtype).removeprefix("torch.")
     entry = root / f"{folder.name}-{checkpoint_key(folder)}-{quant}-{dense}.ftw"
     with FileLock(str(entry) + ".lock"):
         if entry.exists() and not _source_current(entry, folder):
@@ -141,7 +177,12 @@ def cached_ftw(
         logger.info("converting %s to FTW (%s experts) into the cache: %s", folder, quant, entry)
         _remove(entry)
         record = _source_record(folder, with_content=True)
-        convert_checkpoint(folder, entry, quant=quant, dense_dtype=dense_dtype, progress=progress)
+        if gguf:
+            from ..gguf.convert import convert_gguf
+
+            convert_gguf(folder, entry, quant=quant, dense_dtype=dense_dtype, progress=progress)
+        else:
+            convert_checkpoint(folder, entry, quant=quant, dense_dtype=dense_dtype, progress=progress)
         if _identities(_source_record(folder, with_content=False)) != _identities(record):
             _remove(entry)
             raise FTWFormatError(f"{folder} changed while it was converted; load it again")
@@ -188,14 +229,14 @@ def _content_hash(path: Path) -> str:
 def _source_record(folder: Path, *, with_content: bool) -> dict[str, dict[str, object]]:
     """Per weights file: identity (size, mtime, ctime, inode, header hash) and, if asked, content."""
     record: dict[str, dict[str, object]] = {}
-    for path in sorted(folder.glob("*.safetensors")):
+    for path in _weight_files(folder):
         st = path.stat()
         item: dict[str, object] = {
             "size": st.st_size,
             "mtime_ns": st.st_mtime_ns,
             "ctime_ns": st.st_ctime_ns,
             "inode": st.st_ino,
-            "header": hashlib.sha256(_safetensors_header(path)).hexdigest(),
+            "header": hashlib.sha256(_file_head(path)).hexdigest(),
         }
         if with_content:
             item["xxh3_128"] = _content_hash(path)

@@ -23,6 +23,17 @@ Schemes (`CODECS`):
   multiple of 32: other sizes raise `ValueError` (no silent padding, so shapes on disk always equal
   logical shapes). Encode picks per block the smallest ``e`` (clamped to [-127, 127]) with
   ``amax <= 6 * 2**e``, then rounds each ``x / 2**e`` to the nearest E2M1 value, ties to the even code.
+- ``"int8_b32"``: symmetric int8 with one fp16 scale per 32 input values (GGUF's Q8_0 exactly), 2-D,
+  input dim a multiple of 32. ``weight`` int8 ``[out, in]`` and ``scale`` float16 ``[out, in/32]``;
+  dequant ``weight * scale`` in float32 (exact: 8-bit times 11-bit significands). Encode sets
+  ``scale = fp16(amax(block) / 127)`` (1.0 for an all-zero block) and rounds ``x / scale``.
+- ``"uint4_b32"``: affine 4-bit, one float32 scale and min per 32 input values, 2-D, input dim a
+  multiple of 32. ``blocks`` uint8 ``[out, in/32, 16]`` (codes 0..15, two per byte, LOW nibble = even
+  index, as ``"mxfp4"``), ``scales`` and ``mins`` float32 ``[out, in/32]``; dequant
+  ``code * scale + min`` in float32. Holds GGUF's Q4_0 (``scale = d``, ``min = -8 d``), Q4_1
+  (``scale = d``, ``min = m``) and Q4_K (``scale = d * sc``, ``min = -(dmin * m)``, products of an fp16
+  and a 6-bit integer, exact in float32) with the values llama.cpp computes, bit for bit. Encode takes
+  each block's min and ``scale = (max - min) / 15`` and rounds ``(x - min) / scale``.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ __all__ = [
     "FP8_BLOCK",
     "MXFP4_BLOCK",
     "MXFP4_VALUES",
+    "QBLOCK",
     "decode",
     "encode",
     "get_codec",
@@ -58,6 +70,8 @@ MXFP4_BLOCK = 32
 """Number of consecutive input-dim values that share one E8M0 scale."""
 MXFP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """E2M1 code (0..15) -> value."""
+QBLOCK = 32
+"""Number of consecutive input-dim values that share one scale in ``"int8_b32"`` and ``"uint4_b32"``."""
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 Shape = tuple[int, ...]
@@ -358,8 +372,108 @@ class MXFP4Codec(Codec):
         return x if work == dtype else x.to(dtype)
 
 
+def _check_blocked(shape: Shape, codec: str) -> tuple[int, int]:
+    out, inp = _check_2d(shape, codec)
+    if inp % QBLOCK:
+        raise ValueError(
+            f"codec {codec!r} needs the input dim to be a multiple of {QBLOCK}, got shape {list(shape)}; "
+            "store this tensor with another codec (e.g. 'bf16' or 'int8')"
+        )
+    return out, inp
+
+
+class Int8Block32Codec(Codec):
+    """Symmetric int8 with one fp16 scale per 32 input values (GGUF Q8_0's values, exactly)."""
+
+    name = "int8_b32"
+
+    def part_specs(self, shape: Shape) -> dict[str, tuple[torch.dtype, Shape]]:
+        out, inp = _check_blocked(shape, self.name)
+        return {"weight": (torch.int8, (out, inp)), "scale": (torch.float16, (out, inp // QBLOCK))}
+
+    def encode(self, tensor: torch.Tensor) -> EncodedTensor:
+        t = _check_float_input(tensor, self.name)
+        out, inp = _check_blocked(tuple(t.shape), self.name)
+        x = t.to(torch.float32).reshape(out, inp // QBLOCK, QBLOCK)
+        if not torch.isfinite(x).all():
+            raise ValueError(f"codec {self.name!r}: input has NaN or inf values")
+        amax = x.abs().amax(dim=-1)
+        scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).to(torch.float16)
+        scale = torch.where(scale > 0, scale, torch.full_like(scale, 2.0**-24))  # fp16 underflow
+        q = torch.round(x / scale.float()[..., None]).clamp_(-127, 127).to(torch.int8)
+        return EncodedTensor(self.name, (out, inp), {"weight": q.reshape(out, inp), "scale": scale})
+
+    def decode(self, enc: EncodedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        _check_out_dtype(dtype, self.name)
+        out, inp = _check_2d(enc.shape, self.name)
+        x = enc.parts["weight"].to(torch.float32).view(out, inp // QBLOCK, QBLOCK)
+        x.mul_(enc.parts["scale"].to(torch.float32)[..., None])
+        x = x.view(out, inp)
+        return x if dtype == torch.float32 else x.to(dtype)
+
+
+def unpack_nibbles(blocks: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., n]`` (LOW nibble = even index) -> uint8 codes ``[..., 2n]``."""
+    return torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[..., 2n]`` in 0..15 -> uint8 ``[..., n]`` (LOW nibble = even index)."""
+    pairs = codes.to(torch.uint8).unflatten(-1, (-1, 2))
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+
+
+class UInt4Block32Codec(Codec):
+    """Affine 4-bit codes with one fp32 scale and min per 32 input values (GGUF Q4_0/Q4_1/Q4_K)."""
+
+    name = "uint4_b32"
+
+    def part_specs(self, shape: Shape) -> dict[str, tuple[torch.dtype, Shape]]:
+        out, inp = _check_blocked(shape, self.name)
+        nb = inp // QBLOCK
+        return {
+            "blocks": (torch.uint8, (out, nb, QBLOCK // 2)),
+            "scales": (torch.float32, (out, nb)),
+            "mins": (torch.float32, (out, nb)),
+        }
+
+    def encode(self, tensor: torch.Tensor) -> EncodedTensor:
+        t = _check_float_input(tensor, self.name)
+        out, inp = _check_blocked(tuple(t.shape), self.name)
+        x = t.to(torch.float32).reshape(out, inp // QBLOCK, QBLOCK)
+        if not torch.isfinite(x).all():
+            raise ValueError(f"codec {self.name!r}: input has NaN or inf values")
+        lo, hi = x.amin(dim=-1), x.amax(dim=-1)
+        scale = (hi - lo) / 15.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round((x - lo[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8)
+        return EncodedTensor(
+            self.name,
+            (out, inp),
+            {"blocks": pack_nibbles(codes), "scales": scale.contiguous(), "mins": lo.contiguous()},
+        )
+
+    def decode(self, enc: EncodedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        _check_out_dtype(dtype, self.name)
+        out, inp = _check_2d(enc.shape, self.name)
+        x = unpack_nibbles(enc.parts["blocks"]).to(torch.float32)  # [out, nb, 32]
+        x.mul_(enc.parts["scales"].to(torch.float32)[..., None])
+        x.add_(enc.parts["mins"].to(torch.float32)[..., None])
+        x = x.view(out, inp)
+        return x if dtype == torch.float32 else x.to(dtype)
+
+
 _REGISTRY: dict[str, Codec] = {
-    c.name: c for c in (FP32Codec(), BF16Codec(), FP8E4M3Codec(), Int8Codec(), MXFP4Codec())
+    c.name: c
+    for c in (
+        FP32Codec(),
+        BF16Codec(),
+        FP8E4M3Codec(),
+        Int8Codec(),
+        MXFP4Codec(),
+        Int8Block32Codec(),
+        UInt4Block32Codec(),
+    )
 }
 CODECS: tuple[str, ...] = tuple(_REGISTRY)
 """Names of all known codecs."""

@@ -23,10 +23,11 @@ What goes into the file:
   projections, see `Adapter.layer_experts_encoded`). A weight a codec cannot represent (MXFP4 needs
   the input dim to be a multiple of 32) is stored in `FALLBACK_CODEC` with a warning.
 
-Quant modes (`QUANTS`): ``fp32 | bf16 | fp8 | int8 | mxfp4`` apply one codec to every expert;
-``auto`` measures routing frequency (`calibrate.py`) and stores each layer's hottest experts in
-``AutoPolicy.hot_codec`` and the rest in ``AutoPolicy.cold_codec``. The policy, the measured
-selection counts and the hot sets are recorded in the manifest metadata under ``"auto"``.
+Quant modes (`QUANTS`): ``fp32 | bf16 | fp8 | int8 | mxfp4 | int8_b32 | uint4_b32`` apply one codec
+to every expert; ``auto`` measures routing frequency (`calibrate.py`) and stores each layer's
+hottest experts in ``AutoPolicy.hot_codec`` and the rest in ``AutoPolicy.cold_codec``. The policy,
+the measured selection counts and the hot sets are recorded in the manifest metadata under
+``"auto"``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ QUANT_CODECS: dict[str, str] = {
     "fp8": "fp8_e4m3",
     "int8": "int8",
     "mxfp4": "mxfp4",
+    "int8_b32": "int8_b32",
+    "uint4_b32": "uint4_b32",
 }
 """``--quant`` value -> expert codec (``auto`` picks per expert)."""
 QUANTS: tuple[str, ...] = (*QUANT_CODECS, "auto")

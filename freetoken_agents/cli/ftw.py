@@ -1,4 +1,4 @@
-"""`freetoken convert HF_DIR OUT.ftw` and `freetoken inspect OUT.ftw [--verify]`."""
+"""`freetoken convert HF_DIR|MODEL.gguf OUT.ftw` and `freetoken inspect OUT.ftw [--verify]`."""
 
 from __future__ import annotations
 
@@ -6,22 +6,32 @@ import argparse
 import sys
 from collections import Counter, defaultdict
 
-from ..engine import check_device
+from ..engine import check_device, resolve_model
 from ..engine.ftw import CODECS, ExpertInfo, FTWFile
 from ..engine.ftw.calibrate import AutoPolicy
 from ..engine.ftw.convert import QUANTS, convert_checkpoint
 from ..engine.ftw.layout import ALIGNMENT
+from ..engine.gguf import SOURCE, convert_gguf, is_gguf_path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="convert a Hugging Face checkpoint folder into one .ftw file")
-    p.add_argument("hf_dir", help="Hugging Face checkpoint folder (config.json + *.safetensors)")
+    p = sub.add_parser(
+        "convert", help="convert a Hugging Face checkpoint folder or a GGUF file into one .ftw file"
+    )
+    p.add_argument(
+        "hf_dir",
+        metavar="SOURCE",
+        help="Hugging Face checkpoint folder (config.json + *.safetensors), a GGUF file (llama.cpp), "
+        "or a Hub id org/name[@revision][:QUANT]",
+    )
     p.add_argument("out", help="output .ftw file")
     p.add_argument(
         "--quant",
-        choices=QUANTS,
-        default="bf16",
-        help="expert codec; 'auto' keeps the most-routed experts in --hot-codec, the rest in --cold-codec",
+        choices=(*QUANTS, SOURCE),
+        default=None,
+        help="expert codec (default: bf16 for a folder; 'source' for a GGUF file, which keeps each "
+        "expert weight's precision: Q8_0 -> int8_b32, Q4_* -> uint4_b32, MXFP4 -> mxfp4); 'auto' "
+        "(folders) keeps the most-routed experts in --hot-codec, the rest in --cold-codec",
     )
     p.add_argument("--compress", action="store_true", help="zstd-compress every expert block")
     p.add_argument("--hot-fraction", type=float, default=0.25, help="auto: share of hot experts per layer")
@@ -46,11 +56,24 @@ def _progress(args: argparse.Namespace) -> bool:
 
 def run_convert(args: argparse.Namespace) -> int:
     check_device(args.device)  # a bad --device fails before any work, with or without --quant auto
+    source = resolve_model(args.hf_dir, progress=_progress(args))  # a Hub id: its files, fetched
+    if is_gguf_path(source):
+        report = convert_gguf(
+            source,
+            args.out,
+            quant=args.quant or SOURCE,
+            compress=args.compress,
+            progress=_progress(args),
+        )
+        print(report.summary())  # noqa: T201
+        return 0
+    if args.quant == SOURCE:
+        raise ValueError(f"--quant {SOURCE} is for GGUF files; pick a codec for {args.hf_dir}")
     policy = AutoPolicy(hot_fraction=args.hot_fraction, hot_codec=args.hot_codec, cold_codec=args.cold_codec)
     report = convert_checkpoint(
-        args.hf_dir,
+        source,
         args.out,
-        quant=args.quant,
+        quant=args.quant or "bf16",
         compress=args.compress,
         progress=_progress(args),
         auto_policy=policy,

@@ -1,0 +1,21 @@
+"""GGUF files (llama.cpp / Ollama weights) as a model source: converted once to FTW, then loaded.
+
+- `reader`: `GGUFSource`, the metadata and memory-mapped tensors of a GGUF model (split files too),
+  every failure of the `gguf` package turned into a one-line `CheckpointError` naming the file.
+- `config`: metadata -> the Hugging Face config of the model (qwen3moe, qwen2moe, llama with
+  experts = Mixtral, olmoe, gpt-oss).
+- `tensors`: engine weight -> GGUF tensor (gguf-py's name map, llama q/k un-permuted), experts per
+  layer in their kept codecs.
+- `quants`: GGUF blocks -> FTW codecs with the exact values (Q8_0 -> int8_b32, Q4_0/Q4_1/Q4_K ->
+  uint4_b32, MXFP4 -> mxfp4, other types dequantized to fp32).
+- `tokenizer`: tokenizer files, chat template and end-of-generation ids from ``tokenizer.*``.
+- `convert`: `convert_gguf`, the FTW writer (`freetoken convert x.gguf out.ftw`);
+  `ftw.cache.cached_ftw` keeps one conversion per GGUF file for `Engine.from_pretrained("x.gguf")`.
+"""
+
+from __future__ import annotations
+
+from .convert import GGUF_QUANTS, SOURCE, convert_gguf
+from .reader import GGUFSource, gguf_parts, is_gguf_path
+
+__all__ = ["GGUF_QUANTS", "GGUFSource", "SOURCE", "convert_gguf", "gguf_parts", "is_gguf_path"]

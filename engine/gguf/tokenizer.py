@@ -1,0 +1,49 @@
+"""The tokenizer and chat template a GGUF file describes, as the files an FTW manifest embeds.
+
+A GGUF has no tokenizer.json: the vocabulary, merges, special ids and the chat template are
+metadata (``tokenizer.ggml.*``, ``tokenizer.chat_template``). transformers builds the tokenizer from
+them (`PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)`, the same builder as
+`AutoTokenizer(..., gguf_file=...)`); its ``save_pretrained`` files (tokenizer.json,
+tokenizer_config.json, chat_template.jinja) go into the FTW file like an HF folder's, plus a
+generation_config.json whose ``eos_token_id`` lists llama.cpp's end-of-generation ids, so that
+`stop_tokens.read_generation_eos` ends turns on every one of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+
+from .config import eos_ids
+from .reader import GGUFSource
+
+logger = logging.getLogger(__name__)
+
+
+def tokenizer_files(src: GGUFSource) -> dict[str, bytes]:
+    """``{file name: bytes}`` to embed: the tokenizer built from the metadata (none, with a warning,
+    when transformers cannot build it: the model then runs on token ids) and generation_config.json."""
+    files: dict[str, bytes] = {}
+    eos = eos_ids(src)
+    if eos:
+        files["generation_config.json"] = json.dumps({"eos_token_id": eos}, indent=2).encode()
+    if src.array_length("tokenizer.ggml.tokens") is None:
+        logger.warning("%s: GGUF metadata has no tokenizer; the model runs on token ids only", src.path)
+        return files
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        tok = PreTrainedTokenizerFast.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
+    except Exception as e:  # transformers raises ValueError, KeyError, ... for what it cannot build
+        logger.warning(
+            "%s: cannot build the GGUF tokenizer (%s); the model runs on token ids only", src.path, e
+        )
+        return files
+    with tempfile.TemporaryDirectory(prefix="gguf-tokenizer-") as tmp:
+        tok.save_pretrained(tmp)
+        for path in sorted(Path(tmp).iterdir()):
+            if path.is_file():
+                files[path.name] = path.read_bytes()
+    return files

@@ -1,0 +1,166 @@
+"""GGUF files at the entry points: `freetoken convert x.gguf`, `Engine.from_pretrained("x.gguf")`
+through the FTW conversion cache, the tokenizer / chat template / eos ids from the metadata, and
+the named errors for bad files."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from gguf_models import write_gguf
+from tiny_models import EOS_TOKEN_ID
+
+from freetoken_agents.cli import main
+from freetoken_agents.engine import Engine
+from freetoken_agents.engine.errors import CheckpointError, UnsupportedModelError
+from freetoken_agents.engine.ftw import FTWFile
+from freetoken_agents.engine.gguf import convert_gguf
+
+TEXT = 'The quick brown fox <|im_start|>user calls get_weather {"city": "Paris"}<|im_end|>\n'
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_gguf("qwen3_moe", tmp_path_factory.mktemp("gguf"), expert_type="Q8_0")
+
+
+def test_cli_convert_gguf_keeps_expert_precision(tiny, tmp_path, capsys):
+    out = tmp_path / "m.ftw"
+    assert main(["convert", str(tiny.path), str(out)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert str(out) in line and "quant source" in line and "int8_b32 x48" in line
+    with FTWFile(out) as f:
+        assert f.metadata["source_format"] == "gguf" and f.metadata["gguf_architecture"] == "qwen3moe"
+        assert {"tokenizer.json", "chat_template.jinja", "generation_config.json"} <= set(f.tokenizer_files)
+    assert main(["convert", str(tiny.path), str(tmp_path / "b.ftw"), "--quant", "bf16"]) == 0
+    assert "bf16 x48" in capsys.readouterr().out
+
+
+def test_cli_convert_names_a_garbled_gguf(tmp_path, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    assert main(["convert", str(bad), str(tmp_path / "o.ftw")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("freetoken convert: error:") and str(bad) in err and "\n" not in err
+    assert not (tmp_path / "o.ftw").exists()
+
+
+def test_from_pretrained_gguf_is_cached_and_rebuilt_when_the_file_changes(tiny, tmp_path, monkeypatch):
+    import freetoken_agents.engine.gguf.convert as conv
+
+    calls = []
+    real = conv.convert_gguf
+    monkeypatch.setattr(conv, "convert_gguf", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    gguf_file = tmp_path / "m.gguf"
+    shutil.copy(tiny.path, gguf_file)
+    cache = tmp_path / "cache"
+    ids = list(range(5, 25))
+    e1 = Engine.from_pretrained(gguf_file, cache_dir=cache)
+    first = e1.generate(ids, max_new_tokens=4, stop_token_ids=()).token_ids
+    e2 = Engine.from_pretrained(gguf_file, cache_dir=cache)
+    assert len(calls) == 1  # second load: the cached FTW entry, no reconversion
+    assert e2.generate(ids, max_new_tokens=4, stop_token_ids=()).token_ids == first
+    assert e2.model_fingerprint == e1.model_fingerprint
+    other = write_gguf("qwen3_moe", tmp_path / "other", expert_type="Q8_0", seed=1)
+    shutil.copy(other.path, gguf_file)
+    e3 = Engine.from_pretrained(gguf_file, cache_dir=cache)
+    assert len(calls) == 2 and e3.model_fingerprint != e1.model_fingerprint
+
+
+def test_tokenizer_template_and_eos_come_from_the_gguf(tiny, tmp_path):
+    from transformers import AutoTokenizer
+
+    engine = Engine.from_pretrained(tiny.path, cache_dir=tmp_path)
+    ref = AutoTokenizer.from_pretrained(str(tiny.path.parent), gguf_file=tiny.path.name)
+    assert engine.tokenizer.encode(TEXT) == ref.encode(TEXT)
+    messages = [{"role": "user", "content": "hi"}]
+    want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == want
+    assert EOS_TOKEN_ID in engine.default_stop_token_ids()
+
+
+def test_gguf_eos_and_eot_ids_end_turns(tmp_path):
+    """tokenizer.ggml.eot_token_id (llama.cpp's end-of-turn) ends a turn too."""
+    import gguf
+
+    tiny = write_gguf("qwen3_moe", tmp_path / "src", expert_type="Q8_0")
+    reader = gguf.GGUFReader(str(tiny.path))
+    w = gguf.GGUFWriter(str(tmp_path / "eot.gguf"), "qwen3moe")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, value, vtype, sub_type=sub)
+    w.add_eot_token_id(1)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    engine = Engine.from_pretrained(tmp_path / "eot.gguf", cache_dir=tmp_path / "cache")
+    assert {EOS_TOKEN_ID, 1} <= set(engine.default_stop_token_ids())
+
+
+def test_truncated_gguf_is_a_checkpoint_error_naming_the_file(tiny, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny.path.read_bytes()[: tiny.path.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="cut.gguf") as info:
+        convert_gguf(cut, tmp_path / "o.ftw", progress=False)
+    assert "\n" not in str(info.value)
+    with pytest.raises(CheckpointError, match="cut.gguf"):
+        Engine.from_pretrained(cut, cache_dir=tmp_path / "cache")
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    import gguf
+
+    path = tmp_path / "dense.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match="dense.gguf.*dense llama"):
+        convert_gguf(path, tmp_path / "o.ftw", progress=False)
+    path2 = tmp_path / "bert.gguf"
+    w = gguf.GGUFWriter(str(path2), "bert")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match="bert.gguf.*'bert' is not supported"):
+        convert_gguf(path2, tmp_path / "o.ftw", progress=False)
+
+
+def test_undecodable_tensor_type_is_named(tmp_path):
+    """A dense tensor of a type gguf-py cannot dequantize (Q8_1 here) -> CheckpointError."""
+    import gguf
+
+    tiny = write_gguf("qwen3_moe", tmp_path / "src", expert_type="Q8_0")
+    reader = gguf.GGUFReader(str(tiny.path))
+    path = tmp_path / "iq.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for t in reader.tensors:
+        if t.name == "blk.0.attn_q.weight":  # [64, 64] as Q8_1: 2 blocks of 40 bytes per row
+            data = torch.zeros(64, 80, dtype=torch.uint8).numpy()
+            w.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+            continue
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="iq.gguf.*attn_q.weight.*Q8_1"):
+        convert_gguf(path, tmp_path / "o.ftw", progress=False)
