@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_models import write_gguf
 from hub_server import FakeRepo, HubServer, folder_files
 from tiny_models import fresh_logits
 
@@ -108,13 +109,23 @@ def repos(checkpoint, tmp_path_factory) -> dict[str, FakeRepo]:
     )
     sharded = FakeRepo()
     sharded.add_commit(_sharded(files))
+    real_gguf = FakeRepo()
+    real_gguf.add_commit(
+        {f"tiny-{q}.gguf": _gguf(q, tmp_path_factory).read_bytes() for q in ("Q8_0", "Q4_K")}
+    )
     return {
+        "org/tiny-real-gguf": real_gguf,
         "org/tiny": tiny,
         "org/tiny-sharded": sharded,
         "org/tiny-ftw": one_ftw,
         "org/tiny-gguf": gguf,
         "org/gated": FakeRepo(gated=True),
     }
+
+
+def _gguf(expert_type: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real tiny GGUF (qwen3moe, experts in `expert_type`), written as llama.cpp writes one."""
+    return write_gguf("qwen3_moe", tmp_path_factory.mktemp("gguf"), expert_type=expert_type).path
 
 
 def _sharded(files: dict[str, bytes]) -> dict[str, bytes]:
@@ -422,3 +433,32 @@ def _one_line_naming(error: BaseException, model: str, *words: str) -> None:
     assert f"'{model}'" in text, text
     for word in words:
         assert word in text, text
+
+
+def test_a_gguf_quant_from_the_hub_loads_as_the_local_file(hub, repos, monkeypatch, tmp_path):
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "ftw-cache"))
+    local = tmp_path / "local.gguf"
+    repo = repos["org/tiny-real-gguf"]
+    local.write_bytes(repo.commits[repo.refs["main"]]["tiny-Q4_K.gguf"])
+    expected = fresh_logits(Engine.from_pretrained(local, progress=False), IDS)
+    engine = Engine.from_pretrained("org/tiny-real-gguf:q4_k", progress=False)
+    torch.testing.assert_close(fresh_logits(engine, IDS), expected, rtol=0, atol=0)
+    assert hub.downloads() == ["tiny-Q4_K.gguf"]
+
+
+def test_freetoken_chat_with_a_gguf_quant_id(hub, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "ftw-cache"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n/quit\n"))
+    args = ["chat", "--model", "org/tiny-real-gguf:Q8_0", "--max-new-tokens", "4", "--no-progress"]
+    assert main(args) == 0
+    assert capsys.readouterr().out.count("assistant> ") == 1
+    assert hub.downloads() == ["tiny-Q8_0.gguf"]
+
+
+def test_freetoken_convert_an_id(hub, reference, tmp_path, capsys):
+    out = tmp_path / "tiny.ftw"
+    assert main(["convert", "org/tiny", str(out), "--quant", "fp32", "--no-progress"]) == 0
+    assert str(out) in capsys.readouterr().out
+    torch.testing.assert_close(
+        fresh_logits(Engine.from_pretrained(out), IDS), reference, rtol=1e-5, atol=1e-5
+    )
