@@ -161,7 +161,7 @@ def cached_ftw(
     root = cache_root(cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     dense = "source" if dense_dtype is None else str(dense_dtype).removeprefix("torch.")
-    entry = root / f"{folder.name}-{checkpoint_key(folder)}-{quant}-{dense}.ftw"
+    entry = root / f"{_source_name(folder)}-{checkpoint_key(folder)}-{quant}-{dense}.ftw"
     with FileLock(str(entry) + ".lock"):
         if entry.exists() and not _source_current(entry, folder):
             logger.warning("cached conversion %s is stale (other checkpoint bytes); converting again", entry)
@@ -189,6 +189,15 @@ def cached_ftw(
         _verify(entry, progress)
         _record_path(entry).write_text(json.dumps(record, sort_keys=True))
     return entry
+
+
+def _source_name(source: Path) -> str:
+    """How an entry names its source: the folder's or file's name, or for a huggingface_hub
+    snapshot (``models--org--name/snapshots/<commit>``) the repo's, not the commit hash."""
+    snapshots = source.parent
+    if source.is_dir() and snapshots.name == "snapshots" and snapshots.parent.name.startswith("models--"):
+        return snapshots.parent.name.removeprefix("models--")
+    return source.name
 
 
 def _stamp_path(entry: Path) -> Path:
