@@ -21,7 +21,7 @@ from freetoken_agents.engine.generate import Sampler
 
 from ._fences import FenceDetector
 from .backend import GenerateRequest, GenEvent
-from .constrained import ConstrainedDecode
+from .constrained import ConstrainedDecode, JsonConstraint
 from .detokenize import IncrementalDetokenizer
 from .errors import TokenLimitTooSmall
 
@@ -257,8 +257,9 @@ class TurnDecoder:
 
     # ---- tool calls -------------------------------------------------------------------------------
     def _call(self, force: str, *, forced: bool) -> Iterator[GenEvent]:
-        """One tool call: anchor, marker, JSON arguments under the schema, end marker. Returns the
-        finish reason: "stop" when the call is complete, "length" when its budget ran out."""
+        """One tool call: anchor, marker, arguments under the schema (in the parser's body format),
+        end marker. Returns the finish reason: "stop" when the call is complete, "length" when its
+        budget ran out."""
         m, parser = self.m, self.m.parser
         tools = self.req.tools
         if force != "*":
@@ -280,7 +281,7 @@ class TurnDecoder:
         room = m.max_context - m.position - ahead - len(suffix_ids) - 1
         decode = None
         if self.req.constrain:
-            constraint = m.grammars().json_schema(parser.body_schema(tools))
+            constraint = _body_constraint(m, parser.body_format, parser.body_schema(tools))
             decode = ConstrainedDecode(
                 m, constraint, budget=limit, room=room, sampler=self.sample, tokenizer=m.tokenizer
             )
@@ -370,6 +371,13 @@ def _thinking(model: FreeTokenModel) -> _Think | None:
         return None
     tail = model.tokenizer.decode(model.token_ids[-8:]) if model.token_ids else ""
     return _Think("inside") if markers.opened_by(tail) else _Think("maybe")
+
+
+def _body_constraint(model: FreeTokenModel, body_format: str, schema: dict) -> JsonConstraint:
+    """The grammar of a call's body in the parser's `body_format` (see ToolCallParser)."""
+    if body_format == "xml_parameters":
+        return model.grammars().xml_parameters(schema)
+    return model.grammars().json_schema(schema)
 
 
 def _tool_name(tool: dict) -> str:

@@ -332,7 +332,7 @@ class Agent:
                 partial_output=full,
                 trace=run.trace,
             )
-        parsed = m.parser.parse(full)
+        parsed = m.parser.parse(full, self._schemas())
         notes = "".join(turn.all_notes) if self.retry.keep_failure_notes else ""
         record.text = (notes + parsed.content).strip()
         if parsed.partial is not None:

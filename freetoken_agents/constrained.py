@@ -1,4 +1,6 @@
-"""Grammar-constrained JSON decoding: the one path every constrained output takes.
+"""Grammar-constrained decoding of JSON values (and of Qwen3-Coder's XML call bodies, whose
+values are JSON or raw text: `GrammarFactory.xml_parameters`): the one path every constrained
+output takes.
 
 Tool-call arguments in an Agent turn, ChatFreeToken's forced calls and `with_structured_output`,
 and (later) the OpenAI-compatible server all decode through `ConstrainedDecode`:
@@ -26,7 +28,7 @@ import json
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, Protocol
 
 import torch
@@ -34,7 +36,9 @@ from pydantic import BaseModel
 
 from freetoken_agents.engine.generate import Sampler
 
+from ._body_formats import JsonLexer, XmlParamsLexer, xml_structural_tag
 from .detokenize import IncrementalDetokenizer
+from .parsers.qwen3_coder import xml_parameters
 from .schema_check import check_schema
 
 logger = logging.getLogger(__name__)
@@ -70,6 +74,7 @@ class _Vocab:
     string_close / bracket_close: preference scores (-inf: not a closer) of tokens that end an
         open string (a quote, then only brackets or spaces) or close brackets (only `}`/`]`/spaces);
         higher closes more. progress: the fallback order when no closer is allowed (`_progress`).
+    prefix_closers(text): scores of the tokens that write the start of `text` (a closing marker).
     """
 
     def __init__(self, info: Any, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
@@ -98,15 +103,32 @@ class _Vocab:
         self.bracket_close = torch.tensor(bracket_close)
         self.progress = torch.tensor(progress)
         self._banned_on: dict[torch.device, torch.Tensor] = {}
+        self._ids: dict[bytes, int] | None = None  # piece -> a token id writing it (built on first use)
+        self._prefix_closers: dict[bytes, torch.Tensor] = {}
 
     def banned_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._banned_on:
             self._banned_on[device] = self.banned.to(device)
         return self._banned_on[device]
 
+    def prefix_closers(self, text: bytes) -> torch.Tensor:
+        """Scores [V] of the tokens whose piece is a prefix of `text`: its length (-inf: none)."""
+        table = self._prefix_closers.get(text)
+        if table is None:
+            if self._ids is None:
+                skip = self.banned_ids | self.stop_ids
+                self._ids = {p: i for i, p in enumerate(self.pieces) if p and i not in skip}
+            table = torch.full((self.size,), float("-inf"))
+            for k in range(1, len(text) + 1):
+                if (i := self._ids.get(text[:k])) is not None:
+                    table[i] = float(k)
+            self._prefix_closers[text] = table
+        return table
+
 
 class GrammarFactory:
-    """Compiles JSON-schema grammars for one tokenizer (cached per schema, order kept)."""
+    """Compiles the grammars of constrained values for one tokenizer (cached per schema, order
+    kept): JSON values (`json_schema`) and Qwen3-Coder's XML parameters (`xml_parameters`)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         xgr = _xgrammar()
@@ -126,69 +148,60 @@ class GrammarFactory:
         # the schema is neither sorted for compiling nor for the cache key.
         check_schema(schema)  # linear, no recursion: before json.dumps meets a 10,000-deep schema
         key = json.dumps(schema)
+        compiled = self._compiled(
+            key, lambda: self.compiler.compile_json_schema(key, any_whitespace=False, strict_mode=True)
+        )
+        return JsonConstraint(compiled, self.vocab)
+
+    def xml_parameters(self, schema: dict[str, Any]) -> JsonConstraint:
+        """The constraint for the body of a Qwen3-Coder call to a tool whose parameters are
+        `schema`: its parameters in the schema's order, required ones present, each written
+        `<parameter=P>\\n` VALUE `\\n</parameter>\\n`, then `</function>`. A value is raw text
+        (without `</parameter>`) where the parameter may be a string, else JSON under its schema,
+        compact as in `json_schema` (`qwen3_coder.xml_parameters` says which). SchemaRejected as
+        for `json_schema`."""
+        check_schema(schema)
+        params = xml_parameters(schema)
+        compiled = self._compiled(
+            "xml_parameters:" + json.dumps(schema),
+            lambda: self.compiler.compile_structural_tag(
+                json.dumps(xml_structural_tag(params, self._json_ebnf))
+            ),
+        )
+        raw = frozenset(p.name.encode() for p in params if p.raw)
+        required = tuple(p.name.encode() for p in params if p.required)
+        return JsonConstraint(compiled, self.vocab, XmlParamsLexer(raw, required))
+
+    @staticmethod
+    def _json_ebnf(schema: dict[str, Any]) -> str:
+        """The grammar of one JSON value under `schema` (compact, as `json_schema` compiles it)."""
+        grammar = _xgrammar().Grammar.from_json_schema(
+            json.dumps(schema), any_whitespace=False, strict_mode=True
+        )
+        return str(grammar)
+
+    def _compiled(self, key: str, compile: Callable[[], Any]) -> Any:
         if key in self._cache:
             self._cache.move_to_end(key)
         else:
-            self._cache[key] = self.compiler.compile_json_schema(key, any_whitespace=False, strict_mode=True)
+            self._cache[key] = compile()
             while len(self._cache) > GRAMMAR_CACHE_SIZE:  # a server sees schemas without end
                 self._cache.popitem(last=False)
-        return JsonConstraint(self._cache[key], self.vocab)
-
-
-class _Lexer:
-    """Just enough JSON lexing to tell an open string from structure: (in_string, escaped, depth,
-    last structural byte)."""
-
-    __slots__ = ("depth", "escaped", "in_string", "last")
-
-    def __init__(self) -> None:
-        self.in_string, self.escaped, self.depth, self.last = False, False, 0, 0
-
-    def copy(self) -> _Lexer:
-        twin = _Lexer()
-        twin.in_string, twin.escaped, twin.depth, twin.last = (
-            self.in_string,
-            self.escaped,
-            self.depth,
-            self.last,
-        )
-        return twin
-
-    def feed(self, piece: bytes) -> None:
-        for c in piece:
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif c == 0x5C:  # backslash
-                    self.escaped = True
-                elif c == 0x22:  # quote
-                    self.in_string, self.last = False, c
-            elif c == 0x22:
-                self.in_string = True
-            elif c in b"{[":
-                self.depth += 1
-            elif c in b"}]":
-                self.depth, self.last = self.depth - 1, c
-            elif c not in b" \n\t\r":
-                self.last = c
-
-    @property
-    def closed(self) -> bool:
-        """The top-level value has ended with a quote or a bracket (nothing may follow it)."""
-        return not self.in_string and self.depth == 0 and self.last in (0x22, 0x5D, 0x7D)
+        return self._cache[key]
 
 
 class JsonConstraint:
-    """One JSON value under a compiled grammar: mask logits, accept tokens, jump forward, and
-    the cost (in tokens) of closing the value from the current state."""
+    """One value under a compiled grammar: mask logits, accept tokens, jump forward, and the cost
+    (in tokens) of closing the value from the current state. `lexer` tells the closing policy
+    where the value stands (`_body_formats`): a JSON value's by default."""
 
-    def __init__(self, compiled: Any, vocab: _Vocab) -> None:
+    def __init__(self, compiled: Any, vocab: _Vocab, lexer: JsonLexer | XmlParamsLexer | None = None) -> None:
         xgr = _xgrammar()
         self._xgr = xgr
         self.vocab = vocab
         self.matcher = xgr.GrammarMatcher(compiled)
         self.bitmask = xgr.allocate_token_bitmask(1, vocab.size)
-        self.lexer = _Lexer()
+        self.lexer = lexer if lexer is not None else JsonLexer()
 
     # ---- state -----------------------------------------------------------------------------------
     @property
@@ -219,8 +232,11 @@ class JsonConstraint:
         that progress most (`_progress`)."""
         flat = logits.view(-1)
         allowed = torch.isfinite(flat)
-        closers = self.vocab.string_close if self.lexer.in_string else self.vocab.bracket_close
-        keep = allowed & torch.isfinite(closers.to(flat.device)[: flat.numel()])
+        keep = torch.zeros_like(allowed)
+        for closers in self.lexer.closers(self.vocab):
+            keep = allowed & torch.isfinite(closers.to(flat.device)[: flat.numel()])
+            if bool(keep.any()):
+                break
         if not bool(keep.any()):
             scores = self.vocab.progress.to(flat.device)[: flat.numel()].masked_fill(~allowed, float("-inf"))
             keep = allowed & (scores == scores.max())
@@ -285,13 +301,10 @@ class JsonConstraint:
     def _allowed(bitmask: torch.Tensor, token_id: int) -> bool:
         return bool((int(bitmask[0, token_id // 32]) >> (token_id % 32)) & 1)
 
-    def _closing_choice(self, matcher: Any, lexer: _Lexer, bitmask: torch.Tensor) -> int:
+    def _closing_choice(self, matcher: Any, lexer: JsonLexer | XmlParamsLexer, bitmask: torch.Tensor) -> int:
         """The closing policy's token (no logits: by preference score), or -1 when stuck."""
         matcher.fill_next_token_bitmask(bitmask)
-        for table in (
-            self.vocab.string_close if lexer.in_string else self.vocab.bracket_close,
-            self.vocab.progress,
-        ):
+        for table in (*lexer.closers(self.vocab), self.vocab.progress):
             scores = table.clone().view(1, -1)
             self._xgr.apply_token_bitmask_inplace(scores, bitmask)
             best = int(torch.argmax(scores))

@@ -290,9 +290,11 @@ class OpenAICompatibleModel:
             except json.JSONDecodeError:
                 parsed = arguments
             arguments = parsed if isinstance(parsed, dict) else arguments
-        args = json.dumps(arguments, ensure_ascii=False)
-        p = self.parser
-        body = args if p.needs_name_in_prefix() else f'{{"name": {json.dumps(name)}, "arguments": {args}}}'
+        if isinstance(arguments, dict):
+            return self.parser.format_call(name, arguments)  # the family's own form (XML for some)
+        p, body = self.parser, arguments
+        if not p.needs_name_in_prefix():
+            body = f'{{"name": {json.dumps(name)}, "arguments": {arguments}}}'
         return p.call_prefix(name) + body + p.call_suffix()
 
 

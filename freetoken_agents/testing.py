@@ -220,15 +220,11 @@ class ScriptedModel:
 
     def _format_call(self, call: ToolCall) -> str:
         p = self.parser
-        if call.raw is not None:
-            body = call.raw
-        else:
-            args = call.arguments if isinstance(call.arguments, str) else json.dumps(call.arguments)
-            body = (
-                args
-                if p.needs_name_in_prefix()
-                else f'{{"name": {json.dumps(call.name)}, "arguments": {args}}}'
-            )
+        if call.raw is None and isinstance(call.arguments, dict):
+            return p.format_call(call.name, call.arguments)  # the family's own form (XML for some)
+        body = call.raw if call.raw is not None else call.arguments
+        if call.raw is None and not p.needs_name_in_prefix():
+            body = f'{{"name": {json.dumps(call.name)}, "arguments": {call.arguments}}}'
         return p.call_prefix(call.name) + body + p.call_suffix()
 
 

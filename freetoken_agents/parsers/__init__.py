@@ -8,6 +8,7 @@ from .deepseek import SEP, DeepSeekParser, DeepSeekV31Parser
 from .harmony import HarmonyParser
 from .hermes import HermesParser
 from .mistral import MistralParser, MistralV11Parser
+from .qwen3_coder import Qwen3CoderParser
 from .reasoning import ReasoningMarkers, reasoning_markers
 
 PARSERS: dict[str, type[ToolCallParser]] = {
@@ -17,6 +18,7 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "deepseek": DeepSeekParser,
     "deepseek_v31": DeepSeekV31Parser,
     "harmony": HarmonyParser,
+    "qwen3_coder": Qwen3CoderParser,
 }
 
 
@@ -37,6 +39,8 @@ def parser_for(family: str | None = None, *, chat_template: str | None = None) -
         return DeepSeekParser() if f"function{SEP}" in template else DeepSeekV31Parser()
     if "<|channel|>" in template:
         return HarmonyParser()
+    if all(m in template for m in ("<tool_call>", "<function=", "<parameter=")):  # XML, not JSON
+        return Qwen3CoderParser()
     return HermesParser()
 
 
@@ -50,6 +54,7 @@ __all__ = [
     "MistralV11Parser",
     "ParseResult",
     "ParsedToolCall",
+    "Qwen3CoderParser",
     "ReasoningMarkers",
     "ToolCallParser",
     "new_call_id",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -49,9 +50,15 @@ class ToolCallParser(ABC):
     family: str = ""
     start: str = ""
     end: str = ""
+    body_format: str = "json"
+    """What a call's body is, for the constrained decoder: "json" (one JSON value under
+    `body_schema`) or "xml_parameters" (Qwen3-Coder's `<parameter=P>` tags, `qwen3_coder`)."""
 
     @abstractmethod
-    def parse(self, text: str) -> ParseResult: ...
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParseResult:
+        """The calls in `text` and the content around them. `tools`: the tools the request
+        offered, for a family whose text does not say a value's type (Qwen3-Coder's XML
+        parameters are typed by their schemas); the others read types from the text."""
 
     @abstractmethod
     def call_prefix(self, name: str | None) -> str: ...
@@ -65,6 +72,13 @@ class ToolCallParser(ABC):
     def needs_name_in_prefix(self) -> bool:
         """True when the call's name is part of the prefix (the body holds only arguments)."""
         return False
+
+    def format_call(self, name: str, arguments: dict[str, Any]) -> str:
+        """A complete call to `name` in this family's text, as `parse` reads it back."""
+        body = json.dumps(arguments, ensure_ascii=False)
+        if not self.needs_name_in_prefix():
+            body = f'{{"name": {json.dumps(name)}, "arguments": {body}}}'
+        return self.call_prefix(name) + body + self.call_suffix()
 
     def call_started(self, text: str, since: int = 0) -> int | None:
         """Index in `text` where a tool call starts, or None. Only a marker ending after index

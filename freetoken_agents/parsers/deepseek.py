@@ -7,6 +7,8 @@ written in the form of the model's own template (`DeepSeekV31Parser` when it has
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from typing import Any
 
 from .base import (
     NamedCallParser,
@@ -28,7 +30,7 @@ class DeepSeekParser(NamedCallParser):
     start = CALLS_BEGIN
     end = CALLS_END
 
-    def parse(self, text: str) -> ParseResult:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParseResult:
         groups = split_blocks(text, CALLS_BEGIN, CALLS_END)
         partial, partial_offset = groups.partial, groups.partial_offset
         calls = []

@@ -7,6 +7,8 @@ forms are parsed and detected, and calls are written in the first."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from typing import Any
 
 from .base import (
     NamedCallParser,
@@ -42,7 +44,7 @@ class HarmonyParser(NamedCallParser):
     start = "<|channel|>commentary to=functions."
     end = "<|call|>"
 
-    def parse(self, text: str) -> ParseResult:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParseResult:
         calls, pieces, last = [], [], 0
         for m in _CALL.finditer(text):
             args, error = load_arguments(m.group("args"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from .base import ParsedToolCall, ParseResult, ToolCallParser, load_arguments, name_args_schema, split_blocks
@@ -13,7 +14,7 @@ class HermesParser(ToolCallParser):
     start = "<tool_call>"
     end = "</tool_call>"
 
-    def parse(self, text: str) -> ParseResult:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParseResult:
         found = split_blocks(text, self.start, self.end)
         calls = []
         for offset, raw in found.blocks:

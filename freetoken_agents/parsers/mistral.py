@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from .base import (
@@ -23,7 +24,7 @@ class MistralParser(ToolCallParser):
     start = "[TOOL_CALLS]"
     end = ""
 
-    def parse(self, text: str) -> ParseResult:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParseResult:
         i = text.find(self.start)
         if i < 0:
             return ParseResult(content=text.strip())
@@ -69,7 +70,7 @@ class MistralV11Parser(NamedCallParser):
     start = "[TOOL_CALLS]"
     end = ""
 
-    def parse(self, text: str) -> ParseResult:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParseResult:
         i = text.find(self.start)
         if i < 0:
             return ParseResult(content=text.strip())

@@ -144,7 +144,7 @@ def run_turn(
                 emitted = len(head)
         state.content = full[:emitted]
         if tools_on:
-            yield from _tool_chunks(parser.parse(full), state)
+            yield from _tool_chunks(parser.parse(full, opts.tools), state)
             if state.tool_calls:
                 finish = "tool_calls"
         output_tokens = max(0, backend.position - len(ids))

@@ -106,7 +106,7 @@ def run_completion(
     stops = req.stop if req.json_schema is None else ()
     markers = (*stops, parser.start) if req.tools_on else stops
     full, emitted, finish, stopped = "", 0, "length", False
-    calls = _CallTracker(parser)
+    calls = _CallTracker(parser, req.tools if req.tools_on else [])
     events = _events(backend, req)
     try:
         for event in _guard(events):
@@ -145,7 +145,7 @@ def run_completion(
     if calls.start is None and not stopped and emitted < len(full):
         yield ContentDelta(full[emitted:])  # a held-back tail that turned out to be text
     if calls.start is not None:
-        parsed = parser.parse(full[calls.start :])
+        parsed = parser.parse(full[calls.start :], calls.tools)
         yield from calls.feed(full, parsed=parsed)
         if parsed.content:  # text the model wrote between or after its calls
             yield ContentDelta(("\n" if emitted else "") + parsed.content)
@@ -167,10 +167,12 @@ def _guard(events: Iterator[GenEvent]) -> Iterator[GenEvent]:
 
 class _CallTracker:
     """Reports each tool call once, as soon as its closing marker is decoded. `start`: where the
-    first call marker is in the turn's text (None until one appears)."""
+    first call marker is in the turn's text (None until one appears); `tools`: the request's tools,
+    which type the values of some families' calls (`ToolCallParser.parse`)."""
 
-    def __init__(self, parser: Any) -> None:
+    def __init__(self, parser: Any, tools: list[dict[str, Any]]) -> None:
         self.parser = parser
+        self.tools = tools
         self.start: int | None = None
         self.parsed = 0  # calls of the parse consumed (malformed ones included)
         self.done = 0  # calls reported
@@ -190,7 +192,7 @@ class _CallTracker:
             if not found:
                 return
             self.ends += found
-            parsed = self.parser.parse(text[self.start :])
+            parsed = self.parser.parse(text[self.start :], self.tools)
         for call in parsed.calls[self.parsed :]:
             self.parsed += 1
             if call.error or not isinstance(call.arguments, dict):

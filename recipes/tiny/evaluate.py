@@ -82,7 +82,7 @@ def score_tool_calls(model: FreeTokenModel, questions: list[ToolQuestion], const
     exact = right = valid = 0
     label = "tools (constrained)" if constrain else "tools (free)"
     for i, q in enumerate(tqdm(questions, desc=label, leave=False)):
-        parsed = model.parser.parse(_first_turn(model, q, constrain, system=i % 2 == 0))
+        parsed = model.parser.parse(_first_turn(model, q, constrain, system=i % 2 == 0), TOOL_SCHEMAS)
         if len(parsed.calls) != 1 or parsed.malformed or parsed.partial:
             continue
         call = parsed.calls[0]

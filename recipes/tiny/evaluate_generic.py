@@ -64,7 +64,8 @@ def _calls(model: FreeTokenModel, tools: list[dict], text: str, force: str | Non
     ]
     model.sync(model.render(messages, tools))
     request = GenerateRequest(tools=tools, force=force, max_new_tokens=60)
-    parsed = model.parser.parse("".join(e.text for e in model.generate(request) if e.kind == "text"))
+    text = "".join(e.text for e in model.generate(request) if e.kind == "text")
+    parsed = model.parser.parse(text, tools)
     if parsed.malformed or parsed.partial:
         return [None]
     return parsed.calls
