@@ -86,7 +86,8 @@ class ChatFreeToken(BaseChatModel):
     """'auto' | 'int8' | 'compact' | 'none': which expert projections the engine keeps compact (int8,
     MXFP4) and computes from that form (resident or tiered; see `Engine.from_pretrained`)."""
     tool_format: str | None = None
-    """Tool-call family ('hermes', 'mistral', 'deepseek', 'harmony'); None: from the template."""
+    """Tool-call family (a `freetoken_agents.parsers.PARSERS` key: 'hermes', 'mistral', 'mistral_v11',
+    'deepseek', 'deepseek_v31', 'harmony', 'qwen3_coder'); None: from the template."""
     timeout: float | None = None
     """Accepted for drop-in compatibility with hosted chat models; unused (local engine)."""
     max_retries: int | None = None
