@@ -7,6 +7,11 @@ returns a `TinyGGUF` that also holds the *reference weights*: every GGUF tensor 
 `gguf.quants.dequantize` and mapped back to its Hugging Face name and layout, saved as a checkpoint
 folder (`TinyGGUF.reference_dir`) that transformers loads without any GGUF code.
 
+DeepSeek-V3 (``deepseek2``): MLA metadata as the converter writes it, ``kv_b_proj`` split into
+``attn_k_b`` (per head, transposed) and ``attn_v_b`` (``mla="split"``, the current converter) or kept
+whole as ``attn_kv_b`` (``mla="fused"``, older converters: ``key_length`` = nope + rope, ``head_count_kv``
+= heads), the router's correction bias as ``exp_probs_b.bias``; no q/k permutation.
+
 Expert types: ``Q8_0``, ``Q4_0``, ``Q4_1``, ``MXFP4`` (quantized by gguf-py), ``Q4_K`` (gguf-py cannot
 quantize it: random raw blocks with small fp16 d/dmin) and ``Q4_K+Q6_K`` (gate/up Q4_K, down Q6_K as
 raw random blocks, like llama.cpp's Q4_K_M). K-quants need rows of 256 values: those models are built
@@ -32,6 +37,7 @@ GGUF_ARCH = {
     "qwen3_moe": "qwen3moe",
     "olmoe": "olmoe",
     "gpt_oss": "gpt-oss",
+    "deepseek_v3": "deepseek2",
 }
 EXPERT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q4_K+Q6_K", "MXFP4")
 _K_QUANTS = ("Q4_K", "Q4_K+Q6_K")
@@ -119,28 +125,36 @@ def tiny_gguf_config(arch: str, expert_type: str = "Q8_0", **overrides: Any) -> 
     extra: dict[str, Any] = {}
     if arch == "qwen2_moe":
         extra["mlp_only_layers"] = []  # llama.cpp's qwen2moe has no dense-MLP layers
+    if arch == "deepseek_v3":  # rank, nope, v and rope all differ: a swapped or untransposed split fails
+        extra.update(kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=12, qk_rope_head_dim=8)
     if expert_type in _K_QUANTS:
         width = "intermediate_size" if arch in ("mixtral", "olmoe", "gpt_oss") else "moe_intermediate_size"
         extra.update(hidden_size=256, num_hidden_layers=2, num_local_experts=4, **{width: 256})
         if arch in ("qwen2_moe", "qwen3_moe"):
             extra.pop("num_local_experts")
             extra["num_experts"] = 4
+        if arch == "deepseek_v3":  # 8 routed experts kept: 4 groups of 2
+            extra.pop("num_local_experts")
     return tiny_config(arch, **{**extra, **overrides})
 
 
-def _add_metadata(w: gguf.GGUFWriter, arch: str, cfg: transformers.PretrainedConfig) -> None:
+def _add_metadata(
+    w: gguf.GGUFWriter, arch: str, cfg: transformers.PretrainedConfig, mla: str = "split"
+) -> None:
     w.add_name(f"tiny-{arch}")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_head_count_kv(1 if arch == "deepseek_v3" and mla != "fused" else cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     rope = cfg.rope_parameters
     w.add_rope_freq_base(rope["rope_theta"])
-    n_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    n_experts = (
+        getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or cfg.n_routed_experts
+    )
     w.add_expert_count(n_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if getattr(cfg, "head_dim", None) and arch in ("qwen3_moe", "gpt_oss"):
@@ -167,6 +181,42 @@ def _add_metadata(w: gguf.GGUFWriter, arch: str, cfg: transformers.PretrainedCon
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif arch == "deepseek_v3":
+        _add_deepseek2_metadata(w, cfg, mla)
+
+
+def _add_deepseek2_metadata(w: gguf.GGUFWriter, cfg: transformers.PretrainedConfig, mla: str) -> None:
+    """What convert_hf_to_gguf.py's DeepseekV2Model adds (the split MLA form since llama.cpp's MLA change)."""
+    rope, rank = cfg.rope_parameters, cfg.kv_lora_rank
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(rank)
+    if mla == "fused":  # before the split: per-head sizes, one kv head per query head
+        w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.v_head_dim)
+    else:
+        w.add_key_length(rank + cfg.qk_rope_head_dim)
+        w.add_value_length(rank)
+        w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length_mla(cfg.v_head_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    if rope["rope_type"] == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, arch: str, vocab_size: int) -> None:
@@ -185,7 +235,9 @@ def _add_tokenizer(w: gguf.GGUFWriter, arch: str, vocab_size: int) -> None:
 
     merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "default")
+    w.add_tokenizer_pre(
+        {"qwen2_moe": "qwen2", "qwen3_moe": "qwen2", "deepseek_v3": "deepseek-v3"}.get(arch, "default")
+    )
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
@@ -196,10 +248,11 @@ def _add_tokenizer(w: gguf.GGUFWriter, arch: str, vocab_size: int) -> None:
 
 
 def write_gguf(
-    arch: str, folder: Path, *, expert_type: str = "Q8_0", seed: int = 0, **overrides: Any
+    arch: str, folder: Path, *, expert_type: str = "Q8_0", seed: int = 0, mla: str = "split", **overrides: Any
 ) -> TinyGGUF:
     """Write ``folder/model.gguf`` for a tiny random `arch` model and the reference checkpoint folder
-    ``folder/reference`` (see module doc). Dense tensors: F32, the embedding F16, lm_head Q8_0."""
+    ``folder/reference`` (see module doc). Dense tensors: F32, the embedding F16, lm_head Q8_0 (deepseek2's
+    attn_k_b / attn_v_b / attn_kv_b F16). `mla`: deepseek2's kv_b form, "split" or "fused"."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = tiny_gguf_config(arch, expert_type, **overrides)
@@ -213,10 +266,10 @@ def write_gguf(
     rng = np.random.default_rng(seed)
     path = folder / "model.gguf"
     w = gguf.GGUFWriter(str(path), GGUF_ARCH[arch])
-    _add_metadata(w, arch, cfg)
+    _add_metadata(w, arch, cfg, mla)
     _add_tokenizer(w, arch, cfg.vocab_size)
     out = _Writer(w, rng)
-    ref = _write_tensors(out, arch, cfg, model.state_dict(), expert_type)
+    ref = _write_tensors(out, arch, cfg, model.state_dict(), expert_type, mla)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -232,7 +285,12 @@ def write_gguf(
 
 
 def _write_tensors(
-    out: _Writer, arch: str, cfg: transformers.PretrainedConfig, sd: dict[str, torch.Tensor], expert_type: str
+    out: _Writer,
+    arch: str,
+    cfg: transformers.PretrainedConfig,
+    sd: dict[str, torch.Tensor],
+    expert_type: str,
+    mla: str = "split",
 ) -> dict[str, torch.Tensor]:
     names = gguf.get_tensor_name_map(_ARCH_IDS[GGUF_ARCH[arch]], cfg.num_hidden_layers)
     gate_type, down_type, raw = _expert_types(expert_type)
@@ -249,6 +307,12 @@ def _write_tensors(
         if hf.endswith("self_attn.sinks"):
             ref[hf] = torch.from_numpy(out.add(f"blk.{layer}.attn_sinks.weight", x, Q.F32))
             continue
+        if hf.endswith("mlp.gate.e_score_correction_bias"):  # the converter renames it ...correction.bias
+            ref[hf] = torch.from_numpy(out.add(f"blk.{layer}.exp_probs_b.bias", x, Q.F32))
+            continue
+        if hf.endswith("self_attn.kv_b_proj.weight"):
+            ref[hf] = torch.from_numpy(_write_kv_b(out, cfg, layer, x, mla))
+            continue
         base, suffix = hf.rsplit(".", 1)
         name = names.get_name(base)
         assert name is not None, hf
@@ -264,6 +328,22 @@ def _write_tensors(
             continue
         ref[hf] = torch.from_numpy(out.add(name, x, qtype))
     return ref
+
+
+def _write_kv_b(
+    out: _Writer, cfg: transformers.PretrainedConfig, layer: int | None, x: np.ndarray, mla: str
+) -> np.ndarray:
+    """deepseek2's kv_b_proj ``[H * (nope + v), rank]``: whole (``attn_kv_b``), or per head split into the
+    key rows transposed (``attn_k_b`` ``[H, rank, nope]``) and the value rows (``attn_v_b`` ``[H, v, rank]``);
+    returns the value the file holds, back in the checkpoint's layout."""
+    blk = f"blk.{layer}"
+    if mla == "fused":
+        return out.add(f"{blk}.attn_kv_b.weight", x, Q.F16)
+    heads, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    per_head = x.reshape(heads, nope + v, x.shape[-1])
+    k_b = out.add(f"{blk}.attn_k_b.weight", per_head[:, :nope].transpose(0, 2, 1), Q.F16)
+    v_b = out.add(f"{blk}.attn_v_b.weight", per_head[:, nope:], Q.F16)
+    return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(x.shape)
 
 
 def _write_experts(

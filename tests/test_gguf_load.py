@@ -164,3 +164,149 @@ def test_undecodable_tensor_type_is_named(tmp_path):
     w.close()
     with pytest.raises(CheckpointError, match="iq.gguf.*attn_q.weight.*Q8_1"):
         convert_gguf(path, tmp_path / "o.ftw", progress=False)
+
+
+# ---- deepseek2 (DeepSeek-V3): round trip, both kv_b forms, named errors -------------------------------
+
+
+def _rewrite(src, dst, *, meta=None, drop=(), extra=None):
+    """A copy of GGUF `src` at `dst`: metadata replaced (`meta`: key -> (value, type); None drops the
+    key), tensors in `drop` left out, `extra` tensors (name -> float32 array) added."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    meta = dict(meta or {})
+    for key, fld in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = fld.types[0]
+        sub = fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        if key in meta and meta[key] is None:
+            continue  # dropped
+        value, vtype = meta.pop(key) if key in meta else (fld.contents(), vtype)
+        w.add_key_value(key, value, vtype, sub_type=sub)
+    for key, item in meta.items():
+        if item is not None:
+            w.add_key_value(key, *item)
+    for t in reader.tensors:
+        if t.name not in drop:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    for name, value in (extra or {}).items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    return write_gguf("deepseek_v3", tmp_path_factory.mktemp("ds"), expert_type="Q8_0")
+
+
+def _reference_logits(tiny, ids):
+    from gguf_models import load_folder_reference
+
+    with torch.no_grad():
+        return load_folder_reference(tiny)(torch.tensor([ids])).logits[0]
+
+
+def test_deepseek_v3_gguf_loads_through_from_pretrained(deepseek, tmp_path):
+    ids = list(range(5, 29))
+    engine = Engine.from_pretrained(deepseek.path, cache_dir=tmp_path)
+    with engine.new_session() as s:
+        got = s.prefill(ids)
+    want = _reference_logits(deepseek, ids)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    out = tmp_path / "m.ftw"
+    convert_gguf(deepseek.path, out, progress=False)
+    with FTWFile(out) as f:
+        assert f.metadata["gguf_architecture"] == "deepseek2"
+        cfg = f.model_config
+        assert cfg["model_type"] == "deepseek_v3" and cfg["num_key_value_heads"] == cfg["num_attention_heads"]
+        assert (cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["qk_rope_head_dim"]) == (
+            32,
+            16,
+            12,
+            8,
+        )
+        assert cfg["first_k_dense_replace"] == 1 and cfg["n_shared_experts"] == 1 and cfg["rope_interleave"]
+        for layer in (0, 1):  # attn_k_b / attn_v_b joined back exactly
+            name = f"layers.{layer}.self_attn.kv_b_proj.weight"
+            assert torch.equal(f.dense(name), deepseek.reference[f"model.{name}"])
+        bias = f.dense("layers.1.mlp.router.e_score_correction_bias")
+        assert torch.equal(bias, deepseek.reference["model.layers.1.mlp.gate.e_score_correction_bias"])
+    # tokenizer.ggml.pre "deepseek-v3": DeepSeek-V3's splits (digits by three, CJK runs, punctuation)
+    pre = engine.tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("x 12345 日本語!?abc")
+    assert [p for p, _ in pre] == ["x", "Ġ", "123", "45", "Ġ", "æĹ¥æľ¬èªŀ", "!?", "abc"]
+
+
+def test_deepseek_v3_gguf_with_whole_kv_b_older_converters(tmp_path):
+    """Files from before llama.cpp's MLA split: attn_kv_b, key_length = nope + rope, head_count_kv = heads
+    (and here no q compression: attn_q, as DeepSeek-V2-Lite has)."""
+    tiny = write_gguf("deepseek_v3", tmp_path / "src", expert_type="Q8_0", mla="fused", q_lora_rank=None)
+    assert "blk.0.attn_kv_b.weight" in tiny.tensor_types and "blk.0.attn_k_b.weight" not in tiny.tensor_types
+    assert "blk.0.attn_q.weight" in tiny.tensor_types
+    out = tmp_path / "m.ftw"
+    convert_gguf(tiny.path, out, progress=False)
+    with FTWFile(out) as f:
+        assert torch.equal(
+            f.dense("layers.1.self_attn.kv_b_proj.weight"),
+            tiny.reference["model.layers.1.self_attn.kv_b_proj.weight"],
+        )
+    ids = list(range(7, 31))
+    with Engine.from_pretrained(out).new_session() as s:
+        got = s.prefill(ids)
+    want = _reference_logits(tiny, ids)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
+def test_deepseek_v3_gguf_with_both_kv_b_forms_uses_the_split_one(deepseek, tmp_path):
+    """Some files carry attn_kv_b beside attn_k_b / attn_v_b; llama.cpp computes with the split pair."""
+    import numpy as np
+
+    both = _rewrite(
+        deepseek.path,
+        tmp_path / "both.gguf",
+        extra={"blk.1.attn_kv_b.weight": np.zeros((4 * 28, 32), np.float32)},
+    )
+    out = tmp_path / "m.ftw"
+    convert_gguf(both, out, progress=False)
+    with FTWFile(out) as f:
+        assert torch.equal(
+            f.dense("layers.1.self_attn.kv_b_proj.weight"),
+            deepseek.reference["model.layers.1.self_attn.kv_b_proj.weight"],
+        )
+
+
+def test_deepseek2_softmax_routing_and_malformed_metadata_are_named(deepseek, tmp_path):
+    import gguf
+
+    u32 = gguf.GGUFValueType.UINT32
+    softmax = _rewrite(deepseek.path, tmp_path / "v2.gguf", meta={"deepseek2.expert_gating_func": (1, u32)})
+    unset = _rewrite(deepseek.path, tmp_path / "v2old.gguf", meta={"deepseek2.expert_gating_func": None})
+    for path in (softmax, unset):  # llama.cpp reads a missing expert_gating_func as softmax
+        with pytest.raises(UnsupportedModelError, match=f"{path.name}.*softmax"):
+            convert_gguf(path, tmp_path / "o.ftw", progress=False)
+    cases = {
+        "rank.gguf": ({"deepseek2.attention.kv_lora_rank": (30, u32)}, "attn_kv_a_mqa has 40 rows"),
+        "mla.gguf": (
+            {"deepseek2.attention.value_length_mla": (16, u32)},
+            "value_length_mla' is 16, the tensors say 12",
+        ),
+        "groups.gguf": ({"deepseek2.expert_group_count": (3, u32)}, "8 experts in 3 groups"),
+        "dense.gguf": ({"deepseek2.leading_dense_block_count": (9, u32)}, "leaves no MoE layer"),
+        "norank.gguf": (
+            {"deepseek2.attention.kv_lora_rank": None},
+            "'deepseek2.attention.kv_lora_rank' is missing",
+        ),
+    }
+    for name, (meta, message) in cases.items():
+        bad = _rewrite(deepseek.path, tmp_path / name, meta=meta)
+        with pytest.raises(CheckpointError, match="malformed deepseek2 GGUF metadata") as info:
+            convert_gguf(bad, tmp_path / "o.ftw", progress=False)
+        text = str(info.value)
+        assert name in text and message in text and "\n" not in text
+        assert not (tmp_path / "o.ftw").exists()

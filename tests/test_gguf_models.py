@@ -5,10 +5,15 @@ References (float32 both sides, so the bound is float32 rounding, not quantizati
 - qwen3_moe, qwen2_moe: transformers' own GGUF loader on the SAME file
   (`AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`; its GGUF config mapping lacks the
   expert widths, passed as overrides), and also the reference folder below.
-- mixtral (a "llama" GGUF with experts), olmoe, gpt_oss: transformers cannot load these GGUFs as
-  MoE models, so the reference is transformers on a checkpoint folder whose weights are the GGUF's
-  tensors dequantized by `gguf.quants.dequantize` and mapped back to Hugging Face names (llama q/k
-  un-permuted), written by `gguf_models.write_gguf` independently of the engine's mapping.
+- mixtral (a "llama" GGUF with experts), olmoe, gpt_oss, deepseek_v3 ("deepseek2"): transformers
+  cannot load these GGUFs as MoE models (deepseek2 not at all), so the reference is transformers on
+  a checkpoint folder whose weights are the GGUF's tensors dequantized by `gguf.quants.dequantize`
+  and mapped back to Hugging Face names (llama q/k un-permuted, deepseek2's split attn_k_b /
+  attn_v_b joined back into kv_b_proj), written by `gguf_models.write_gguf` independently of the
+  engine's mapping.
+
+deepseek_v3: one dense leading layer, a shared expert, 4 groups of 2 routed experts; the Q4_K case
+(hidden size 256) also has YaRN rope with mscale (``rope.scaling.yarn_log_multiplier``).
 """
 
 from __future__ import annotations
@@ -33,7 +38,20 @@ CASES = [
     ("mixtral", "Q4_1"),
     ("gpt_oss", "MXFP4"),
     ("olmoe", "Q4_K+Q6_K"),
+    ("deepseek_v3", "Q8_0"),
+    ("deepseek_v3", "Q4_K"),
 ]
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=64,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+)
+OVERRIDES = {("deepseek_v3", "Q4_K"): dict(rope_parameters=YARN)}
 EXPECTED_CODECS = {
     "Q8_0": {"int8_b32"},
     "Q4_0": {"uint4_b32"},
@@ -52,7 +70,7 @@ def built(tmp_path_factory):
     def get(arch: str, qtype: str):
         if (arch, qtype) not in cache:
             folder = tmp_path_factory.mktemp(f"{arch}-{qtype.replace('+', '_')}")
-            tiny = write_gguf(arch, folder, expert_type=qtype)
+            tiny = write_gguf(arch, folder, expert_type=qtype, **OVERRIDES.get((arch, qtype), {}))
             out = folder / "model.ftw"
             convert_gguf(tiny.path, out, progress=False)
             cache[(arch, qtype)] = (tiny, out, Engine.from_pretrained(out))

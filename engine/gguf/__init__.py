@@ -3,7 +3,9 @@
 - `reader`: `GGUFSource`, the metadata and memory-mapped tensors of a GGUF model (split files too),
   every failure of the `gguf` package turned into a one-line `CheckpointError` naming the file.
 - `config`: metadata -> the Hugging Face config of the model (qwen3moe, qwen2moe, llama with
-  experts = Mixtral, olmoe, gpt-oss).
+  experts = Mixtral, olmoe, gpt-oss, deepseek2 = DeepSeek-V3).
+- `deepseek2`: DeepSeek-V3 / R1 / Kimi-K2 files: MLA metadata, sigmoid group-limited routing,
+  ``kv_b_proj`` whole or split into ``attn_k_b`` / ``attn_v_b`` (rebuilt exactly).
 - `tensors`: engine weight -> GGUF tensor (gguf-py's name map, llama q/k un-permuted), experts per
   layer in their kept codecs.
 - `quants`: GGUF blocks -> FTW codecs with the exact values (Q8_0 -> int8_b32, Q4_0/Q4_1/Q4_K ->

@@ -13,6 +13,7 @@ qwen2moe           qwen2_moe    gated shared expert; no renormalisation; no dens
 llama + experts    mixtral      a "llama" file with ``expert_count > 0``; q/k un-permuted
 olmoe              olmoe        ``attention.clamp_kqv`` is clip_qkv
 gpt-oss            gpt_oss      YaRN from ``rope.scaling.*``; sliding window on even layers
+deepseek2          deepseek_v3  MLA, sigmoid group-limited routing: see `deepseek2`
 =================  ===========  ==========================================================
 """
 
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import UnsupportedModelError
+from .deepseek2 import config_fields as _deepseek_v3
 from .reader import GGUFSource
 
 #: GGUF architecture -> engine model_type (llama only with experts)
@@ -31,6 +33,7 @@ ARCHS = {
     "llama": "mixtral",
     "olmoe": "olmoe",
     "gpt-oss": "gpt_oss",
+    "deepseek2": "deepseek_v3",
 }
 
 
@@ -194,4 +197,5 @@ _BUILDERS: dict[str, Callable[[GGUFSource], dict[str, Any]]] = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
     "gpt_oss": _gpt_oss,
+    "deepseek_v3": _deepseek_v3,
 }

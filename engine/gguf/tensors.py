@@ -6,7 +6,9 @@ converter writes with), plus the few names it lacks (gpt-oss ``attn_sinks``). Va
 dequantized to float by `gguf.quants.dequantize`; a 1-D GGUF tensor that is ``[1, H]`` in the model
 (Qwen2-MoE's shared-expert gate) is reshaped. The llama architecture (Mixtral) stores q and k with
 rows permuted for GGML's interleaved rotary embedding; `unpermute` restores the Hugging Face order,
-the inverse of llama.cpp's ``LlamaModel.permute`` (as transformers' GGUF loader does).
+the inverse of llama.cpp's ``LlamaModel.permute`` (as transformers' GGUF loader does). deepseek2
+(`deepseek2`): the router's correction bias is ``exp_probs_b.bias``; ``kv_b_proj`` is ``attn_kv_b`` or
+rebuilt exactly from the split ``attn_k_b`` / ``attn_v_b`` the current converter writes.
 
 Routed experts: stacked ``[E, out, in]`` tensors ``blk.L.ffn_{gate,up,down}_exps.weight`` (or a
 fused ``ffn_gate_up_exps``, gate rows first; or the old per-expert ``blk.L.ffn_gate.E.weight``),
@@ -23,6 +25,7 @@ import torch
 from ..adapters.base import Adapter
 from ..errors import CheckpointError
 from ..ftw.codecs import EncodedTensor, decode, encode
+from . import deepseek2
 from .quants import encoded_weight
 from .reader import GGUFSource, _gguf, dequantize
 
@@ -49,6 +52,8 @@ class TensorMap:
         parts = name.split(".")
         if name.endswith("self_attn.sinks"):
             return f"blk.{parts[1]}.attn_sinks.weight"
+        if name.endswith("router.e_score_correction_bias"):
+            return f"blk.{parts[1]}.exp_probs_b.bias"
         hf = self.adapter.hf_name(name)
         base, suffix = hf.rsplit(".", 1)
         mapped = self.names.get_name(base)
@@ -62,7 +67,10 @@ class TensorMap:
     def dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Engine parameter `name` of `shape` as a float tensor (float32, bf16 for BF16 data)."""
         gname = self.gguf_name(name)
-        t = self.src.float_tensor(gname)
+        if gname.endswith("attn_kv_b.weight") and deepseek2.has_split_kv_b(self.src, int(name.split(".")[1])):
+            t = deepseek2.kv_b(self.src, int(name.split(".")[1]), self.config)
+        else:
+            t = self.src.float_tensor(gname)
         if tuple(t.shape) != tuple(shape):
             if t.numel() != torch.Size(shape).numel():
                 raise CheckpointError(

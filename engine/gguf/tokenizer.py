@@ -21,6 +21,17 @@ from .reader import GGUFSource
 
 logger = logging.getLogger(__name__)
 
+#: ``tokenizer.ggml.pre`` -> the pre-tokenizer splits (isolated, in order) that transformers' GGUF
+#: builder lacks: DeepSeek-V3 / R1's (its tokenizer.json; llama.cpp's DEEPSEEK3_LLM pre-tokenizer)
+_SPLITS: dict[str, tuple[str, ...]] = {
+    "deepseek-v3": (
+        r"\p{N}{1,3}",
+        "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+        r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+        r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+}
+
 
 def tokenizer_files(src: GGUFSource) -> dict[str, bytes]:
     """``{file name: bytes}`` to embed: the tokenizer built from the metadata (none, with a warning,
@@ -41,6 +52,13 @@ def tokenizer_files(src: GGUFSource) -> dict[str, bytes]:
             "%s: cannot build the GGUF tokenizer (%s); the model runs on token ids only", src.path, e
         )
         return files
+    splits = _SPLITS.get(src.get("tokenizer.ggml.pre", ""))
+    if splits is not None:
+        from tokenizers import Regex, pre_tokenizers
+
+        steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
     with tempfile.TemporaryDirectory(prefix="gguf-tokenizer-") as tmp:
         tok.save_pretrained(tmp)
         for path in sorted(Path(tmp).iterdir()):
