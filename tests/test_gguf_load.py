@@ -4,7 +4,9 @@ the named errors for bad files."""
 
 from __future__ import annotations
 
+import io
 import shutil
+import sys
 
 import pytest
 import torch
@@ -35,6 +37,20 @@ def test_cli_convert_gguf_keeps_expert_precision(tiny, tmp_path, capsys):
         assert {"tokenizer.json", "chat_template.jinja", "generation_config.json"} <= set(f.tokenizer_files)
     assert main(["convert", str(tiny.path), str(tmp_path / "b.ftw"), "--quant", "bf16"]) == 0
     assert "bf16 x48" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["chat", "generate"])
+def test_cli_model_may_be_a_gguf_file(tiny, tmp_path, monkeypatch, capsys, command):
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "cache"))
+    if command == "chat":
+        monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n/quit\n"))
+        args = ["chat", "--model", str(tiny.path), "--max-new-tokens", "4", "--no-progress"]
+    else:
+        args = ["generate", str(tiny.path), "--prompt", "Hi", "--max-new-tokens", "4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("assistant> ") == 1 if command == "chat" else out.strip()
+    assert len(list((tmp_path / "cache" / "ftw").glob("*.ftw"))) == 1  # served from its cached conversion
 
 
 def test_cli_convert_names_a_garbled_gguf(tmp_path, capsys):
