@@ -106,3 +106,18 @@ def send_raw(base_url: str, body: dict) -> socket.socket:
     )
     sock.sendall(head.encode() + payload)
     return sock
+
+
+def first_difference(model: Any, name: str) -> int:
+    """The token where `name`'s call prefix (in `model`'s tool-call family) leaves the prefix of
+    every other tool of TOOLS: biasing it makes the model choose `name`."""
+    names = [t["function"]["name"] for t in TOOLS]
+
+    def encode(n: str) -> list[int]:
+        return model.tokenizer.encode(model.parser.call_prefix(n), add_special_tokens=False)
+
+    mine, others = encode(name), [encode(n) for n in names if n != name]
+    k = 0
+    while any(o[: k + 1] == mine[: k + 1] for o in others):
+        k += 1
+    return mine[k]

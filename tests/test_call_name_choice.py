@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from serve_harness import MODEL, TOOLS, running_server, shared_engine
+from serve_harness import MODEL, TOOLS, first_difference, running_server, shared_engine
 
 from freetoken_agents import FreeTokenModel, GenerateRequest
 
@@ -16,16 +16,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 ASK = [{"role": "user", "content": "What is 6 times 7?"}]
 NAMES = [t["function"]["name"] for t in TOOLS]
-
-
-def first_difference(model: FreeTokenModel, name: str) -> int:
-    """The token where `name`'s call prefix leaves every other candidate's."""
-    encode = lambda n: model.tokenizer.encode(model.parser.call_prefix(n), add_special_tokens=False)  # noqa: E731
-    mine, others = encode(name), [encode(n) for n in NAMES if n != name]
-    k = 0
-    while any(o[: k + 1] == mine[: k + 1] for o in others):
-        k += 1
-    return mine[k]
 
 
 def forced_call(model: FreeTokenModel, bias: dict[int, float] | None = None):

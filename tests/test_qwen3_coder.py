@@ -15,7 +15,7 @@ import pytest
 import torch
 from real_templates import model_with_template, real_template
 from real_tokenizers import real_tokenizer
-from serve_harness import MODEL, TOOLS, running_server, shared_engine
+from serve_harness import MODEL, TOOLS, first_difference, running_server, shared_engine
 from tiny_models import make_tiny_tokenizer
 
 from freetoken_agents import Agent, FreeTokenModel, GenerateRequest, default_model
@@ -261,16 +261,6 @@ def test_a_forced_call_is_written_in_the_templates_form(model, force):
     history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "function": function}]}]
     # the next turn's prompt holds the call exactly as it was generated (the prefix is reused)
     assert text in model.tokenizer.decode(model.render(history, TOOLS, generation_prompt=False))
-
-
-def first_difference(model: FreeTokenModel, name: str) -> int:
-    """The token where `name`'s call prefix leaves every other candidate's."""
-    encode = lambda n: model.tokenizer.encode(model.parser.call_prefix(n), add_special_tokens=False)  # noqa: E731
-    mine, others = encode(name), [encode(n) for n in NAMES if n != name]
-    k = 0
-    while any(o[: k + 1] == mine[: k + 1] for o in others):
-        k += 1
-    return mine[k]
 
 
 @pytest.mark.parametrize("wanted", ["get_weather", "lookup_capital"])

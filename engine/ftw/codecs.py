@@ -372,6 +372,17 @@ class MXFP4Codec(Codec):
         return x if work == dtype else x.to(dtype)
 
 
+def _finite_blocks(tensor: torch.Tensor, codec: str) -> tuple[torch.Tensor, int, int]:
+    """A 2-D float input as float32 blocks ``[out, in/32, 32]``, with ``out`` and ``in``
+    (ValueError: not float, not 2-D, ``in`` not a multiple of 32, NaN or inf values)."""
+    t = _check_float_input(tensor, codec)
+    out, inp = _check_blocked(tuple(t.shape), codec)
+    x = t.to(torch.float32).reshape(out, inp // QBLOCK, QBLOCK)
+    if not torch.isfinite(x).all():
+        raise ValueError(f"codec {codec!r}: input has NaN or inf values")
+    return x, out, inp
+
+
 def _check_blocked(shape: Shape, codec: str) -> tuple[int, int]:
     out, inp = _check_2d(shape, codec)
     if inp % QBLOCK:
@@ -392,11 +403,7 @@ class Int8Block32Codec(Codec):
         return {"weight": (torch.int8, (out, inp)), "scale": (torch.float16, (out, inp // QBLOCK))}
 
     def encode(self, tensor: torch.Tensor) -> EncodedTensor:
-        t = _check_float_input(tensor, self.name)
-        out, inp = _check_blocked(tuple(t.shape), self.name)
-        x = t.to(torch.float32).reshape(out, inp // QBLOCK, QBLOCK)
-        if not torch.isfinite(x).all():
-            raise ValueError(f"codec {self.name!r}: input has NaN or inf values")
+        x, out, inp = _finite_blocks(tensor, self.name)
         amax = x.abs().amax(dim=-1)
         scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).to(torch.float16)
         scale = torch.where(scale > 0, scale, torch.full_like(scale, 2.0**-24))  # fp16 underflow
@@ -438,11 +445,7 @@ class UInt4Block32Codec(Codec):
         }
 
     def encode(self, tensor: torch.Tensor) -> EncodedTensor:
-        t = _check_float_input(tensor, self.name)
-        out, inp = _check_blocked(tuple(t.shape), self.name)
-        x = t.to(torch.float32).reshape(out, inp // QBLOCK, QBLOCK)
-        if not torch.isfinite(x).all():
-            raise ValueError(f"codec {self.name!r}: input has NaN or inf values")
+        x, out, inp = _finite_blocks(tensor, self.name)
         lo, hi = x.amin(dim=-1), x.amax(dim=-1)
         scale = (hi - lo) / 15.0
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
