@@ -10,6 +10,7 @@ with engine.new_session() as s:
 from .adapters import SUPPORTED_MODEL_TYPES
 from .anchors import ANCHOR_KINDS, Anchor, AnchorStore
 from .chat import DEFAULT_CHAT_TEMPLATE, render_chat
+from .detokenize import IncrementalDetokenizer
 from .engine import Engine
 from .errors import (
     AnchorError,
@@ -37,6 +38,7 @@ from .options import PLACEMENTS, EngineOptions, Placement, TieringOptions
 from .placement import check_device
 from .session import Session
 from .spec import ModelSpec
+from .stop_text import held_back_for_stops
 from .tokenize import encode_plain
 
 __all__ = [
@@ -64,6 +66,7 @@ __all__ = [
     "GenerationResult",
     "HubId",
     "InMemoryExpertProvider",
+    "IncrementalDetokenizer",
     "InvalidTokenError",
     "MemoryBudget",
     "MemoryBudgetError",
@@ -78,6 +81,7 @@ __all__ = [
     "TokenEvent",
     "UnsupportedModelError",
     "encode_plain",
+    "held_back_for_stops",
     "is_hub_id",
     "parse_hub_id",
     "render_chat",

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from .detokenize import IncrementalDetokenizer
 from .errors import MemoryBudgetError
+from .stop_text import first_stop, held_back_for_stops
 
 if TYPE_CHECKING:
     from .session import Session
@@ -85,43 +87,15 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-class _TextTracker:
-    """Incremental detokenisation: emitted text only ever grows.
-
-    Decoding all ids each step and emitting the new suffix keeps merges right (BPE pieces,
-    multi-byte characters split over tokens). A trailing U+FFFD (an incomplete UTF-8 sequence)
-    is held back until the next token completes it, or until `flush()`.
-    """
-
-    def __init__(self, tokenizer: object | None) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.text = ""
-        self._full = ""
-
-    def push(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return ""
-        self.ids.append(token_id)
-        self._full = self.tokenizer.decode(self.ids, skip_special_tokens=False)  # type: ignore[attr-defined]
-        return self._advance(self._full.rstrip("\ufffd"))
-
-    def flush(self) -> str:
-        return self._advance(self._full)
-
-    def _advance(self, stable: str) -> str:
-        if not stable.startswith(self.text):
-            return ""  # the decoder revised earlier characters; what was emitted stays
-        delta, self.text = stable[len(self.text) :], stable
-        return delta
-
-
 def stream_tokens(
     session: Session, prompt_ids: Sequence[int], params: SamplingParams, tokenizer: object | None
 ) -> Iterator[TokenEvent]:
     """Prefill `prompt_ids` into `session`, then decode until a stop condition.
 
-    The stop token itself is not emitted as text but is reported as the last event's token.
+    Text is detokenised incrementally (`IncrementalDetokenizer`: bounded tokenizer work per
+    token); the events' texts concatenate to the whole decode of the generated ids (stop token
+    and cut stop string excepted). The stop token itself is not emitted as text but is reported
+    as the last event's token.
     With stop strings, text that could be the start of a stop string is held back until it is
     known not to be; a stop string is cut from the text and generation ends at the token that
     completed it. The last token is appended to the session as pending (not yet run), so the
@@ -136,52 +110,48 @@ def stream_tokens(
         return
     sampler = Sampler(params)
     logits = session.prefill(prompt_ids, last_only=True)[-1]
-    tracker = _TextTracker(tokenizer)
+    detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
     stops = set(params.stop_token_ids)
-    emitted = 0  # characters of tracker.text already yielded
+    text = ""  # the stable text of the tokens so far (empty without a tokenizer)
+    emitted = 0  # characters of `text` already yielded
     # Never run past the model's context: the last token that fits ends generation ("length").
     steps = min(params.max_new_tokens, session.engine.max_context - session.position)
     for step in range(steps):
         token = sampler(logits)
         if token in stops:
             session.append_unprocessed(token)
-            yield TokenEvent(token, tracker.text[emitted:] + tracker.flush(), "stop_token")
+            yield TokenEvent(token, _rest(detok, emitted), "stop_token")
             return
-        tracker.push(token)
-        text = tracker.text
-        hit = _first_stop(text, params.stop_strings)
+        searched = len(text)  # holds no stop string (else generation had ended)
+        if detok is not None:
+            detok.push(token)
+            text = detok.text
+        hit = first_stop(text, params.stop_strings, searched)
         if hit is not None:
             session.append_unprocessed(token)
             yield TokenEvent(token, text[emitted:hit], "stop_string")
             return
         if step == steps - 1:
             session.append_unprocessed(token)
-            yield TokenEvent(token, text[emitted:] + tracker.flush(), "length")
+            yield TokenEvent(token, _rest(detok, emitted), "length")
             return
         try:
             next_logits = session.decode(token)
         except MemoryBudgetError as e:
             logger.warning("generation stopped after %d tokens by a memory limit: %s", step + 1, e)
             session.append_unprocessed(token)
-            yield TokenEvent(token, text[emitted:] + tracker.flush(), "memory")
+            yield TokenEvent(token, _rest(detok, emitted), "memory")
             return
-        safe = len(text) - _held_back(text, params.stop_strings)
+        safe = len(text) - held_back_for_stops(text, params.stop_strings)
         yield TokenEvent(token, text[emitted:safe])
         emitted = safe
         logits = next_logits
 
 
-def _first_stop(text: str, stops: Sequence[str]) -> int | None:
-    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return min(found) if found else None
-
-
-def _held_back(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-    longest = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest
+def _rest(detok: IncrementalDetokenizer | None, emitted: int) -> str:
+    """The text after the first `emitted` characters, an incomplete character at the end included
+    (decoded as is): what the last event carries. Ends the detokenizer's stream."""
+    if detok is None:
+        return ""
+    detok.flush()
+    return detok.text[emitted:]

@@ -19,7 +19,7 @@ from langchain_core.messages import AIMessageChunk
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 
 from freetoken_agents.constrained import resolve_tool_choice
-from freetoken_agents.engine import SamplingParams
+from freetoken_agents.engine import SamplingParams, held_back_for_stops
 from freetoken_agents.model import GenerateRequest
 from freetoken_agents.parsers import new_call_id
 
@@ -60,17 +60,6 @@ class TurnState:
 
 def _call_id() -> str:
     return new_call_id()  # nine letters and digits: what every chat template accepts
-
-
-def _held(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that could begin a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
 
 
 def run_turn(
@@ -123,7 +112,7 @@ def run_turn(
             hit = [j for j in (full.find(s) for s in stops) if 0 <= j < cut]
             if hit:
                 cut = min(hit)
-            visible = cut if hit else cut - _held(full[:cut], stops)
+            visible = cut if hit else cut - held_back_for_stops(full[:cut], stops)
             if visible > emitted:
                 yield AIMessageChunk(content=full[emitted:visible])
                 emitted = visible

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from freetoken_agents.engine import SamplingParams
+from freetoken_agents.engine import SamplingParams, held_back_for_stops
 from freetoken_agents.errors import TokenLimitTooSmall
 from freetoken_agents.model import GenerateRequest, GenEvent
 
@@ -59,17 +59,6 @@ class Finished:
 
 
 Event = ContentDelta | ReasoningDelta | ToolCallDone | Finished
-
-
-def _held(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that could begin one of `markers`."""
-    best = 0
-    for s in markers:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
 
 
 def _events(backend: FreeTokenModel, req: PreparedRequest) -> Iterator[GenEvent]:
@@ -129,7 +118,9 @@ def run_completion(
             hit = [j for j in (full.find(s, max(0, emitted - len(s))) for s in stops) if 0 <= j < cut]
             if hit:
                 cut = min(hit)
-            visible = cut if (hit or calls.start is not None) else cut - _held(full[:cut], markers)
+            visible = (
+                cut if (hit or calls.start is not None) else cut - held_back_for_stops(full[:cut], markers)
+            )
             if visible > emitted:
                 yield ContentDelta(full[emitted:visible])
                 emitted = visible
