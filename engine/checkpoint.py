@@ -1,17 +1,26 @@
 """Reading a Hugging Face checkpoint folder: config.json and memory-mapped safetensors.
 
+The one config loader: `read_config` parses a folder's config.json, `config_from_dict` builds the
+transformers config from that dict (or from the one an FTW file embeds, or a GGUF file's metadata
+maps to), so every model source gets its config the same way.
+
 Never unpickles anything: only `*.safetensors` files are read.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from .errors import CheckpointError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def read_config(folder: Path) -> dict:
@@ -30,6 +39,16 @@ def read_config(folder: Path) -> dict:
     if not isinstance(config, dict) or "model_type" not in config:
         raise CheckpointError(f"{path} has no 'model_type' field")
     return config
+
+
+def config_from_dict(config: Mapping[str, Any]) -> PretrainedConfig:
+    """A transformers config from a config.json dict, as `AutoConfig.from_pretrained` builds it from
+    the folder (less ``name_or_path``, which the engine does not read). KeyError for a model_type
+    transformers does not know, ValueError or TypeError for fields it refuses: callers name the
+    source in their own error."""
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[config["model_type"]].from_dict(dict(config))
 
 
 class SafetensorsCheckpoint:

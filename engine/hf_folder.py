@@ -12,20 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from .adapters import adapter_for
 from .adapters.base import Adapter
-from .checkpoint import SafetensorsCheckpoint, read_config
+from .checkpoint import SafetensorsCheckpoint, config_from_dict, read_config
 from .dense import load_dense_weights
 from .errors import CheckpointError
 from .experts import ExpertKey, ExpertWeights
 from .spec import ModelSpec
+from .tokenizer_files import TOKENIZER_MARKERS
 from .transformer import MoETransformer
 
 logger = logging.getLogger(__name__)
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass
@@ -46,8 +45,8 @@ def load_hf_dense(folder: Path, dtype: torch.dtype, device: str) -> HFDense:
     raw = read_config(folder)
     adapter = adapter_for(raw["model_type"])
     try:
-        hf_config = AutoConfig.from_pretrained(folder)
-    except (ValueError, KeyError, TypeError, OSError) as e:
+        hf_config = config_from_dict(raw)
+    except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"cannot read the config in {folder}: {e}") from e
     spec = adapter.build_spec(hf_config)
     ckpt = SafetensorsCheckpoint(folder)
@@ -98,7 +97,7 @@ def load_hf_tokenizer(folder: Path) -> tuple[Any | None, str | None]:
     """(tokenizer, None), or (None, why) when the folder has no tokenizer files or they cannot
     be loaded: the engine then still runs on token ids and raises EngineError when text is
     needed (a broken tokenizer file must not make the weights unusable)."""
-    if not any((folder / f).exists() for f in TOKENIZER_FILES):
+    if not any((folder / f).exists() for f in TOKENIZER_MARKERS):
         return None, f"checkpoint {folder} has no tokenizer files"
     from transformers import AutoTokenizer
 

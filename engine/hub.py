@@ -45,17 +45,14 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .errors import ModelNotFoundError
-from .ftw.load import TOKENIZER_FILES as FTW_TOKENIZER_FILES
-from .hf_folder import TOKENIZER_FILES as HF_TOKENIZER_FILES
 from .stop_tokens import GENERATION_CONFIG
+from .tokenizer_files import TOKENIZER_FILES
 
 logger = logging.getLogger(__name__)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 WEIGHT_FILES = ("config.json", GENERATION_CONFIG, SAFETENSORS_INDEX)
 """Besides the safetensors shards: what `hf_folder` / `checkpoint` read of a checkpoint folder."""
-TOKENIZER_FILES: tuple[str, ...] = tuple(dict.fromkeys((*HF_TOKENIZER_FILES, *FTW_TOKENIZER_FILES)))
-"""Every tokenizer file the engine's loaders use (AutoTokenizer reads the ones present)."""
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
 """transformers' folder of named chat templates (``<name>.jinja``), read by AutoTokenizer."""
 LOCAL_SUFFIXES = (".ftw", ".gguf")

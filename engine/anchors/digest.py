@@ -33,6 +33,7 @@ import torch
 import xxhash
 
 from ..kv import CHAIN_SEED, BlockPool, BlockTable, tensor_bytes
+from ..tokenizer_files import TOKENIZER_FILES
 from .weights import weights_digest
 
 if TYPE_CHECKING:
@@ -41,15 +42,6 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 2  # engine anchor format: fingerprint, id and save-file layout (2: full-weight
 # fingerprint, authenticated save files)
 SIGNATURE_SPAN = 512  # bytes taken from each end of the KV byte stream
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
 
 
 def le64(n: int) -> bytes:

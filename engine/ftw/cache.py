@@ -49,6 +49,7 @@ import torch
 import xxhash
 from filelock import FileLock
 
+from ..checkpoint import read_config
 from ..errors import FTWFormatError
 from .convert import EMBEDDED_FILES, QUANTS, convert_checkpoint
 from .reader import FTWFile
@@ -56,7 +57,8 @@ from .reader import FTWFile
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "FREETOKEN_CACHE"
-KEY_VERSION = b"freetoken-conversion-cache-v2"  # v2: no mtime in the key; content checked per load
+KEY_VERSION = b"freetoken-conversion-cache-v3"  # v2: no mtime in the key; content checked per load;
+# v3: the embedded files in name order (reordering `tokenizer_files.TOKENIZER_FILES` keeps keys)
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -106,7 +108,7 @@ def checkpoint_key(folder: Path) -> str:
             h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
             h.update(hashlib.sha256(_file_head(path)).digest())
         return h.hexdigest()[:20]
-    for name in ("config.json", *EMBEDDED_FILES):
+    for name in ("config.json", *sorted(EMBEDDED_FILES)):
         path = folder / name
         if path.is_file():
             h.update(name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
@@ -123,7 +125,7 @@ def lossless_quant(
     """The codec (and dense dtype) that stores exactly the values the resident engine computes
     with: bf16 when the compute dtype or the experts' stored dtype is bfloat16, else fp32.
     Pre-quantized experts (gpt-oss MXFP4, DeepSeek-V3 fp8) keep their codec (carried over)."""
-    config = json.loads((folder / "config.json").read_text())
+    config = read_config(folder)
     method = (config.get("quantization_config") or {}).get("quant_method")
     dense = dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     if method == "mxfp4":

@@ -42,13 +42,14 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig
 
 from ..adapters import adapter_for
 from ..adapters.base import FP8_SCALE_SUFFIX, Adapter, fp8_encoded
-from ..checkpoint import SafetensorsCheckpoint, read_config
+from ..checkpoint import SafetensorsCheckpoint, config_from_dict, read_config
 from ..errors import CheckpointError
 from ..spec import ModelSpec, MoESpec
+from ..stop_tokens import GENERATION_CONFIG
+from ..tokenizer_files import TOKENIZER_FILES
 from ..transformer import MoETransformer
 from .calibrate import AutoPolicy, hot_experts, measure_routing
 from .codecs import EncodedTensor, decode, encode, get_codec
@@ -68,17 +69,7 @@ QUANT_CODECS: dict[str, str] = {
 }
 """``--quant`` value -> expert codec (``auto`` picks per expert)."""
 QUANTS: tuple[str, ...] = (*QUANT_CODECS, "auto")
-EMBEDDED_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-)
+EMBEDDED_FILES: tuple[str, ...] = (*TOKENIZER_FILES, GENERATION_CONFIG)
 """Files copied from the checkpoint folder into the manifest when present."""
 FALLBACK_CODEC = "bf16"
 """Codec used for a weight the requested codec cannot represent."""
@@ -177,8 +168,8 @@ def convert_checkpoint(
     raw = read_config(folder)
     adapter = adapter_for(raw["model_type"])
     try:
-        hf_config = AutoConfig.from_pretrained(folder)
-    except (ValueError, KeyError, TypeError, OSError) as e:
+        hf_config = config_from_dict(raw)
+    except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"cannot read the config in {folder}: {e}") from e
     spec = adapter.build_spec(hf_config)
     ckpt = SafetensorsCheckpoint(folder)

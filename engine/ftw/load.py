@@ -21,31 +21,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import CONFIG_MAPPING, PretrainedConfig
+from transformers import PretrainedConfig
 
 from ..adapters import adapter_for
 from ..adapters.base import dequantized
+from ..checkpoint import config_from_dict
 from ..dense import load_dense_weights
 from ..errors import CheckpointError, FTWFormatError
 from ..int8 import check_quant_options
 from ..spec import ModelSpec
+from ..tokenizer_files import TOKENIZER_MARKERS
 from ..transformer import MoETransformer
 from .provider import FTWExpertProvider
 from .reader import FTWFile
 
 logger = logging.getLogger(__name__)
-
-#: files that make a tokenizer (generation_config.json may be embedded too, but is not one)
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-)
 
 
 @dataclass
@@ -59,11 +49,6 @@ class LoadedFTW:
     hf_config: PretrainedConfig
     ftw: FTWFile
     tokenizer_error: str | None = None  # why `tokenizer` is None (token-id use only)
-
-
-def config_from_dict(cfg: dict[str, Any]) -> PretrainedConfig:
-    """A transformers config from a config.json dict, exactly as `AutoConfig.from_pretrained` builds it."""
-    return CONFIG_MAPPING[cfg["model_type"]].from_dict(dict(cfg))
 
 
 def load_ftw(
@@ -177,7 +162,7 @@ def load_embedded_tokenizer(ftw: FTWFile) -> Any | None:
     exactly as from the source checkpoint folder. CheckpointError if they do not make a tokenizer.
     """
     files = ftw.tokenizer_files
-    if not any(name in files for name in TOKENIZER_FILES if name != "chat_template.jinja"):
+    if not any(name in files for name in TOKENIZER_MARKERS):
         return None
     from transformers import AutoTokenizer
 

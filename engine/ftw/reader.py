@@ -271,21 +271,30 @@ class FTWFile:
         Adds the block's header + stored size to `bytes_read`. FTWFormatError on any mismatch.
         """
         info = self.expert_info(layer, expert)
-        key = (layer, expert)
         if self._fd < 0:
             raise self._err("file is closed")
         head = self._pread(BLOCK_HEADER_SIZE, info.offset)
         stored = self._pread(info.stored_length, info.data_offset)
         with self._lock:
             self.bytes_read += BLOCK_HEADER_SIZE + info.stored_length
+        self.check_block(info, head, stored)
+        return stored
+
+    def check_block(self, info: ExpertInfo, head: Buffer, stored: Buffer) -> None:
+        """Check one block as read from disk: its header (`head`, at least `BLOCK_STRUCT.size`
+        bytes) against the manifest record `info`, its stored bytes against their length and
+        xxhash64. The one check of every path that reads blocks (`read_expert_bytes`, and
+        `memory.storage.BlockReader` past the page cache). FTWFormatError naming the block and
+        the byte offset of the first mismatch."""
+        key = (info.layer, info.expert)
         magic, b_layer, b_expert, s_len, r_len, digest, comp = BLOCK_STRUCT.unpack_from(head)
         if magic != BLOCK_MAGIC:
             raise self._err(
                 f"bad block magic {magic!r}, expected {BLOCK_MAGIC!r}", offset=info.offset, key=key
             )
         want = (
-            layer,
-            expert,
+            info.layer,
+            info.expert,
             info.stored_length,
             info.raw_length,
             int(info.xxhash64, 16),
@@ -300,7 +309,6 @@ class FTWFile:
                 key=key,
             )
         self._check_stored(info, stored)
-        return stored
 
     def _check_stored(self, info: ExpertInfo, stored: Buffer) -> None:
         key = (info.layer, info.expert)

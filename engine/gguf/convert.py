@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from ..adapters import adapter_for
+from ..checkpoint import config_from_dict
 from ..ftw.convert import QUANT_CODECS, ConvertReport, _encode_weight, _report
 from ..ftw.writer import FTWWriter
 from ..spec import ModelSpec
@@ -72,8 +73,6 @@ def convert_gguf(
     src = GGUFSource(gguf_path)
     config = hf_config(src)
     adapter = adapter_for(config["model_type"])
-    from ..ftw.load import config_from_dict
-
     spec = adapter.build_spec(config_from_dict(config))
     types = Counter(t.type_name for t in src.tensors.values())
     metadata: dict[str, Any] = {

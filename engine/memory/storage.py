@@ -2,8 +2,9 @@
 
 `BlockReader.read(layer, expert)` reads one block (64-byte header + stored bytes) in one aligned
 read into a page-aligned buffer (`BlockBuffers`: recycled when possible), checks the block header
-against the manifest and the stored bytes against their xxhash64, and returns the stored bytes as
-a memoryview over that buffer (zero-copy tensors can be built on it: `FTWFile.decode_stored`).
+against the manifest and the stored bytes against their xxhash64 (`FTWFile.check_block`, the
+reader's own check), and returns the stored bytes as a memoryview over that buffer (zero-copy
+tensors can be built on it: `FTWFile.decode_stored`).
 
 Why past the page cache: otherwise the OS keeps every block read once and serves the next "disk"
 read from RAM: an unbudgeted fourth tier that makes the byte budgets fiction and hides the disk.
@@ -34,11 +35,9 @@ import threading
 import time
 from collections.abc import Callable
 
-import xxhash
-
 from ..errors import FTWFormatError
 from ..ftw import FTWFile
-from ..ftw.layout import ALIGNMENT, BLOCK_HEADER_SIZE, BLOCK_MAGIC, BLOCK_STRUCT, COMPRESSION_IDS, align_up
+from ..ftw.layout import ALIGNMENT, BLOCK_HEADER_SIZE, align_up
 
 logger = logging.getLogger(__name__)
 
@@ -286,33 +285,8 @@ class BlockReader:
             self.reads += 1
         if got < need:
             raise self._err(f"file truncated: wanted {need} bytes, got {got}", key, info.offset)
-        head = BLOCK_STRUCT.unpack_from(buf, 0)
-        want = (
-            BLOCK_MAGIC,
-            layer,
-            expert,
-            info.stored_length,
-            info.raw_length,
-            int(info.xxhash64, 16),
-            COMPRESSION_IDS[info.compression],
-        )
-        if head != want:
-            raise self._err(
-                f"block header (magic, layer, expert, stored_length, raw_length, xxhash64, "
-                f"compression) = {head} disagrees with the manifest {want}",
-                key,
-                info.offset,
-            )
         stored = memoryview(buf)[BLOCK_HEADER_SIZE:need]
-        digest = f"{xxhash.xxh64_intdigest(stored):016x}"
-        if digest != info.xxhash64:
-            raise self._err(
-                f"checksum mismatch over bytes [{info.data_offset}, "
-                f"{info.data_offset + info.stored_length}): "
-                f"xxhash64 {digest}, manifest says {info.xxhash64} (corrupted block)",
-                key,
-                info.data_offset,
-            )
+        self.ftw.check_block(info, memoryview(buf)[:BLOCK_HEADER_SIZE], stored)
         return stored
 
     def close(self) -> None:

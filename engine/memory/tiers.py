@@ -15,6 +15,7 @@ from typing import Any, Generic, TypeVar
 
 from ..experts import ExpertKey
 
+K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 
@@ -35,8 +36,8 @@ class TierCounters:
         return asdict(self)
 
 
-class LRUTier(Generic[V]):
-    """Keys -> values with a byte size, least recently used first, under `capacity_bytes`.
+class LRUTier(Generic[K, V]):
+    """Keys (`K`) -> values (`V`) with a byte size, least recently used first, under `capacity_bytes`.
 
     Pinned keys are never chosen by `put`'s evictions; `resize` evicts unpinned keys coldest first
     and only then pinned ones (coldest first). `capacity_bytes=None` means unbounded.
@@ -53,16 +54,16 @@ class LRUTier(Generic[V]):
         name: str,
         capacity_bytes: int | None,
         *,
-        on_evict: Callable[[Hashable, V], None] | None = None,
-        protected: Callable[[Hashable], bool] | None = None,
-        rank: Callable[[Hashable], float] | None = None,
+        on_evict: Callable[[K, V], None] | None = None,
+        protected: Callable[[K], bool] | None = None,
+        rank: Callable[[K], float] | None = None,
     ) -> None:
         self.name = name
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.counters = TierCounters()
-        self._items: OrderedDict[Hashable, tuple[V, int]] = OrderedDict()
-        self.pinned: set[Hashable] = set()
+        self._items: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self.pinned: set[K] = set()
         self.on_evict = on_evict
         self.protected = protected  # needed soon: evicted last
         self.rank = rank  # eviction order (lowest first)
@@ -73,17 +74,17 @@ class LRUTier(Generic[V]):
     def __len__(self) -> int:
         return len(self._items)
 
-    def keys(self) -> list[ExpertKey]:
+    def keys(self) -> list[K]:
         """Keys, coldest (least recently used) first."""
-        return list(self._items)  # type: ignore[arg-type]
+        return list(self._items)
 
-    def eviction_order(self) -> list[Hashable]:
+    def eviction_order(self) -> list[K]:
         """Keys in the order evictions take them: by `rank` (stable, so least recently used first
         among equals), or least recently used first without one."""
         keys = list(self._items)
         return keys if self.rank is None else sorted(keys, key=self.rank)
 
-    def get(self, key: ExpertKey, *, count: bool = True) -> V | None:
+    def get(self, key: K, *, count: bool = True) -> V | None:
         """The value (marked most recently used) or None; counts a hit or a miss."""
         item = self._items.get(key)
         if item is None:
@@ -95,42 +96,42 @@ class LRUTier(Generic[V]):
             self.counters.hits += 1
         return item[0]
 
-    def get_all(self, keys: list[ExpertKey]) -> list[V] | None:
+    def get_all(self, keys: list[K]) -> list[V] | None:
         """The values of every key in `keys` (each marked most recently used, each a hit), or
         None, touching nothing, when any is absent: one call for a layer whose routed experts
         are all resident (the caller then goes key by key)."""
         items = self._items
-        found = [items.get(k) for k in keys]
-        if any(item is None for item in found):
+        found = [item[0] for k in keys if (item := items.get(k)) is not None]
+        if len(found) != len(keys):
             return None
         for k in keys:
             items.move_to_end(k)
         self.counters.hits += len(keys)
-        return [item[0] for item in found]  # type: ignore[index]
+        return found
 
-    def peek(self, key: ExpertKey) -> V | None:
+    def peek(self, key: K) -> V | None:
         """The value without touching recency or counters."""
         item = self._items.get(key)
         return None if item is None else item[0]
 
-    def fits(self, nbytes: int, key: ExpertKey | None = None) -> bool:
+    def fits(self, nbytes: int, key: K | None = None) -> bool:
         """Whether `nbytes` (for `key`) could be held at all (pinned bytes cannot be evicted by
         `put`). `key` matters only to tiers that partition capacity (`LayerLRUTier`)."""
         if self.capacity_bytes is None:
             return True
         return nbytes <= self.capacity_bytes - self.pinned_bytes()
 
-    def has_room(self, nbytes: int, key: ExpertKey | None = None) -> bool:
+    def has_room(self, nbytes: int, key: K | None = None) -> bool:
         """Whether `nbytes` (for `key`) fit without evicting anything."""
         return self.capacity_bytes is None or self.used_bytes + nbytes <= self.capacity_bytes
 
-    def victims_for(self, nbytes: int, key: ExpertKey | None = None) -> list[ExpertKey]:
+    def victims_for(self, nbytes: int, key: K | None = None) -> list[K]:
         """The unpinned keys `put(key, …, nbytes)` would evict (no change made): coldest first,
         keys `protected` says are needed soon only when the others do not free enough."""
         if self.capacity_bytes is None:
             return []
         need = self.used_bytes + nbytes - self.capacity_bytes
-        out: list[ExpertKey] = []
+        out: list[K] = []
         protected = self.protected
         order = self.eviction_order()
         for second_pass in (False, True):
@@ -139,13 +140,13 @@ class LRUTier(Generic[V]):
                     return out
                 if k in self.pinned or k in out or (not second_pass and protected and protected(k)):
                     continue
-                out.append(k)  # type: ignore[arg-type]
+                out.append(k)
                 need -= self._items[k][1]
             if protected is None:
                 break
         return out
 
-    def put(self, key: ExpertKey, value: V, nbytes: int) -> list[ExpertKey]:
+    def put(self, key: K, value: V, nbytes: int) -> list[K]:
         """Insert as most recently used, evicting unpinned keys coldest first; returns them.
 
         Returns [] and inserts nothing when `nbytes` cannot fit beside the pinned set.
@@ -164,7 +165,7 @@ class LRUTier(Generic[V]):
         self.counters.bytes_in += nbytes
         return evicted
 
-    def pop(self, key: ExpertKey) -> V | None:
+    def pop(self, key: K) -> V | None:
         """Remove `key` (not counted as an eviction); returns its value."""
         item = self._items.pop(key, None)
         if item is None:
@@ -173,7 +174,7 @@ class LRUTier(Generic[V]):
         self.pinned.discard(key)
         return item[0]
 
-    def _drop(self, key: Hashable) -> None:
+    def _drop(self, key: K) -> None:
         value, size = self._items.pop(key)
         self.used_bytes -= size
         self.pinned.discard(key)
@@ -182,20 +183,20 @@ class LRUTier(Generic[V]):
         if self.on_evict is not None:
             self.on_evict(key, value)
 
-    def evict_coldest(self, *, include_pinned: bool = False) -> ExpertKey | None:
+    def evict_coldest(self, *, include_pinned: bool = False) -> K | None:
         """Evict the first unpinned key of `eviction_order` (or pinned, if none and allowed)."""
         order = self.eviction_order()
         for key in order:
             if key not in self.pinned:
                 self._drop(key)
-                return key  # type: ignore[return-value]
+                return key
         if include_pinned and order:
             key = order[0]
             self._drop(key)
-            return key  # type: ignore[return-value]
+            return key
         return None
 
-    def resize(self, capacity_bytes: int | None) -> list[ExpertKey]:
+    def resize(self, capacity_bytes: int | None) -> list[K]:
         """Set the capacity; evict (unpinned coldest first, pinned last) until it holds. Returns
         the evicted keys."""
         old = self.capacity_bytes
@@ -204,7 +205,7 @@ class LRUTier(Generic[V]):
             self.counters.regrows += 1
         elif capacity_bytes is not None and (old is None or capacity_bytes < old):
             self.counters.shrinks += 1
-        evicted: list[ExpertKey] = []
+        evicted: list[K] = []
         while capacity_bytes is not None and self.used_bytes > capacity_bytes:
             key = self.evict_coldest(include_pinned=True)
             if key is None:
@@ -225,7 +226,7 @@ class LRUTier(Generic[V]):
         }
 
 
-class FastTier(LRUTier[V]):
+class FastTier(LRUTier[ExpertKey, V]):
     """Tier 1: a pinned hot set that `put` never evicts, plus an LRU for the rest.
 
     `set_hot(keys)` re-evaluates the hot set: resident keys among `keys` become pinned, at most
@@ -258,10 +259,10 @@ class FastTier(LRUTier[V]):
         self.pinned.clear()
         for key in keys:
             self.pin(key)
-        return sorted(self.pinned)  # type: ignore[type-var]
+        return sorted(self.pinned)
 
 
-class HostTier(LRUTier[V]):
+class HostTier(LRUTier[ExpertKey, V]):
     """Tier 2: one LRU shared by all layers (a hot layer may take the whole tier)."""
 
     def __init__(self, capacity_bytes: int | None, **hooks: Any) -> None:
@@ -285,7 +286,7 @@ class LayerLRUTier(FastTier[V]):
         return None if self.capacity_bytes is None else self.capacity_bytes // self.n_layers
 
     def _layer_used(self, layer: int) -> int:
-        return sum(size for k, (_, size) in self._items.items() if k[0] == layer)  # type: ignore[index]
+        return sum(size for k, (_, size) in self._items.items() if k[0] == layer)
 
     def fits(self, nbytes: int, key: ExpertKey | None = None) -> bool:
         cap = self.layer_capacity()
@@ -304,8 +305,8 @@ class LayerLRUTier(FastTier[V]):
         for k, (_, size) in self._items.items():
             if need <= 0:
                 break
-            if k[0] == key[0]:  # type: ignore[index]
-                out.append(k)  # type: ignore[arg-type]
+            if k[0] == key[0]:
+                out.append(k)
                 need -= size
         return out
 
@@ -313,11 +314,11 @@ class LayerLRUTier(FastTier[V]):
         evicted = super().resize(capacity_bytes)
         cap = self.layer_capacity()
         if cap is not None:  # the total may hold while one layer is over its share
-            for layer in sorted({k[0] for k in self._items}):  # type: ignore[index]
+            for layer in sorted({k[0] for k in self._items}):
                 while self._layer_used(layer) > cap:
-                    victim = next(k for k in self._items if k[0] == layer)  # type: ignore[index]
+                    victim = next(k for k in self._items if k[0] == layer)
                     self._drop(victim)
-                    evicted.append(victim)  # type: ignore[arg-type]
+                    evicted.append(victim)
         return evicted
 
     def set_hot(self, keys: list[ExpertKey]) -> list[ExpertKey]:
