@@ -49,12 +49,6 @@ def expert_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
     return total
 
 
-def module_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's parameters and buffers."""
-    tensors = [*module.parameters(), *module.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
 """The devices an engine runs on: "cpu", "cuda" or "cuda:N"."""
 

@@ -85,10 +85,6 @@ class MoETransformer(nn.Module):
     def kv_streams(self) -> list[tuple[StreamSpec, ...]]:
         return [layer.self_attn.kv_streams() for layer in self.layers]
 
-    def head_weight(self) -> torch.Tensor:
-        """The float output-head weight [V, H] (the embedding when tied; not after int8 quantization)."""
-        return self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-
     def prepare_decode_layout(self, device: torch.device) -> None:
         """On CPU, hold every dense nn.Linear weight [out, in] as a view of an [in, out] buffer.
 

@@ -10,9 +10,9 @@ machine (`_fences.FenceDetector`), so each token costs the same at token 2,000 a
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -20,15 +20,42 @@ from freetoken_agents.engine import MemoryBudgetError, SamplingParams
 from freetoken_agents.engine.generate import Sampler
 
 from ._fences import FenceDetector
+from .anchors import AnchorHandle
 from .backend import GenerateRequest, GenEvent
-from .constrained import ConstrainedDecode, JsonConstraint
+from .constrained import ConstrainedDecode, GrammarFactory, JsonConstraint
 from .detokenize import IncrementalDetokenizer
 from .errors import TokenLimitTooSmall
-
-if TYPE_CHECKING:
-    from .model import FreeTokenModel
+from .parsers import ReasoningMarkers, ToolCallParser
+from .trace import AnchorKind
 
 logger = logging.getLogger(__name__)
+
+
+class TurnModel(Protocol):
+    """What TurnDecoder needs of a model (FreeTokenModel is one): its context (`position`,
+    `token_ids`, `max_context`), the steps that change it, anchors, and the chat format's parts.
+    Declared here so this module never imports `model.py` (which imports this one)."""
+
+    tokenizer: Any
+    parser: ToolCallParser
+    reasoning: ReasoningMarkers | None
+    stop_ids: tuple[int, ...]
+
+    @property
+    def position(self) -> int: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def max_context(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    def prefill(self, token_ids: Sequence[int]) -> None: ...
+    def decode(self, token_id: int) -> None: ...
+    def append_pending(self, token_id: int) -> None: ...
+    def truncate(self, position: int) -> None: ...
+    def next_logits(self) -> torch.Tensor: ...
+    def anchor(self, kind: AnchorKind, label: str | None = None) -> AnchorHandle: ...
+    def grammars(self) -> GrammarFactory: ...
 
 
 class TurnDecoder:
@@ -43,7 +70,7 @@ class TurnDecoder:
     (and kept in the context; the last sampled one pending) and "done" says finish_reason "memory".
     """
 
-    def __init__(self, model: FreeTokenModel, request: GenerateRequest) -> None:
+    def __init__(self, model: TurnModel, request: GenerateRequest) -> None:
         self.m, self.req = model, request
         self.sample = Sampler(
             SamplingParams(temperature=request.temperature, top_p=request.top_p, seed=request.seed)
@@ -363,7 +390,7 @@ class _Think:
     emitted: int | None = None
 
 
-def _thinking(model: FreeTokenModel) -> _Think | None:
+def _thinking(model: TurnModel) -> _Think | None:
     """The turn's reasoning state: None when the template has no reasoning blocks; "inside" when the
     prompt already opened one (the turn starts in it), else "maybe"."""
     markers = model.reasoning
@@ -373,7 +400,7 @@ def _thinking(model: FreeTokenModel) -> _Think | None:
     return _Think("inside") if markers.opened_by(tail) else _Think("maybe")
 
 
-def _body_constraint(model: FreeTokenModel, body_format: str, schema: dict) -> JsonConstraint:
+def _body_constraint(model: TurnModel, body_format: str, schema: dict) -> JsonConstraint:
     """The grammar of a call's body in the parser's `body_format` (see ToolCallParser)."""
     if body_format == "xml_parameters":
         return model.grammars().xml_parameters(schema)

@@ -252,11 +252,6 @@ class JsonConstraint:
             raise RuntimeError(f"grammar rejected token {token_id} it allowed")
         self.lexer.feed(self.vocab.pieces[token_id])
 
-    def accept_text(self, text: str) -> None:
-        if not self.matcher.accept_string(text):
-            raise RuntimeError(f"grammar rejected forced text {text!r}")
-        self.lexer.feed(text.encode())
-
     def jump_forward(self) -> list[int]:
         """Tokens the grammar allows no alternative to from here (may be empty); not accepted yet."""
         return _up_to_banned(self.matcher.find_jump_forward_tokens(), self.vocab.banned_ids)

@@ -31,6 +31,7 @@ import torch
 from freetoken_agents.engine import MemoryBudgetError, SamplingParams, encode_plain
 from freetoken_agents.engine.generate import Sampler
 
+from ._decode import TurnDecoder
 from .anchors import AnchorBook, AnchorHandle, RollbackOutcome
 from .backend import GenerateRequest, GenEvent, ModelBackend, Usage, common_prefix_length
 from .constrained import ConstrainedDecode, GrammarFactory
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FENCE = "```"
 T = TypeVar("T")
 
 __all__ = ["FreeTokenModel", "GenEvent", "GenerateRequest", "ModelBackend", "Usage", "common_prefix_length"]
@@ -302,7 +302,6 @@ class FreeTokenModel:
         """Decode one assistant turn after the context (`_decode.TurnDecoder`): text deltas,
         anchors, then "done". Raises ContextConflict if another caller changes the context while
         the turn is suspended between events."""
-        from ._decode import TurnDecoder
 
         def turn() -> Iterator[GenEvent]:
             yield from TurnDecoder(self, request).run()

@@ -3,6 +3,10 @@ engine arguments (`--model`, `--device`, `--dtype`, `--fast-mem`, `--host-mem`, 
 `--expert-quant`),
 loading the model with them, the writer recipes print through, and running a recipe as a program
 (`python -m freetoken_agents.recipes.NAME`) with one-line errors.
+
+The engine arguments are defined here, not in `cli/`, because the recipes parse them themselves
+(`add_arguments` of each recipe, under `python -m` and `freetoken recipe NAME`) and may not import
+the CLI above them: this is the lowest layer that needs them, and their only definition.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ bug and shows its traceback."""
 
 
 def stdout_write(text: str) -> None:
-    """The CLI's writer: stdout, flushed at once so streamed text shows as it comes."""
+    """The recipes' default writer: stdout, flushed at once so streamed text shows as it comes."""
     sys.stdout.write(text)
     sys.stdout.flush()
 

@@ -1,4 +1,5 @@
-"""The five parts import only downwards: Engine <- SDK <- Integrations <- Recipes <- CLI.
+"""The five parts import only downwards: Engine <- SDK <- Integrations <- Recipes <- CLI; and the
+turn decoder (`_decode`) never imports the model (`model` imports it: no circle).
 
 import-linter checks the contracts in pyproject.toml. It finds modules by walking the package's
 folder, and the installed layout is spread over several folders (`package-dir` maps engine/,
@@ -63,7 +64,7 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
 def test_the_five_parts_import_only_downwards(tmp_path):
     result = lint_imports(installed_layout(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "1 kept, 0 broken" in result.stdout
+    assert "2 kept, 0 broken" in result.stdout
 
 
 def test_an_upward_import_breaks_the_contract_even_when_lazy_or_type_checking(tmp_path):
@@ -83,3 +84,17 @@ def test_an_upward_import_breaks_the_contract_even_when_lazy_or_type_checking(tm
     assert "freetoken_agents.engine.spec -> freetoken_agents.model" in out
     assert "freetoken_agents.engine.spec -> freetoken_agents.cli" in out
     assert "freetoken_agents.recipes.tool_loop -> freetoken_agents.cli" in out
+
+
+def test_the_turn_decoder_importing_the_model_breaks_the_contract(tmp_path):
+    """model.py imports _decode.py; the way back (even TYPE_CHECKING) would close a circle."""
+    root = installed_layout(tmp_path)
+    decode = root / "freetoken_agents" / "_decode.py"
+    decode.write_text(
+        decode.read_text()
+        + "\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+        + "    from .model import FreeTokenModel\n"
+    )
+    result = lint_imports(root)
+    assert result.returncode != 0
+    assert "freetoken_agents._decode -> freetoken_agents.model" in result.stdout
