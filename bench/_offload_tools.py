@@ -247,19 +247,16 @@ Trace = list[list[tuple[int, list[int]]]]  # per forward: (layer, experts used) 
 def record_routing(engine: Any, prompt: list[int], n: int) -> Trace:
     """Greedy-decode `n` tokens after `prompt` (the prefill is forward 0); the experts each
     forward routed to, per layer."""
-    from freetoken_agents.engine.experts import run_experts
+    from freetoken_agents.engine.experts import DelegatingStore, run_experts
 
     inner, trace = engine.experts, []
 
-    class Recorder:
-        def get(self, layer: int, expert: int) -> Any:
-            return inner.get(layer, expert)
-
+    class Recorder(DelegatingStore):
         def run(self, layer: int, hidden: Any, ids: Any, w: Any, spec: Any) -> Any:
             trace[-1].append((layer, sorted(set(ids.reshape(-1).tolist()))))
             return run_experts(self.get, layer, hidden, ids, w, spec)
 
-    engine.use_expert_provider(Recorder())
+    engine.use_expert_provider(Recorder(inner))
     try:
         with engine.new_session() as s:
             trace.append([])

@@ -44,7 +44,7 @@ from safetensors import safe_open
 from freetoken_agents.engine import Engine
 from freetoken_agents.engine.ftw import EncodedTensor, FTWFile, get_codec
 from freetoken_agents.engine.ftw.container import ALIGNMENT
-from freetoken_agents.engine.ftw.convert import QUANT_CODECS, convert_checkpoint
+from freetoken_agents.engine.loading.convert import QUANT_CODECS, convert_checkpoint
 
 QUANTS = ("fp32", "bf16", "fp8", "int8", "mxfp4")
 SIZES: dict[str, dict[str, int]] = {

@@ -269,7 +269,7 @@ def compact_resident(
     """Resident experts stored as MXFP4 and held 4-bit on the GPU (expert_quant="compact") vs the
     bf16 resident engine, both eager (compact experts are not stacked, so not graph-captured)."""
     from freetoken_agents.engine import Engine
-    from freetoken_agents.engine.ftw.convert import convert_checkpoint
+    from freetoken_agents.engine.loading.convert import convert_checkpoint
     from freetoken_agents.engine.mxfp4 import kernel_ok
 
     os.environ["FREETOKEN_CUDA_GRAPHS"] = "0"

@@ -124,7 +124,7 @@ class Bench:
     def __init__(self, tmp: Path, args: argparse.Namespace) -> None:
         from freetoken_agents.engine import Engine
         from freetoken_agents.engine.ftw import FTWFile
-        from freetoken_agents.engine.ftw.convert import convert_checkpoint
+        from freetoken_agents.engine.loading.convert import convert_checkpoint
 
         self.args, self.tmp = args, tmp
         self.folder, self.ftw = tmp / "hf", tmp / "model.ftw"

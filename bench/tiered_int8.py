@@ -70,7 +70,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from freetoken_agents.engine import Engine
-    from freetoken_agents.engine.ftw.convert import convert_checkpoint
+    from freetoken_agents.engine.loading.convert import convert_checkpoint
     from freetoken_agents.engine.memory import MemoryBudget
 
     with tempfile.TemporaryDirectory(prefix="ft-int8-") as tmp:

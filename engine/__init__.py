@@ -29,13 +29,13 @@ from .errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
-from .experts import ExpertProvider, ExpertWeights, InMemoryExpertProvider
+from .experts import ExpertStore, ExpertWeights, InMemoryExpertProvider
 from .generate import GenerationResult, SamplingParams, TokenEvent
-from .hub import HubId, is_hub_id, parse_hub_id, resolve_model
 from .int8 import EXPERT_QUANTS
+from .loading.hub import HubId, is_hub_id, parse_hub_id, resolve_model
+from .loading.placement import check_device
 from .memory import MemoryBudget
 from .options import PLACEMENTS, EngineOptions, Placement, TieringOptions
-from .placement import check_device
 from .session import Session
 from .spec import ModelSpec
 from .stop_text import held_back_for_stops
@@ -60,7 +60,7 @@ __all__ = [
     "Engine",
     "EngineError",
     "EngineOptions",
-    "ExpertProvider",
+    "ExpertStore",
     "ExpertWeights",
     "FTWFormatError",
     "GenerationResult",

@@ -21,7 +21,8 @@ and replay have never run in this repository's CI (no GPU): tests/test_cuda_deco
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -29,12 +30,27 @@ from .layers import StaticAttention, StepContext, rope_cos_sin
 
 if TYPE_CHECKING:
     from .kv import BlockTable
-    from .transformer import MoETransformer
+    from .spec import ModelSpec
+
+
+class DecodeModel(Protocol):
+    """What a captured decode step needs of the model (`transformer.DecodeModel` is one);
+    declared here so this module never imports the transformer that drives it."""
+
+    spec: ModelSpec
+    layers: torch.nn.ModuleList
+    embed_tokens: torch.nn.Embedding
+
+    def modules(self) -> Iterator[torch.nn.Module]: ...
+    def forward_layers(
+        self, tokens: torch.Tensor, ctx: StepContext, *, last_only: bool = ...
+    ) -> torch.Tensor: ...
+
 
 ENV_SWITCH = "FREETOKEN_CUDA_GRAPHS"
 
 
-def graph_unsupported(model: MoETransformer, device: torch.device) -> str | None:
+def graph_unsupported(model: DecodeModel, device: torch.device) -> str | None:
     """Why `model`'s decode step cannot be captured on `device` (None: it can)."""
     from .int8 import Int8Linear
     from .moe import MoEBlock
@@ -51,7 +67,7 @@ def graph_unsupported(model: MoETransformer, device: torch.device) -> str | None
         return "int8 dense layers"
     for layer in model.layers:
         mlp = layer.mlp
-        if isinstance(mlp, MoEBlock) and not getattr(mlp.provider, "graph_safe", False):
+        if isinstance(mlp, MoEBlock) and (mlp.provider is None or not mlp.provider.graph_safe):
             return f"the expert provider {type(mlp.provider).__name__} needs the host to decode"
     return None
 
@@ -59,9 +75,7 @@ def graph_unsupported(model: MoETransformer, device: torch.device) -> str | None
 class StaticDecode:
     """Static buffers of one decode step and the forward that reads only them."""
 
-    def __init__(
-        self, model: MoETransformer, table: BlockTable, max_blocks: int, device: torch.device
-    ) -> None:
+    def __init__(self, model: DecodeModel, table: BlockTable, max_blocks: int, device: torch.device) -> None:
         self.model, self.pool, self.max_blocks = model, table.pool, max_blocks
         self.table = table  # only its pool is used (writes), so any table of the pool will do
         self.tokens = torch.zeros(1, dtype=torch.long, device=device)
@@ -111,9 +125,7 @@ class StaticDecode:
 class CudaGraphDecode(StaticDecode):
     """`StaticDecode.forward` captured as a CUDA graph; `run` loads the inputs and replays."""
 
-    def __init__(
-        self, model: MoETransformer, table: BlockTable, max_blocks: int, device: torch.device
-    ) -> None:
+    def __init__(self, model: DecodeModel, table: BlockTable, max_blocks: int, device: torch.device) -> None:
         super().__init__(model, table, max_blocks, device)
         self.provider = _provider(model)
         self.graph: Any = None
@@ -143,7 +155,7 @@ class CudaGraphDecode(StaticDecode):
         return self.logits.clone()  # the buffer is overwritten by the next replay
 
 
-def _provider(model: MoETransformer) -> Any:
+def _provider(model: DecodeModel) -> Any:
     from .moe import MoEBlock
 
     return next((layer.mlp.provider for layer in model.layers if isinstance(layer.mlp, MoEBlock)), None)
@@ -154,7 +166,7 @@ class DecodeGraphs:
     tests and benchmarks (`captures`, `replays`). `step_cls` StaticDecode runs the same static
     step uncaptured (how the tests check it on CPU)."""
 
-    def __init__(self, model: MoETransformer, step_cls: type[StaticDecode] = CudaGraphDecode) -> None:
+    def __init__(self, model: DecodeModel, step_cls: type[StaticDecode] = CudaGraphDecode) -> None:
         self.model, self.step_cls = model, step_cls
         self.current: StaticDecode | None = None
         self.captures = 0

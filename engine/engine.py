@@ -1,5 +1,6 @@
 """The Engine: owns the weights, the KV pool, the expert provider and the anchors of a loaded model;
-runs sessions (`Session`) and generation. Built by `Engine.from_pretrained` (`assemble.py`)."""
+runs sessions (`Session`) and generation. Built by `Engine.from_pretrained` from the parts
+`loading.assemble` loads."""
 
 from __future__ import annotations
 
@@ -14,19 +15,21 @@ import torch
 from pydantic import ValidationError
 from transformers import PretrainedConfig
 
+from .anchors.anchor import snapshot_expert_state
 from .anchors.digest import model_fingerprint
+from .anchors.host import AnchorHost
 from .anchors.store import AnchorStore
-from .assemble import assemble
 from .chat import render_chat_spans
 from .errors import EngineError
-from .experts import ExpertProvider
+from .experts import ExpertStore
 from .generate import GenerationResult, SamplingParams, TokenEvent, stream_tokens
-from .hub import resolve_model
 from .int8 import check_quant_options
 from .kv import DEFAULT_BLOCK_SIZE, BlockPool, bytes_per_block
+from .loading.assemble import assemble
+from .loading.hub import resolve_model
+from .loading.placement import PlacementChoice, expert_bytes
 from .memory import MemoryBudget
 from .options import EngineOptions, Placement, TieringOptions
-from .placement import PlacementChoice, expert_bytes
 from .session import Session
 from .spec import ModelSpec
 from .stop_tokens import stop_token_ids
@@ -40,17 +43,18 @@ logger = logging.getLogger(__name__)
 class Engine:
     """A loaded MoE model. Create with `Engine.from_pretrained(path, ...)`; run with sessions.
 
-    `Engine.from_pretrained` is the composition root (`assemble.py`); the constructor receives
-    the built parts and wires what depends on the engine itself: the KV pool (with the expert
-    provider's `on_kv_resize`, when its fast memory is shared with the KV cache, and the anchor
-    store's `reclaim`), the anchor store, and the model fingerprint, taken here, at load.
+    `Engine.from_pretrained` loads the parts (`loading.assemble`: the composition root); the
+    constructor wires what depends on them, in order: the KV pool (with the expert store's
+    `on_kv_resize`, when its fast memory is shared with the KV cache, and the anchor store's
+    `reclaim`), the model fingerprint, taken here, at load, then the anchor store over an
+    `AnchorHost`: what anchors need of the engine, never the engine itself.
     """
 
     def __init__(
         self,
         spec: ModelSpec,
         model: MoETransformer,
-        experts: ExpertProvider,
+        experts: ExpertStore,
         *,
         tokenizer: Any | None = None,
         tokenizer_error: str | None = None,
@@ -84,21 +88,33 @@ class Engine:
         if self.memory.kv_bytes is not None:
             block_bytes = bytes_per_block(streams, block_size, dtype)
             max_blocks = max(1, self.memory.kv_bytes // block_bytes)
-        # Semantic anchors of this engine's sessions; a full KV pool first evicts cold anchors.
-        self.anchors = AnchorStore(self)
         self.kv_pool = BlockPool(
             streams,
             block_size=block_size,
             dtype=dtype,
             device=device,
             max_blocks=max_blocks,
-            reclaim=self.anchors.reclaim,
+            reclaim=self._reclaim_anchor_blocks,  # a full KV pool first evicts cold anchors
             on_resize=on_kv_resize,
         )
         self.max_context = spec.max_position_embeddings
         # Held by every session step (`Session`): many callers, one engine state.
         self.lock = threading.RLock()
         self._model_fingerprint = self._fingerprint()
+        # Semantic anchors of this engine's sessions, over what they need of it (never the Engine).
+        host = AnchorHost(
+            pool=self.kv_pool,
+            lock=self.lock,
+            model_fingerprint=self._model_fingerprint,
+            max_context=self.max_context,
+            kv_bytes=self.memory.kv_bytes,
+            expert_state=lambda: snapshot_expert_state(self.experts),
+        )
+        self.anchors = AnchorStore(host)
+
+    def _reclaim_anchor_blocks(self) -> bool:
+        """The KV pool's hook when it runs full: evict the coldest unpinned anchor."""
+        return self.anchors.reclaim()
 
     # ---- loading ----------------------------------------------------------------------------
     @classmethod
@@ -121,7 +137,7 @@ class Engine:
         FTW file, or a Hugging Face Hub id ``org/name[@revision][:QUANT]`` (fetched into the
         huggingface_hub cache, `hub.resolve_model`; an existing local path of the same spelling
         wins), with its experts where `placement` and `memory` say (`options.EngineOptions`
-        documents every option; `assemble.py` is where the engine is built).
+        documents every option; `loading/assemble.py` is where its parts are loaded).
 
             memory: byte budgets: fast_bytes (tier 1 + KV cache), host_bytes (tier 2), kv_bytes
                 (the KV cache alone). A fast or host budget makes placement "auto" tier the
@@ -162,9 +178,17 @@ class Engine:
     def from_options(cls, path: str | Path, options: EngineOptions) -> Engine:
         """`from_pretrained` with the options already validated (what every front end passes).
         A Hub id is resolved here, once, to local files (`hub.resolve_model`)."""
-        return assemble(cls, resolve_model(path, progress=options.progress), options)
+        parts = assemble(resolve_model(path, progress=options.progress), options, cls.for_calibration)
+        return cls(**parts.as_kwargs())
 
-    def use_expert_provider(self, provider: ExpertProvider) -> None:
+    @classmethod
+    def for_calibration(cls, folder: Path, device: str) -> Engine:
+        """The engine routing calibration runs (`convert --quant auto`): fp32 on a CPU, bf16 on a
+        GPU, with the "auto" placement."""
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        return cls.from_pretrained(folder, device=device, dtype=dtype)
+
+    def use_expert_provider(self, provider: ExpertStore) -> None:
         """Route every MoE layer through `provider`, a wrapper of the current one (routing
         counters for calibration, recorders in benchmarks); the KV pool keeps its wiring."""
         self.experts = provider
@@ -173,9 +197,7 @@ class Engine:
     def close(self) -> None:
         """Stop the expert provider's threads and close its files (tiered placements). The engine
         must not be used afterwards. Idempotent."""
-        close = getattr(self.experts, "close", None)
-        if callable(close):
-            close()
+        self.experts.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -205,7 +227,14 @@ class Engine:
 
     def _fingerprint(self) -> str:
         """Non-default int8 options are mixed in: an int8 engine's KV data differs from fp32's."""
-        fingerprint = model_fingerprint(self)
+        fingerprint = model_fingerprint(
+            pool=self.kv_pool,
+            source=self.source,
+            spec=self.spec,
+            model=self.model,
+            experts=self.experts,
+            tokenizer=self._tokenizer,
+        )
         if (self.expert_quant, self.dense_quant) != ("auto", ()):
             dense = ",".join(self.dense_quant)
             tag = f"{fingerprint}|expert_quant={self.expert_quant}|dense_quant={dense}"
@@ -294,15 +323,7 @@ class Engine:
         provider's `stats()` when it has one (tiered memory: `tiers` with fast/host/storage
         counters, bytes moved, prefetch accuracy, bandwidth, decisions, phase times), else basic
         counters; the KV pool's `kv_blocks_in_use` / `kv_bytes_in_use`."""
-        provider_stats = getattr(self.experts, "stats", None)
-        if callable(provider_stats):
-            out: dict[str, Any] = dict(provider_stats())
-        else:
-            loaded = getattr(self.experts, "loaded_keys", None) or getattr(self.experts, "keys", None)
-            out = {
-                "experts_in_ram": len(loaded()) if callable(loaded) else None,
-                "expert_bytes_in_ram": getattr(self.experts, "nbytes", None),
-            }
+        out = dict(self.experts.stats())
         out["placement"] = self.placement.placement
         out["placement_reason"] = self.placement.reason
         pool = self.kv_pool

@@ -1,4 +1,4 @@
-"""Experts as independent, addressable units, and the provider interface the MoE block calls.
+"""Experts as independent, addressable units, and the store interface the MoE block calls.
 
 Every expert owns one contiguous storage with its projections as views into it, in one
 canonical layout whatever the checkpoint's: `gate_up [2I, H]` (gate rows first, then up rows),
@@ -17,9 +17,11 @@ Letters: T tokens, H hidden, I expert intermediate size, A active experts per to
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -171,21 +173,107 @@ def expert_forward(w: ExpertWeights, x: torch.Tensor, spec: MoESpec) -> torch.Te
     return _project(activation(gate_up, spec), w.down, w.down_scale, w.down_bias)
 
 
-@runtime_checkable
-class ExpertProvider(Protocol):
-    """Where the MoE block gets its experts. Memory tiers implement this interface.
+class ExpertStore(ABC):
+    """Where the MoE block gets its experts: resident stacks, an FTW file read on first use, the
+    tiered memory, or a wrapper of one of those (routing counters, recorders).
 
-    `run` computes the weighted sum of the selected experts for every token; a provider may
-    decide per expert where and how it computes (resident, streamed, on the host).
+    `get` and `run` are what every store does; the other capabilities are declared here with a
+    default, so callers (the engine, anchors, CUDA graphs, the fingerprint) never probe for them:
+
+    - `keys()`: every expert the store holds or can load (default: none listed);
+    - `loaded_keys()` / `nbytes`: the experts in memory now and their bytes (default: `keys()`,
+      unknown bytes);
+    - `snapshot_state()` / `restore_state(state)`: the expert-cache state an anchor records and
+      re-warms on rollback ({tier: [(layer, expert), ...]}; default: every key as "resident",
+      restoring nothing);
+    - `stats()`: JSON-able counters (default: experts and bytes in memory);
+    - `graph_safe`: whether a decode step runs on the device alone, the condition for capturing
+      it as a CUDA graph (default: False);
+    - `weights_file()`: the FTW file experts are read from and its open descriptor, so the model
+      fingerprint hashes the file actually read (default: None);
+    - `close()`: stop threads and close files (default: nothing to release).
     """
 
+    graph_safe: bool = False
+
+    @abstractmethod
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
+
+    @abstractmethod
+    def run(
+        self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec
+    ) -> torch.Tensor:
+        """hidden [T, H], expert_ids [T, A] (int64), weights [T, A] -> [T, H]: the weighted sum of
+        each token's selected experts; a store may decide per expert where and how it computes."""
+
+    def keys(self) -> list[ExpertKey]:
+        return []
+
+    def loaded_keys(self) -> list[ExpertKey]:
+        return self.keys()
+
+    @property
+    def nbytes(self) -> int | None:
+        return None
+
+    def snapshot_state(self) -> dict[str, list[ExpertKey]]:
+        keys = self.keys()
+        return {"resident": keys} if keys else {}
+
+    def restore_state(self, state: Mapping[str, Sequence[ExpertKey]]) -> None:  # noqa: B027
+        """Re-warm the store from a `snapshot_state` (warmth only: never changes results)."""
+
+    def stats(self) -> dict[str, Any]:
+        return {"experts_in_ram": len(self.loaded_keys()), "expert_bytes_in_ram": self.nbytes}
+
+    def weights_file(self) -> tuple[Path, int] | None:
+        return None
+
+    def close(self) -> None:  # noqa: B027 (optional: most stores hold no threads or files)
+        """Release threads and files (idempotent)."""
+
+
+class DelegatingStore(ExpertStore):
+    """An `ExpertStore` wrapping another one (`inner`) and delegating every capability to it but
+    `close` (the wrapper does not own the inner store): the base of counters and recorders
+    (`Engine.use_expert_provider`), which override what they observe."""
+
+    def __init__(self, inner: ExpertStore) -> None:
+        self.inner = inner
+
+    @property
+    def graph_safe(self) -> bool:  # type: ignore[override]
+        return self.inner.graph_safe
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        return self.inner.get(layer, expert)
 
     def run(
         self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec
     ) -> torch.Tensor:
-        """hidden [T, H], expert_ids [T, A] (int64), weights [T, A] -> [T, H]."""
-        ...
+        return self.inner.run(layer, hidden, expert_ids, weights, spec)
+
+    def keys(self) -> list[ExpertKey]:
+        return self.inner.keys()
+
+    def loaded_keys(self) -> list[ExpertKey]:
+        return self.inner.loaded_keys()
+
+    @property
+    def nbytes(self) -> int | None:
+        return self.inner.nbytes
+
+    def snapshot_state(self) -> dict[str, list[ExpertKey]]:
+        return self.inner.snapshot_state()
+
+    def restore_state(self, state: Mapping[str, Sequence[ExpertKey]]) -> None:
+        self.inner.restore_state(state)
+
+    def stats(self) -> dict[str, Any]:
+        return self.inner.stats()
+
+    def weights_file(self) -> tuple[Path, int] | None:
+        return self.inner.weights_file()
 
 
 def run_experts(
@@ -242,7 +330,7 @@ def dispatch_experts(
     return out
 
 
-class InMemoryExpertProvider:
+class InMemoryExpertProvider(ExpertStore):
     """All experts resident (RAM or device memory).
 
     Each layer whose experts are all float, of one shape, dtype and device, is stacked into an

@@ -85,7 +85,7 @@ def check_quant_options(expert_quant: str, dense_quant: Iterable[str]) -> tuple[
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Float ``weight [N, K]`` -> (int8 [N, K], fp32 scale [N]) with FTW's int8 codec (same bits)."""
-    from .ftw.codecs import encode
+    from .codecs import encode
 
     enc = encode(weight, "int8")
     return enc.parts["weight"].to(weight.device), enc.parts["scale"].to(weight.device)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .experts import ExpertProvider
+from .experts import ExpertStore
 from .layers import linear
 from .spec import MoESpec
 
@@ -87,13 +87,13 @@ class Router(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Router + routed experts (through an ExpertProvider) + optional shared experts."""
+    """Router + routed experts (through an ExpertStore) + optional shared experts."""
 
     def __init__(self, spec: MoESpec, hidden: int, layer: int) -> None:
         super().__init__()
         self.spec, self.layer = spec, layer
         self.router = Router(spec, hidden)
-        self.provider: ExpertProvider | None = None
+        self.provider: ExpertStore | None = None
         if spec.shared != "none":
             self.shared_expert = DenseMLP(hidden, spec.shared_intermediate_size)
         if spec.shared == "gated":
@@ -101,7 +101,7 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(x)
-        assert self.provider is not None, "MoEBlock used before an ExpertProvider was attached"
+        assert self.provider is not None, "MoEBlock used before an ExpertStore was attached"
         out = self.provider.run(self.layer, x, ids, weights, self.spec)
         if self.spec.shared == "gated":
             out = out + torch.sigmoid(linear(self.shared_expert_gate, x)) * self.shared_expert.forward(x)

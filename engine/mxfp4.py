@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import gemv_triton
-from .ftw.codecs import MXFP4_BLOCK, EncodedTensor, get_codec
+from .codecs import MXFP4_BLOCK, EncodedTensor, get_codec
 
 logger = logging.getLogger(__name__)
 

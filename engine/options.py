@@ -13,6 +13,7 @@ Placements (`Placement`):
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import EngineError
 from .memory import MemoryBudget
-from .placement import DEVICE_PATTERN
+
+DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
+"""What `device` may name: "cpu", "cuda" or "cuda:N"."""
 
 Placement = Literal["auto", "resident", "qstar", "stream"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)

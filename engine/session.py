@@ -13,17 +13,38 @@ from __future__ import annotations
 import functools
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from .anchors.anchor import Anchor, Validation, check_fingerprint, restore_expert_state, verify_anchor
+from .anchors.store import AnchorStore
 from .errors import ContextOverflowError, EngineError, InvalidTokenError
-from .kv import BlockTable
+from .experts import ExpertStore
+from .kv import BlockPool, BlockTable
 from .layers import StepContext, rope_cos_sin
+from .spec import ModelSpec
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class SessionHost(Protocol):
+    """What a session runs on (the `Engine` is one): the model and its expert store, the KV pool
+    and anchors it shares with the other sessions, and the lock every step holds. Declared here
+    so this module never imports the engine that creates sessions."""
+
+    spec: ModelSpec
+    model: torch.nn.Module
+    experts: ExpertStore
+    kv_pool: BlockPool
+    anchors: AnchorStore
+    lock: AbstractContextManager[Any]
+    max_context: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def model_fingerprint(self) -> str: ...
+
 
 T = TypeVar("T")
 
@@ -50,7 +71,7 @@ class Session:
     """
 
     def __init__(
-        self, engine: Engine, table: BlockTable | None = None, token_ids: Sequence[int] = ()
+        self, engine: SessionHost, table: BlockTable | None = None, token_ids: Sequence[int] = ()
     ) -> None:
         self.engine = engine
         self.table = table if table is not None else BlockTable(engine.kv_pool)

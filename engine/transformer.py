@@ -1,7 +1,7 @@
 """The decoder-only MoE transformer, built from a ModelSpec.
 
 Weights are created on the meta device and assigned from the checkpoint (no double allocation);
-routed experts live outside the module tree, behind an ExpertProvider.
+routed experts live outside the module tree, behind an ExpertStore.
 Letters: T new tokens, H hidden, V vocab.
 """
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from .attention import GQAAttention, MLAAttention
 from .cuda_graph import DecodeGraphs, graph_unsupported
-from .experts import ExpertProvider
+from .experts import ExpertStore
 from .kv import StreamSpec
 from .layers import RMSNorm, StepContext, linear
 from .moe import DenseMLP, MoEBlock
@@ -67,7 +67,7 @@ class MoETransformer(nn.Module):
         self._graphs: DecodeGraphs | None = None
         self._graphs_for: object = ()  # the provider `_graphs` was decided for (none yet)
 
-    def attach_experts(self, provider: ExpertProvider) -> None:
+    def attach_experts(self, provider: ExpertStore) -> None:
         for layer in self.layers:
             if isinstance(layer.mlp, MoEBlock):
                 layer.mlp.provider = provider

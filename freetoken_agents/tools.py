@@ -53,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from .errors import DuplicateToolName, InvalidToolName, ToolArgumentsInvalid, ToolTimeout
 from .sync_bridge import run_sync
 from .tool_exec import abandoned_calls, run_async_in_thread, run_in_process, run_in_thread
+from .tool_results import default_result_chars, result_text
 
 __all__ = [
     "DEFAULT_TOOL_TIMEOUT",
@@ -71,9 +72,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CHARS_PER_TOKEN = 4  # a rough estimate for English text under BPE tokenizers
-RESULT_CONTEXT_SHARE = 0.25  # the share of the context one tool result may take, at most
-DEFAULT_RESULT_CHARS = 16_000  # the cap when the model does not say how long its context is
 DEFAULT_TOOL_TIMEOUT = 60.0  # seconds a call may run when neither the tool nor the Agent says
 TOOL_NAME_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")  # what OpenAI's function names allow
 
@@ -130,51 +128,6 @@ def default_tool_timeout(timeout: Timeout) -> Iterator[None]:
         yield
     finally:
         _default_timeout.reset(token)
-
-
-def default_result_chars(max_context: int | None) -> int:
-    """The default cap on a result's characters: a quarter of the context at ~4 characters per
-    token (`DEFAULT_RESULT_CHARS` when the context length is unknown), at least 256."""
-    if not max_context:
-        return DEFAULT_RESULT_CHARS
-    return max(256, int(max_context * RESULT_CONTEXT_SHARE * CHARS_PER_TOKEN))
-
-
-def result_text(result: Any, max_chars: int | None = None) -> str:
-    """`result` as the model reads it: a string as is, a pydantic model as its JSON, anything else
-    as `json.dumps(result, ensure_ascii=False, default=str)` (`str(result)` if that fails); cut at
-    `max_chars` characters with a note saying so. A string is sliced and a structure encoded
-    lazily up to the cap, so a huge result costs time and memory in proportion to the cap."""
-    if isinstance(result, str):
-        text, total = result, len(result)
-    else:
-        total = None
-        if isinstance(result, BaseModel):
-            text = result.model_dump_json()  # (pydantic has no lazy encoder)
-        else:
-            try:
-                text = _json_head(result, max_chars)
-            except (TypeError, ValueError):
-                text = str(result)
-    if max_chars is None or len(text) <= max_chars:
-        return text
-    size = f"{total:,} characters" if total is not None else f"more than {max_chars:,} characters"
-    return f"{text[:max_chars]}\n[truncated: the result had {size}; only the first {max_chars:,} are shown]"
-
-
-def _json_head(result: Any, limit: int | None) -> str:
-    """The JSON text of `result` (as json.dumps writes it), only its first `limit` + 1 characters
-    when `limit` is given: the pure-Python encoder yields pieces lazily, and it stops there."""
-    if limit is None:
-        return json.dumps(result, ensure_ascii=False, default=str)
-    head: list[str] = []
-    size = 0
-    for piece in json.JSONEncoder(ensure_ascii=False, default=str).iterencode(result):
-        head.append(piece[: limit + 1 - size])
-        size += len(head[-1])
-        if size > limit:
-            break
-    return "".join(head)
 
 
 class Tool:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
-from .tools import DEFAULT_RESULT_CHARS, result_text
+from .tool_results import DEFAULT_RESULT_CHARS, result_text
 
 AnchorKind = Literal["system_prompt", "tool_call", "tool_result", "code_block", "manual"]
 

@@ -23,7 +23,7 @@ def anchors_of(engine: Engine, prompts: tuple[tuple[int, int], ...]) -> list[Anc
 
 def loaded_ids(engine: Engine, folder: Path) -> set[str]:
     """The ids of the anchors `folder` holds (their KV released again)."""
-    anchors, _ = load_anchors(engine, folder)
+    anchors, _ = load_anchors(engine.anchors.host, folder)
     for a in anchors:
         a.table.release()
     return {a.id for a in anchors}

@@ -39,7 +39,11 @@ def test_the_default_byte_budget_scales_with_the_model(folder) -> None:
     engine = Engine.from_pretrained(folder)
     pool = engine.kv_pool
     four_contexts = 4 * -(-engine.max_context // pool.block_size) * pool.bytes_per_block
-    assert engine.anchors.byte_budget == default_byte_budget(engine) == min(four_contexts, DEFAULT_BYTE_CAP)
+    assert (
+        engine.anchors.byte_budget
+        == default_byte_budget(engine.anchors.host)
+        == min(four_contexts, DEFAULT_BYTE_CAP)
+    )
     bounded = Engine.from_pretrained(folder, memory=MemoryBudget(kv_bytes=40 * pool.bytes_per_block))
     assert bounded.anchors.byte_budget == 20 * pool.bytes_per_block  # half the KV budget
 

@@ -23,11 +23,11 @@ from freetoken_agents.engine import (
     Engine,
 )
 from freetoken_agents.engine.anchors import DEFAULT_VALIDATION, VALIDATIONS, AnchorStore, key_path
-from freetoken_agents.engine.anchors import weights as weights_module
 from freetoken_agents.engine.anchors.anchor import verify_anchor
 from freetoken_agents.engine.anchors.digest import rehash_kv
 from freetoken_agents.engine.anchors.persist import _key_id, _mac
-from freetoken_agents.engine.ftw.convert import convert_checkpoint
+from freetoken_agents.engine.loading import fingerprint as weights_module
+from freetoken_agents.engine.loading.convert import convert_checkpoint
 from freetoken_agents.engine.session import Session
 
 pytestmark = pytest.mark.usefixtures("one_thread", "anchor_key")
@@ -205,7 +205,7 @@ def test_key_location_and_refusals(engine, tmp_path, monkeypatch):
     assert key_path() == tmp_path / "cfg" / "anchor.key"
     monkeypatch.setenv("FREETOKEN_ANCHOR_KEY_FILE", str(tmp_path / "env.key"))
     assert key_path() == tmp_path / "env.key"
-    store = AnchorStore(engine, key_file=tmp_path / "own.key")  # the constructor argument wins
+    store = AnchorStore(engine.anchors.host, key_file=tmp_path / "own.key")  # the constructor argument wins
     with engine.new_session() as s:
         s.prefill(_ids(20, 47))
         anchor = store.create(s.table, s.token_ids, kind="manual")
@@ -218,7 +218,7 @@ def test_key_location_and_refusals(engine, tmp_path, monkeypatch):
     with pytest.raises(AnchorError, match="chmod 600"):
         store.load(tmp_path / "a")
     with pytest.raises(AnchorFileError, match="no anchor key"):
-        AnchorStore(engine, key_file=tmp_path / "missing.key").load(tmp_path / "a")
+        AnchorStore(engine.anchors.host, key_file=tmp_path / "missing.key").load(tmp_path / "a")
     assert engine.kv_pool.blocks_in_use == 0
 
 

@@ -78,7 +78,7 @@ def test_a_crash_at_every_step_of_a_save_keeps_a_complete_save(engine, two_saves
     seen, cleaned = [], []
     for k in range(MAX_STEPS):
         folder = tmp_path / f"crash{k}"
-        save_anchors(engine, previous, folder, pinned=())
+        save_anchors(engine.anchors.host, previous, folder, pinned=())
 
         def die(name: str) -> None:
             raise Crash(name)
@@ -87,14 +87,16 @@ def test_a_crash_at_every_step_of_a_save_keeps_a_complete_save(engine, two_saves
             for name, fn in _dying_os(k, die).items():
                 m.setattr(os, name, fn)
             try:
-                save_anchors(engine, new, folder, pinned=())
+                save_anchors(engine.anchors.host, new, folder, pinned=())
                 crashed = False
             except Crash:
                 crashed = True
         got = loaded_ids(engine, folder)  # never an error
         assert got in (before, after), f"crash at step {k}"
         seen.append(got == after)
-        save_anchors(engine, new, folder, pinned=())  # the next save succeeds and removes leftovers
+        save_anchors(
+            engine.anchors.host, new, folder, pinned=()
+        )  # the next save succeeds and removes leftovers
         cleaned.append(_clean(folder) and loaded_ids(engine, folder) == after)
         if not crashed:
             break
@@ -117,7 +119,7 @@ def test_a_crash_during_a_first_save_leaves_no_save_or_the_new_one(engine, two_s
             for name, fn in _dying_os(k, die).items():
                 m.setattr(os, name, fn)
             try:
-                save_anchors(engine, new, folder, pinned=())
+                save_anchors(engine.anchors.host, new, folder, pinned=())
                 break
             except Crash:
                 pass
@@ -125,7 +127,7 @@ def test_a_crash_during_a_first_save_leaves_no_save_or_the_new_one(engine, two_s
             assert loaded_ids(engine, folder) == {a.id for a in new}
         else:  # no save was completed: a clear error, the same as for any folder without one
             with pytest.raises(AnchorFileError, match="not a saved anchor folder"):
-                load_anchors(engine, folder)
+                load_anchors(engine.anchors.host, folder)
     else:
         pytest.fail(f"the save did not complete within {MAX_STEPS} steps")
 
@@ -142,7 +144,7 @@ def _save_in_child_killed_at(k: int, engine: Engine, anchors: list, folder: Path
         try:
             for name, fn in _dying_os(k, die).items():
                 setattr(os, name, fn)
-            save_anchors(engine, anchors, folder, pinned=())
+            save_anchors(engine.anchors.host, anchors, folder, pinned=())
             os._exit(0)
         except BaseException:
             os._exit(3)
@@ -162,7 +164,7 @@ def test_a_real_kill_9_during_a_save_keeps_a_complete_save(engine, two_saves, tm
     previous, new = two_saves
     before, after = {a.id for a in previous}, {a.id for a in new}
     template = tmp_path / "template"
-    save_anchors(engine, previous, template, pinned=())
+    save_anchors(engine.anchors.host, previous, template, pinned=())
     seen = []
     for k in range(MAX_STEPS):
         folder = tmp_path / f"kill{k}"

@@ -50,13 +50,13 @@ def test_a_full_disk_is_a_named_error_that_leaves_no_temp_file(
 ):
     previous, new = two_saves
     folder = tmp_path / "anchors"
-    save_anchors(engine, previous, folder, pinned=())
+    save_anchors(engine.anchors.host, previous, folder, pinned=())
     before = sorted(p.name for p in folder.iterdir())
     calls: list[int] = []
     with monkeypatch.context() as m:
         m.setattr(os, call, _failing(getattr(os, call), code, calls))
         with pytest.raises(AnchorSaveError) as info:
-            save_anchors(engine, new, folder, pinned=())
+            save_anchors(engine.anchors.host, new, folder, pinned=())
     assert calls, "the save never reached the failing call"
     message = str(info.value)
     assert "\n" not in message and str(folder) in message and os.strerror(code) in message
@@ -64,22 +64,22 @@ def test_a_full_disk_is_a_named_error_that_leaves_no_temp_file(
     assert isinstance(info.value, AnchorError) and isinstance(info.value, EngineError)
     assert sorted(p.name for p in folder.iterdir()) == before  # no temp file, no new KV file
     assert loaded_ids(engine, folder) == {a.id for a in previous}
-    save_anchors(engine, new, folder, pinned=())  # space is back: the next save works
+    save_anchors(engine.anchors.host, new, folder, pinned=())  # space is back: the next save works
     assert loaded_ids(engine, folder) == {a.id for a in new}
 
 
 def test_a_save_that_cannot_create_its_folder_is_a_named_error(engine, two_saves, tmp_path):
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(AnchorSaveError, match="cannot save anchors to .*file.*Not a directory"):
-        save_anchors(engine, two_saves[1], tmp_path / "file", pinned=())
+        save_anchors(engine.anchors.host, two_saves[1], tmp_path / "file", pinned=())
     with pytest.raises(AnchorSaveError, match="cannot save anchors to .*sub: File exists"):
-        save_anchors(engine, two_saves[1], tmp_path / "file" / "sub", pinned=())
+        save_anchors(engine.anchors.host, two_saves[1], tmp_path / "file" / "sub", pinned=())
 
 
 def test_leftovers_of_an_interrupted_save_are_ignored_then_removed(engine, two_saves, tmp_path):
     previous, new = two_saves
     folder = tmp_path / "anchors"
-    save_anchors(engine, previous, folder, pinned=())
+    save_anchors(engine.anchors.host, previous, folder, pinned=())
     kept = sorted(p.name for p in folder.iterdir())
     junk = [
         "kv.safetensors.tmp",  # the names the first version left on a full disk
@@ -92,7 +92,7 @@ def test_leftovers_of_an_interrupted_save_are_ignored_then_removed(engine, two_s
         (folder / name).write_bytes(b"\0" * 4096)
     (folder / "notes.txt").write_text("the user's own file")
     assert loaded_ids(engine, folder) == {a.id for a in previous}  # never read
-    save_anchors(engine, new, folder, pinned=())
+    save_anchors(engine.anchors.host, new, folder, pinned=())
     left = {p.name for p in folder.iterdir()}
     assert not left & set(junk) and "notes.txt" in left and len(left) == len(kept) + 1
     assert loaded_ids(engine, folder) == {a.id for a in new}
@@ -118,8 +118,8 @@ def test_saved_anchors_are_private_from_their_creation(engine, two_saves, tmp_pa
             for name in ("chmod", "fchmod", "lchmod"):
                 if hasattr(os, name):
                     m.setattr(os, name, no_chmod)
-            save_anchors(engine, previous, folder, pinned=())
-            save_anchors(engine, new, folder, pinned=())  # replacing a save keeps the modes
+            save_anchors(engine.anchors.host, previous, folder, pinned=())
+            save_anchors(engine.anchors.host, new, folder, pinned=())  # replacing a save keeps the modes
     finally:
         os.umask(old_umask)
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
@@ -134,7 +134,7 @@ def test_a_folder_saved_before_the_atomic_layout_still_loads_and_is_migrated(
 ):
     previous, new = two_saves
     folder = tmp_path / "old"
-    save_anchors(engine, previous, folder, pinned=())
+    save_anchors(engine.anchors.host, previous, folder, pinned=())
     doc = json.loads((folder / "anchors.json").read_text())
     (folder / doc["kv_file"]).rename(folder / "kv.safetensors")  # the first version's layout
     (folder / ".lock").unlink()
@@ -143,6 +143,6 @@ def test_a_folder_saved_before_the_atomic_layout_still_loads_and_is_migrated(
     doc["mac"] = {"alg": "hmac-sha256", "key_id": _key_id(key), "value": _mac(key, doc)}
     (folder / "anchors.json").write_text(json.dumps(doc))
     assert loaded_ids(engine, folder) == {a.id for a in previous}
-    save_anchors(engine, new, folder, pinned=())
+    save_anchors(engine.anchors.host, new, folder, pinned=())
     assert not (folder / "kv.safetensors").exists()
     assert loaded_ids(engine, folder) == {a.id for a in new}

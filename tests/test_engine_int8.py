@@ -18,11 +18,9 @@ from tiny_models import build_tiny_model
 
 from freetoken_agents.engine import Engine, EngineError
 from freetoken_agents.engine import int8 as int8_mod
+from freetoken_agents.engine.codecs import decode, encode
 from freetoken_agents.engine.errors import FTWFormatError
-from freetoken_agents.engine.ftw.codecs import decode, encode
-from freetoken_agents.engine.ftw.convert import convert_checkpoint
-from freetoken_agents.engine.ftw.load import load_ftw
-from freetoken_agents.engine.ftw.provider import canonical_expert
+from freetoken_agents.engine.expert_tensors import canonical_expert
 from freetoken_agents.engine.int8 import (
     Int8Linear,
     dequant_linear,
@@ -30,6 +28,8 @@ from freetoken_agents.engine.int8 import (
     kernel_available,
     kernel_fits,
 )
+from freetoken_agents.engine.loading.convert import convert_checkpoint
+from freetoken_agents.engine.loading.ftw_load import load_ftw
 
 ARCHS = ("mixtral", "qwen3_moe")
 IDS = torch.randint(5, 400, (20,), generator=torch.Generator().manual_seed(3)).tolist()

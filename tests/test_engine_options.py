@@ -13,13 +13,13 @@ import pytest
 import torch
 from tiny_models import tiny_config
 
-import freetoken_agents.engine.assemble as assemble
+import freetoken_agents.engine.loading.assemble as assemble
 from freetoken_agents.engine import Engine, EngineError, MemoryBudget, MemoryBudgetError
 from freetoken_agents.engine.adapters import adapter_for
 from freetoken_agents.engine.ftw import FTWFile
-from freetoken_agents.engine.ftw.cache import cache_root
-from freetoken_agents.engine.ftw.convert import convert_checkpoint
-from freetoken_agents.engine.placement import resolve_placement
+from freetoken_agents.engine.loading.cache import cache_root
+from freetoken_agents.engine.loading.convert import convert_checkpoint
+from freetoken_agents.engine.loading.placement import resolve_placement
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -100,7 +100,7 @@ def test_the_converted_checkpoint_is_reused_and_a_damaged_one_rebuilt(sources, t
     assert load() == want
     (entry,) = cache_root(tmp_path).glob("*.ftw")
     made = entry.stat()
-    caplog.set_level(logging.INFO, logger="freetoken_agents.engine.ftw.cache")
+    caplog.set_level(logging.INFO, logger="freetoken_agents.engine.loading.cache")
     assert load() == want
     assert "using the cached conversion" in caplog.text
     assert (entry.stat().st_ino, entry.stat().st_mtime_ns) == (made.st_ino, made.st_mtime_ns)

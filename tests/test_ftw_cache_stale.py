@@ -12,9 +12,9 @@ import struct
 import pytest
 import torch
 
-import freetoken_agents.engine.ftw.cache as cache
+import freetoken_agents.engine.loading.cache as cache
 from freetoken_agents.engine import Engine, MemoryBudget
-from freetoken_agents.engine.ftw.cache import cache_root
+from freetoken_agents.engine.loading.cache import cache_root
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -129,8 +129,8 @@ def test_an_old_entry_without_a_source_record_is_rebuilt(folder, tmp_path, conve
 
 def test_the_fingerprint_covers_the_ftw_file_actually_served(folder, tmp_path, monkeypatch):
     """Same HF folder, different served experts (as a stale cache would be): different fingerprints."""
-    import freetoken_agents.engine.assemble as assemble
-    from freetoken_agents.engine.ftw.convert import convert_checkpoint
+    import freetoken_agents.engine.loading.assemble as assemble
+    from freetoken_agents.engine.loading.convert import convert_checkpoint
 
     budget = budget_for(folder)
     honest_tokens, honest_fp = load(folder, budget, tmp_path / "cache")

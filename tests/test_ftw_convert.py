@@ -12,9 +12,9 @@ from tiny_models import ARCHS, TOKENIZER_VOCAB_SIZE, build_tiny_model
 
 from freetoken_agents.engine import CheckpointError, Engine, FTWFormatError
 from freetoken_agents.engine.ftw import FTWFile, FTWWriter
-from freetoken_agents.engine.ftw.calibrate import AutoPolicy, RoutingCounter
-from freetoken_agents.engine.ftw.convert import convert_checkpoint
-from freetoken_agents.engine.ftw.provider import FTWExpertProvider
+from freetoken_agents.engine.loading.calibrate import AutoPolicy, RoutingCounter
+from freetoken_agents.engine.loading.convert import convert_checkpoint
+from freetoken_agents.engine.loading.ftw_provider import FTWExpertProvider
 
 # Median over positions of the per-position relative L2 logit error ||ftw - fp32|| / ||fp32||, two
 # 32-token prompts, dense tensors stored by the default policy (bf16). Measured on the tiny models
@@ -66,7 +66,14 @@ def converted(tiny_checkpoint, tmp_path_factory):
         key = (arch, quant, *sorted(kw.items()))
         if key not in cache:
             out = root / f"{arch}-{quant}-{len(cache)}.ftw"
-            convert_checkpoint(tiny_checkpoint(arch), out, quant=quant, progress=False, **kw)
+            convert_checkpoint(
+                tiny_checkpoint(arch),
+                out,
+                quant=quant,
+                progress=False,
+                open_model=Engine.for_calibration,
+                **kw,
+            )
             cache[key] = out
         return cache[key]
 
@@ -206,7 +213,12 @@ def test_auto_policy_is_configurable(tiny_checkpoint, tmp_path):
     out = tmp_path / "m.ftw"
     policy = AutoPolicy(hot_fraction=0.5, hot_codec="int8", cold_codec="fp8_e4m3", prompts=("hello",))
     report = convert_checkpoint(
-        tiny_checkpoint("mixtral"), out, quant="auto", auto_policy=policy, progress=False
+        tiny_checkpoint("mixtral"),
+        out,
+        quant="auto",
+        auto_policy=policy,
+        progress=False,
+        open_model=Engine.for_calibration,
     )
     assert report.hot_experts is not None and all(len(v) == 4 for v in report.hot_experts.values())
     assert report.codec_counts == {"int8": 24, "fp8_e4m3": 24}

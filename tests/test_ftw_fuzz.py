@@ -43,7 +43,6 @@ from tiny_models import build_tiny_model
 from freetoken_agents.engine import Engine
 from freetoken_agents.engine.errors import FTWFormatError
 from freetoken_agents.engine.ftw import EncodedTensor, FTWFile, FTWWriter, decode, encode
-from freetoken_agents.engine.ftw.convert import convert_checkpoint
 from freetoken_agents.engine.ftw.layout import (
     ALIGNMENT,
     BLOCK_HEADER_SIZE,
@@ -55,6 +54,7 @@ from freetoken_agents.engine.ftw.layout import (
     MAGIC,
     hex64,
 )
+from freetoken_agents.engine.loading.convert import convert_checkpoint
 
 CONFIG: dict[str, Any] = {"model_type": "fuzz_moe", "hidden_size": 32, "num_experts": 4}
 TOKENIZER = {"tokenizer.json": b'{"version": "1.0", "model": {}}'}

@@ -22,7 +22,7 @@ from tiny_models import TOKENIZER_VOCAB_SIZE, load_reference
 from freetoken_agents.engine import CheckpointError, Engine
 from freetoken_agents.engine.adapters.gpt_oss import deinterleave_rows
 from freetoken_agents.engine.ftw import FTWFile, decode, encode
-from freetoken_agents.engine.ftw.convert import convert_checkpoint
+from freetoken_agents.engine.loading.convert import convert_checkpoint
 
 FP32_TOL = 1e-4  # max abs diff relative to the logit scale, as in test_engine_reference
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from freetoken_agents.engine import Engine, InMemoryExpertProvider
-from freetoken_agents.engine.ftw.convert import convert_checkpoint
-from freetoken_agents.engine.ftw.load import load_ftw
+from freetoken_agents.engine.loading.convert import convert_checkpoint
+from freetoken_agents.engine.loading.ftw_load import load_ftw
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 IDS = torch.randint(5, 400, (12,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -19,7 +19,7 @@ _CHECK = textwrap.dedent(
     """
     import torch
     import torch.nn.functional as F
-    from freetoken_agents.engine.ftw.codecs import get_codec
+    from freetoken_agents.engine.codecs import get_codec
     from freetoken_agents.engine.gemv_triton import int8_gemv, mxfp4_gemv
     from freetoken_agents.engine.int8 import dequant_linear, quantize
     from freetoken_agents.engine.mxfp4 import decode_weight

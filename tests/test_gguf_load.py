@@ -17,7 +17,7 @@ from freetoken_agents.cli import main
 from freetoken_agents.engine import Engine
 from freetoken_agents.engine.errors import CheckpointError, UnsupportedModelError
 from freetoken_agents.engine.ftw import FTWFile
-from freetoken_agents.engine.gguf import convert_gguf
+from freetoken_agents.engine.loading.gguf import convert_gguf
 
 TEXT = 'The quick brown fox <|im_start|>user calls get_weather {"city": "Paris"}<|im_end|>\n'
 
@@ -63,7 +63,7 @@ def test_cli_convert_names_a_garbled_gguf(tmp_path, capsys):
 
 
 def test_from_pretrained_gguf_is_cached_and_rebuilt_when_the_file_changes(tiny, tmp_path, monkeypatch):
-    import freetoken_agents.engine.gguf.convert as conv
+    import freetoken_agents.engine.loading.gguf.convert as conv
 
     calls = []
     real = conv.convert_gguf

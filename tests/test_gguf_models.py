@@ -26,7 +26,7 @@ from gguf_models import load_folder_reference, load_gguf_reference, write_gguf
 
 from freetoken_agents.engine import Engine
 from freetoken_agents.engine.ftw import FTWFile
-from freetoken_agents.engine.gguf import convert_gguf
+from freetoken_agents.engine.loading.gguf import convert_gguf
 
 TOL = 1e-5  # max |logit diff| / max |logit|, float32 rounding only
 CASES = [

@@ -11,11 +11,12 @@ import pytest
 from tiny_models import build_tiny_model
 from transformers import AutoConfig
 
-from freetoken_agents.engine import Engine, checkpoint, hub
+from freetoken_agents.engine import Engine, checkpoint
 from freetoken_agents.engine.errors import FTWFormatError
-from freetoken_agents.engine.ftw import load
-from freetoken_agents.engine.ftw.convert import EMBEDDED_FILES, convert_checkpoint
 from freetoken_agents.engine.ftw.reader import FTWFile
+from freetoken_agents.engine.loading import ftw_load as load
+from freetoken_agents.engine.loading import hub
+from freetoken_agents.engine.loading.convert import EMBEDDED_FILES, convert_checkpoint
 from freetoken_agents.engine.memory import BlockReader
 from freetoken_agents.engine.stop_tokens import GENERATION_CONFIG
 from freetoken_agents.engine.tokenizer_files import TOKENIZER_FILES, TOKENIZER_MARKERS

@@ -40,8 +40,8 @@ from freetoken_agents.engine import (
     parse_hub_id,
     resolve_model,
 )
-from freetoken_agents.engine.ftw.convert import convert_checkpoint
-from freetoken_agents.engine.hub import SAFETENSORS_INDEX, HubSettings
+from freetoken_agents.engine.loading.convert import convert_checkpoint
+from freetoken_agents.engine.loading.hub import SAFETENSORS_INDEX, HubSettings
 from freetoken_agents.integrations.langchain import ChatFreeToken, clear_engines
 from freetoken_agents.integrations.langchain.engines import engine_key
 

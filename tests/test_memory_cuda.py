@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from freetoken_agents.engine import Engine
-from freetoken_agents.engine.ftw.convert import convert_checkpoint
+from freetoken_agents.engine.loading.convert import convert_checkpoint
 from freetoken_agents.engine.memory import BandwidthOracle, MemoryBudget, TieredExpertProvider
 from freetoken_agents.engine.memory.oracle import cuda_timed_copy
 from freetoken_agents.engine.options import TieringOptions

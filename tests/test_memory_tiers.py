@@ -15,9 +15,9 @@ from pydantic import ValidationError
 
 from freetoken_agents.engine import Engine
 from freetoken_agents.engine.errors import FTWFormatError, MemoryBudgetError
-from freetoken_agents.engine.experts import ExpertKey, run_experts
+from freetoken_agents.engine.experts import DelegatingStore, ExpertKey, run_experts
 from freetoken_agents.engine.ftw import FTWFile
-from freetoken_agents.engine.ftw.convert import convert_checkpoint
+from freetoken_agents.engine.loading.convert import convert_checkpoint
 from freetoken_agents.engine.memory import BlockReader, FastTier, HostTier, MemoryBudget, TieredExpertProvider
 from freetoken_agents.engine.options import TieringOptions
 
@@ -299,12 +299,13 @@ def test_threaded_prefetch_gives_identical_logits(built):
 
 
 # ---- a corrupted block found mid-generation -----------------------------------------------------
-class Recorder:
+class Recorder(DelegatingStore):
     """Wraps an engine's provider and records the (layer, expert) keys each step routes to."""
 
     def __init__(self, engine: Engine) -> None:
-        self.inner, self.steps = engine.experts, []
-        engine.use_expert_provider(self)  # type: ignore[arg-type]
+        super().__init__(engine.experts)
+        self.steps: list[set] = []
+        engine.use_expert_provider(self)
 
     def get(self, layer: int, expert: int):
         return self.inner.get(layer, expert)

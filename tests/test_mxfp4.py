@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_agents.engine import Engine, EngineError
-from freetoken_agents.engine.ftw.codecs import get_codec
-from freetoken_agents.engine.ftw.convert import convert_checkpoint
+from freetoken_agents.engine.codecs import get_codec
+from freetoken_agents.engine.loading.convert import convert_checkpoint
+from freetoken_agents.engine.loading.placement import expert_bytes
 from freetoken_agents.engine.memory import MemoryBudget, TieredExpertProvider
 from freetoken_agents.engine.memory.moves import shares_memory
 from freetoken_agents.engine.mxfp4 import decode_weight, mxfp4_linear
 from freetoken_agents.engine.options import TieringOptions
-from freetoken_agents.engine.placement import expert_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 IDS = torch.randint(5, 400, (14,), generator=torch.Generator().manual_seed(7)).tolist()

@@ -14,7 +14,7 @@ import torch
 
 from freetoken_agents.engine import Engine
 from freetoken_agents.engine.experts import ExpertKey
-from freetoken_agents.engine.ftw.convert import convert_checkpoint
+from freetoken_agents.engine.loading.convert import convert_checkpoint
 from freetoken_agents.engine.memory import MemoryBudget, Prefetcher
 from freetoken_agents.engine.memory.prefetch import SKIPPED
 from freetoken_agents.engine.options import TieringOptions

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from freetoken_agents.engine import Engine
-from freetoken_agents.engine.ftw.convert import convert_checkpoint
+from freetoken_agents.engine.loading.convert import convert_checkpoint
 from freetoken_agents.engine.memory import FastTier, MemoryBudget
 from freetoken_agents.engine.options import TieringOptions
 

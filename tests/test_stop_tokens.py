@@ -15,7 +15,7 @@ from tiny_models import EOS_TOKEN_ID, PAD_TOKEN_ID
 
 from freetoken_agents import FreeTokenModel, GenerateRequest
 from freetoken_agents.engine import CheckpointError, Engine
-from freetoken_agents.engine.ftw.convert import convert_checkpoint
+from freetoken_agents.engine.loading.convert import convert_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

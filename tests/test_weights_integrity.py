@@ -15,7 +15,7 @@ import torch
 
 from freetoken_agents.engine import Engine, FTWFormatError
 from freetoken_agents.engine.ftw import FTWFile
-from freetoken_agents.engine.ftw.convert import convert_checkpoint
+from freetoken_agents.engine.loading.convert import convert_checkpoint
 
 IDS = [5, 17, 3, 250, 41, 9, 77, 120]
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 from ..errors import AnchorError, AnchorFingerprintError, AnchorValidationError
-from ..experts import ExpertKey
+from ..experts import ExpertKey, ExpertStore
 from ..kv import BlockTable
 from .digest import (
     FORMAT_VERSION,
@@ -104,35 +104,24 @@ def check_kind(kind: str) -> AnchorKind:
     return kind  # type: ignore[return-value]
 
 
-def snapshot_expert_state(provider: Any) -> ExpertState:
-    """The provider's expert-cache state, normalised (see the module docstring)."""
-    snapshot = getattr(provider, "snapshot_state", None)
-    keys = getattr(provider, "keys", None)
-    if callable(snapshot):
-        raw: Mapping[str, Any] = snapshot()
-    elif callable(keys):
-        raw = {"resident": keys()}
-    else:
-        raw = {}
+def snapshot_expert_state(store: ExpertStore) -> ExpertState:
+    """The store's expert-cache state, normalised (see the module docstring)."""
     return tuple(
         (str(tier), tuple(sorted((int(layer), int(expert)) for layer, expert in experts)))
-        for tier, experts in sorted(raw.items())
+        for tier, experts in sorted(store.snapshot_state().items())
     )
 
 
-def restore_expert_state(provider: Any, state: ExpertState) -> bool:
-    """Re-warm the provider's tiers from `state`; False when the provider cannot restore.
+def restore_expert_state(store: ExpertStore, state: ExpertState) -> bool:
+    """Re-warm the store's tiers from `state`; False when that failed.
 
     Warmth is a performance matter, not correctness: a failing `restore_state` is logged, not raised.
     """
-    restore = getattr(provider, "restore_state", None)
-    if not callable(restore):
-        return False
     try:
-        restore({tier: list(keys) for tier, keys in state})
+        store.restore_state({tier: list(keys) for tier, keys in state})
     except Exception:
         logger.warning(
-            "expert provider %s failed to restore an anchor's state", type(provider).__name__, exc_info=True
+            "expert store %s failed to restore an anchor's state", type(store).__name__, exc_info=True
         )
         return False
     return True

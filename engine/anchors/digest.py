@@ -15,7 +15,7 @@ fingerprint and into every anchor id (so a format change can never alias an old 
   table's *KV byte stream*: layer 0's first stream for positions 0, 1, ... then its next stream,
   ..., up to the last layer's last stream ending at the last position; each position's vector
   in C order. Head and tail are read with one small gather per stream touched.
-- `model_fingerprint(engine)`: see its docstring (every byte of the weights, `weights.py`).
+- `model_fingerprint(...)`: see its docstring (every byte of the weights, `weights.py`).
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ import torch
 import xxhash
 
 from ..kv import CHAIN_SEED, BlockPool, BlockTable, tensor_bytes
+from ..loading.fingerprint import weights_digest
 from ..tokenizer_files import TOKENIZER_FILES
-from .weights import weights_digest
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..experts import ExpertStore
+    from ..spec import ModelSpec
 
 FORMAT_VERSION = 2  # engine anchor format: fingerprint, id and save-file layout (2: full-weight
 # fingerprint, authenticated save files)
@@ -176,13 +177,21 @@ def signature_edges(table: BlockTable, span: int = SIGNATURE_SPAN) -> str:
 
 
 # ---- model fingerprint --------------------------------------------------------------------------
-def model_fingerprint(engine: Engine) -> str:
+def model_fingerprint(
+    *,
+    pool: BlockPool,
+    source: Path | None,
+    spec: ModelSpec,
+    model: torch.nn.Module,
+    experts: ExpertStore,
+    tokenizer: Any | None,
+) -> str:
     """sha256 hex identifying what produced a KV cache, so anchors never cross models.
 
     Covers, in order: `FORMAT_VERSION`; the KV layout (dtype, block size, every layer's stream
     names and per-token shapes); every byte of the weights; config.json; the tokenizer. Weights:
     an FTW source file is hashed whole (config and tokenizer are inside it), through the engine's
-    own open file when it holds one (so it is the file the engine reads, even if the path was
+    own open file when its expert store holds one (so it is the file the engine reads, even if the path was
     replaced meanwhile); an HF folder's `*.safetensors` files are each hashed whole, with their
     names; an HF folder tiered through the conversion cache also hashes the FTW file actually
     served (so a rebuilt or stale entry changes it). `weights.weights_digest` hashes each file
@@ -198,33 +207,32 @@ def model_fingerprint(engine: Engine) -> str:
     cannot be read or changes while it is hashed.
     """
     h = hashlib.sha256(b"freetoken-model-fingerprint\0" + le64(FORMAT_VERSION))
-    pool = engine.kv_pool
     layout = {
         "dtype": str(pool.dtype),
         "block_size": pool.block_size,
         "streams": [[[s.name, list(s.shape)] for s in streams] for streams in pool.layer_streams],
     }
     _section(h, "kv-layout", json.dumps(layout, sort_keys=True).encode())
-    source = Path(engine.source) if engine.source is not None else None
+    source = Path(source) if source is not None else None
     folder = source if source is not None and source.is_dir() else None
     files = sorted(folder.glob("*.safetensors")) if folder is not None else []
     if source is not None and source.is_file():  # one weights file (FTW), config and tokenizer inside
-        _section(h, "weights-file", bytes.fromhex(weights_digest(source, _open_fd(engine, source))))
+        _section(h, "weights-file", bytes.fromhex(weights_digest(source, _open_fd(experts, source))))
     elif files:
         for path in files:
             _section(h, f"weights:{path.name}", bytes.fromhex(weights_digest(path)))
     else:
-        _hash_in_memory_weights(h, engine)
-    served = _served_ftw(engine, source)
+        _hash_in_memory_weights(h, spec, model, experts)
+    served = _served_ftw(experts, source)
     if served is not None:  # an HF folder tiered through the conversion cache: the experts it serves
-        _section(h, "served-ftw", bytes.fromhex(weights_digest(served, _open_fd(engine, served))))
+        _section(h, "served-ftw", bytes.fromhex(weights_digest(served, _open_fd(experts, served))))
     if folder is not None and (folder / "config.json").is_file():
         _section(h, "config.json", (folder / "config.json").read_bytes())
     tokenizer_files = [folder / f for f in TOKENIZER_FILES if (folder / f).is_file()] if folder else []
     for path in tokenizer_files:
         _section(h, path.name, path.read_bytes())
-    if not tokenizer_files and engine.has_tokenizer:
-        vocab = sorted(engine.tokenizer.get_vocab().items())
+    if not tokenizer_files and tokenizer is not None:
+        vocab = sorted(tokenizer.get_vocab().items())
         _section(h, "tokenizer-vocab", json.dumps(vocab).encode())
     return h.hexdigest()
 
@@ -235,24 +243,20 @@ def _section(h: Any, name: str, data: bytes) -> None:
     h.update(data)
 
 
-def _served_ftw(engine: Engine, source: Path | None) -> Path | None:
-    """The FTW file the engine's provider reads experts from, when it is not the source itself
-    (a cached conversion): a rebuilt cache entry then changes the fingerprint."""
-    from ..ftw.reader import FTWFile
-
-    ftw = getattr(engine.experts, "ftw", None)
-    if isinstance(ftw, FTWFile) and (source is None or Path(ftw.path) != source):
-        return Path(ftw.path)
+def _served_ftw(experts: ExpertStore, source: Path | None) -> Path | None:
+    """The FTW file the expert store reads from, when it is not the source itself (a cached
+    conversion): a rebuilt cache entry then changes the fingerprint."""
+    served = experts.weights_file()
+    if served is not None and (source is None or served[0] != source):
+        return served[0]
     return None
 
 
-def _open_fd(engine: Engine, source: Path) -> int | None:
-    """The descriptor of the engine's own open FTW file for `source`, if its provider holds one."""
-    from ..ftw.reader import FTWFile
-
-    ftw = getattr(engine.experts, "ftw", None)
-    if isinstance(ftw, FTWFile) and ftw.fileno() >= 0 and Path(ftw.path) == source:
-        return ftw.fileno()
+def _open_fd(experts: ExpertStore, source: Path) -> int | None:
+    """The descriptor of the store's own open FTW file for `source`, if it holds one."""
+    served = experts.weights_file()
+    if served is not None and served[1] >= 0 and served[0] == source:
+        return served[1]
     return None
 
 
@@ -262,18 +266,14 @@ def _tensor_section(h: Any, name: str, tensor: torch.Tensor) -> None:
     h.update(data)
 
 
-def _hash_in_memory_weights(h: Any, engine: Engine) -> None:
-    _section(h, "spec", repr(engine.spec).encode())
-    for name, tensor in sorted(engine.model.state_dict().items()):
+def _hash_in_memory_weights(h: Any, spec: ModelSpec, model: torch.nn.Module, experts: ExpertStore) -> None:
+    _section(h, "spec", repr(spec).encode())
+    for name, tensor in sorted(model.state_dict().items()):
         _tensor_section(h, name, tensor)
-    keys = getattr(engine.experts, "keys", None)
-    get = getattr(engine.experts, "get", None)
-    if not callable(keys):
-        return
-    for layer, expert in sorted(keys()):
+    for layer, expert in sorted(experts.keys()):
         _section(h, "expert", json.dumps([layer, expert]).encode())
-        weights = get(layer, expert) if callable(get) else None
-        for field in dataclasses.fields(weights) if dataclasses.is_dataclass(weights) else ():
+        weights = experts.get(layer, expert)
+        for field in dataclasses.fields(weights):
             value = getattr(weights, field.name)
             if isinstance(value, torch.Tensor) and field.name != "storage":
                 _tensor_section(h, field.name, value)

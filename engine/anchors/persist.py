@@ -52,7 +52,7 @@ from .keys import key_path, load_key
 from .savefolder import KV_NAME_PATTERN, META_FILE, commit, kv_file_name, reading
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from .host import AnchorHost
 
 FORMAT_NAME = "freetoken-anchors"
 MAC_ALG = "hmac-sha256"
@@ -116,8 +116,8 @@ class AnchorsFile(_Strict):
     mac: MacRecord
 
 
-def _layout(engine: Engine) -> dict[str, Any]:
-    pool = engine.kv_pool
+def _layout(host: AnchorHost) -> dict[str, Any]:
+    pool = host.pool
     return {
         "dtype": str(pool.dtype),
         "block_size": pool.block_size,
@@ -126,7 +126,7 @@ def _layout(engine: Engine) -> dict[str, Any]:
 
 
 def save_anchors(
-    engine: Engine,
+    host: AnchorHost,
     anchors: Sequence[Anchor],
     folder: Path,
     *,
@@ -139,7 +139,7 @@ def save_anchors(
 
     Raises AnchorSaveError when the folder cannot be written (full disk, quota, permissions): what
     this call wrote is removed and the previous save is unchanged."""
-    pool = engine.kv_pool
+    pool = host.pool
     index: dict[int, int] = {}
     for anchor in anchors:
         for b in anchor.table.blocks:
@@ -180,8 +180,8 @@ def save_anchors(
     meta: dict[str, Any] = {
         "format": FORMAT_NAME,
         "v": FORMAT_VERSION,
-        "model_fingerprint": engine.model_fingerprint,
-        "kv_layout": _layout(engine),
+        "model_fingerprint": host.model_fingerprint,
+        "kv_layout": _layout(host),
         "kv_file": kv_name,
         "kv_sha256": kv_sha256,
         "kv_bytes": len(data),
@@ -195,25 +195,25 @@ def save_anchors(
 
 
 def load_anchors(
-    engine: Engine, folder: Path, *, key_file: str | os.PathLike[str] | None = None
+    host: AnchorHost, folder: Path, *, key_file: str | os.PathLike[str] | None = None
 ) -> tuple[list[Anchor], set[str]]:
     """Read, authenticate (with the anchor key at `key_file`, default `keys.key_path()`) and fully
     validate the anchors in `folder` (see the module docstring).
 
     Returns (anchors, ids saved as pinned); each anchor holds its own pin of freshly
-    allocated blocks of `engine.kv_pool`.
+    allocated blocks of `host.pool`.
     """
     meta_path = folder / META_FILE
     with reading(folder):  # a concurrent save may not remove the KV file this manifest names
         raw, meta = _read_meta(meta_path)
         _authenticate(raw, meta_path, key_file)
-        if meta.model_fingerprint != engine.model_fingerprint:
+        if meta.model_fingerprint != host.model_fingerprint:
             raise AnchorFingerprintError(
                 f"{meta_path} holds anchors of model {meta.model_fingerprint[:16]}..., but this engine is "
-                f"{engine.model_fingerprint[:16]}... (another model, tokenizer, KV layout or format version)"
+                f"{host.model_fingerprint[:16]}... (another model, tokenizer, KV layout or format version)"
             )
-        tensors = _read_kv(folder / meta.kv_file, meta, engine)
-    pool = engine.kv_pool
+        tensors = _read_kv(folder / meta.kv_file, meta, host)
+    pool = host.pool
     loader: list[int] = []  # the loader's own reference to every block it allocates
     anchors: list[Anchor] = []
     try:
@@ -229,7 +229,7 @@ def load_anchors(
         for b in loader:
             pool.filled[b] = pool.block_size  # unknown writers: the first write copies
         for record in meta.anchors:
-            anchors.append(_restore(record, loader, engine, meta_path))
+            anchors.append(_restore(record, loader, host, meta_path))
     except BaseException:
         for anchor in anchors:
             anchor.table.release()
@@ -240,8 +240,8 @@ def load_anchors(
     return anchors, pinned
 
 
-def _restore(record: AnchorRecord, loader: list[int], engine: Engine, where: Path) -> Anchor:
-    bs = engine.kv_pool.block_size
+def _restore(record: AnchorRecord, loader: list[int], host: AnchorHost, where: Path) -> Anchor:
+    bs = host.pool.block_size
     if record.v != FORMAT_VERSION or any(i >= len(loader) for i in record.blocks):
         raise AnchorFileError(f"{where}: malformed anchor record {record.id[:16]}: version or block index")
     if len(record.blocks) != -(-record.kv_length // bs) or record.kv_length > record.position:
@@ -254,7 +254,7 @@ def _restore(record: AnchorRecord, loader: list[int], engine: Engine, where: Pat
             f"{where}: anchor record {record.id[:16]} has {len(record.token_ids)} token ids"
         )
     # Borrows the loader's references; pin() takes the anchor's own.
-    view = BlockTable(engine.kv_pool, [loader[i] for i in record.blocks], record.kv_length)
+    view = BlockTable(host.pool, [loader[i] for i in record.blocks], record.kv_length)
     kv_digest(view)  # seal: rehash every full block of the loaded data into the chain
     sig = record.signature
     anchor = Anchor(
@@ -271,12 +271,12 @@ def _restore(record: AnchorRecord, loader: list[int], engine: Engine, where: Pat
             (tier, tuple((int(k[0]), int(k[1])) for k in keys)) for tier, keys in record.expert_state
         ),
         kv_digest=record.kv_digest,
-        model_fingerprint=engine.model_fingerprint,
+        model_fingerprint=host.model_fingerprint,
         signature=AnchorSignature(edges=sig.edges, token_hash=sig.token_hash, span=sig.span),
         table=view.pin(),
     )
     try:
-        verify_anchor(anchor, anchor.table, engine.model_fingerprint, "full")
+        verify_anchor(anchor, anchor.table, host.model_fingerprint, "full")
     except BaseException:
         anchor.table.release()
         raise
@@ -335,7 +335,7 @@ def _read_meta(path: Path) -> tuple[dict[str, Any], AnchorsFile]:
         raise AnchorFileError(f"{path} is malformed at {where}: {first['msg']}") from None
 
 
-def _read_kv(path: Path, meta: AnchorsFile, engine: Engine) -> dict[str, torch.Tensor]:
+def _read_kv(path: Path, meta: AnchorsFile, host: AnchorHost) -> dict[str, torch.Tensor]:
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -349,7 +349,7 @@ def _read_kv(path: Path, meta: AnchorsFile, engine: Engine) -> dict[str, torch.T
         tensors = load_safetensors(data)
     except (SafetensorError, ValueError) as e:
         raise AnchorFileError(f"cannot parse {path}: {e}") from e
-    pool, n = engine.kv_pool, meta.n_blocks
+    pool, n = host.pool, meta.n_blocks
     for layer, streams in enumerate(pool.layer_streams):
         for spec in streams:
             name = f"layer{layer}.{spec.name}"

@@ -26,13 +26,12 @@ Eviction order is least recently used: `get` (and a rollback, which goes through
 re-anchoring an identical state refresh an anchor. Pinned anchors are never evicted, but they
 count towards `used_bytes`.
 
-Thread safety: every public method holds the engine's lock (`engine.lock`, re-entrant; sessions
-hold it for their steps), so the store may be used from any thread.
+Thread safety: every public method holds the engine's lock (`AnchorHost.lock`, re-entrant;
+sessions hold it for their steps), so the store may be used from any thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -40,14 +39,12 @@ import os
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from ..errors import AnchorNotFoundError
 from ..kv import BlockTable
-from .anchor import Anchor, ExpertState, check_kind, identify, make_anchor, snapshot_expert_state
-
-if TYPE_CHECKING:
-    from ..engine import Engine
+from .anchor import Anchor, ExpertState, check_kind, identify, make_anchor
+from .host import AnchorHost
 
 logger = logging.getLogger(__name__)
 
@@ -60,22 +57,21 @@ DEFAULT_METADATA_BUDGET = 64 * 2**20
 RECORD_OVERHEAD = 1536  # bytes of one record besides its token ids (digests, signature, table, ...)
 
 
-def default_byte_budget(engine: Engine) -> int:
-    """The anchor store's default byte budget for `engine` (see the module docstring)."""
-    kv_bytes = getattr(engine.memory, "kv_bytes", None)
-    if kv_bytes is not None:
-        return int(kv_bytes * DEFAULT_KV_SHARE)
-    pool = engine.kv_pool
-    context_blocks = -(-engine.max_context // pool.block_size)
+def default_byte_budget(host: AnchorHost) -> int:
+    """The anchor store's default byte budget on `host` (see the module docstring)."""
+    if host.kv_bytes is not None:
+        return int(host.kv_bytes * DEFAULT_KV_SHARE)
+    pool = host.pool
+    context_blocks = -(-host.max_context // pool.block_size)
     return min(DEFAULT_CONTEXTS * context_blocks * pool.bytes_per_block, DEFAULT_BYTE_CAP)
 
 
 def _locked(method: Callable[..., T]) -> Callable[..., T]:
-    """Run a store method under the engine's lock (when the engine has one)."""
+    """Run a store method under the engine's lock."""
 
     @functools.wraps(method)
     def locked(self: AnchorStore, *args: Any, **kwargs: Any) -> T:
-        with getattr(self.engine, "lock", None) or contextlib.nullcontext():
+        with self.host.lock:
             return method(self, *args, **kwargs)
 
     return locked
@@ -86,14 +82,14 @@ class AnchorStore:
 
     def __init__(
         self,
-        engine: Engine,
+        host: AnchorHost,
         *,
         byte_budget: int | None | Literal["auto"] = "auto",
         metadata_budget: int | None = DEFAULT_METADATA_BUDGET,
         key_file: str | os.PathLike[str] | None = None,
     ) -> None:
-        """`byte_budget`: bytes of anchor-only KV to keep ("auto": `default_byte_budget`, worked
-        out when first needed, once the engine's KV pool exists; None: unbounded).
+        """`byte_budget`: bytes of anchor-only KV to keep ("auto": `default_byte_budget`; None:
+        unbounded).
         `metadata_budget`: estimated bytes of anchor records to keep (None: unbounded).
         `key_file`: the anchor key that authenticates saved anchors (`keys.key_path`: default
         $FREETOKEN_ANCHOR_KEY_FILE, $FREETOKEN_CONFIG_DIR/anchor.key, else the user config dir);
@@ -101,7 +97,7 @@ class AnchorStore:
         if byte_budget != "auto":
             _check_budget("byte_budget", byte_budget)
         _check_budget("metadata_budget", metadata_budget)
-        self.engine = engine
+        self.host = host
         self.key_file = key_file
         self._anchors: OrderedDict[str, Anchor] = OrderedDict()  # LRU order: oldest first
         self._pinned: set[str] = set()
@@ -118,7 +114,7 @@ class AnchorStore:
     def byte_budget(self) -> int | None:
         """Most bytes of anchor-only KV blocks to keep (None: unbounded). Setting it enforces it."""
         if self._byte_budget == "auto":
-            self._byte_budget = default_byte_budget(self.engine)
+            self._byte_budget = default_byte_budget(self.host)
         return self._byte_budget
 
     @byte_budget.setter
@@ -142,7 +138,7 @@ class AnchorStore:
     @_locked
     def used_bytes(self) -> int:
         """Bytes of KV blocks that only anchors keep alive (see the module docstring)."""
-        pool = self.engine.kv_pool
+        pool = self.host.pool
         return sum(1 for b, n in self._holders.items() if pool.refcount[b] == n) * pool.bytes_per_block
 
     @property
@@ -154,7 +150,7 @@ class AnchorStore:
     def exclusive_bytes(self, anchor_id: str) -> int:
         """Bytes of the blocks this anchor alone keeps alive (what discarding it would free)."""
         anchor = self._require(anchor_id)
-        pool = self.engine.kv_pool
+        pool = self.host.pool
         return sum(1 for b in set(anchor.table.blocks) if pool.refcount[b] == 1) * pool.bytes_per_block
 
     @_locked
@@ -205,9 +201,8 @@ class AnchorStore:
         """Anchor `table` + `token_ids` (Session.anchor calls this). An identical state that is
         already stored (same id) is refreshed and returned instead of a second record."""
         check_kind(kind)
-        engine = self.engine
-        fingerprint = engine.model_fingerprint
-        state = snapshot_expert_state(engine.experts)
+        fingerprint = self.host.model_fingerprint
+        state = self.host.expert_state()
         state = self._states.get(state, (state, 0))[0]  # a state already stored: that one object
         identity = identify(table, token_ids, fingerprint, state)
         existing = self._anchors.get(identity[0])
@@ -309,7 +304,7 @@ class AnchorStore:
         from .persist import save_anchors
 
         anchors = [self._require(i) for i in ids] if ids is not None else list(self._anchors.values())
-        return save_anchors(self.engine, anchors, Path(path), pinned=self._pinned, key_file=self.key_file)
+        return save_anchors(self.host, anchors, Path(path), pinned=self._pinned, key_file=self.key_file)
 
     @_locked
     def load(self, path: str | Path) -> list[Anchor]:
@@ -321,7 +316,7 @@ class AnchorStore:
         """
         from .persist import load_anchors
 
-        loaded, pinned = load_anchors(self.engine, Path(path), key_file=self.key_file)
+        loaded, pinned = load_anchors(self.host, Path(path), key_file=self.key_file)
         out: list[Anchor] = []
         for anchor in loaded:
             existing = self._anchors.get(anchor.id)

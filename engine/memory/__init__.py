@@ -1,5 +1,5 @@
 """Expert memory: budgets, the three expert tiers (tier 3 read past the page cache by `BlockReader`),
-bandwidth oracles, the q* policy, prefetch and `TieredExpertProvider` (the ExpertProvider that puts
+bandwidth oracles, the q* policy, prefetch and `TieredExpertProvider` (the ExpertStore that puts
 them together; `provider.stats()`)."""
 
 from .budget import MemoryBudget

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from ..expert_tensors import kept_forms
 from ..experts import ExpertKey, ExpertWeights
 from ..ftw import FTWFile
-from ..ftw.provider import kept_forms
 from .oracle import BandwidthOracle
 from .prefetch import SKIPPED
 from .stats import PhaseTimer
@@ -121,6 +121,10 @@ class TierMover:
         self.host: HostTier[Any] = HostTier(
             host_bytes, on_evict=on_host_evict, rank=rank, protected=protected
         )
+
+    def stats(self) -> dict[str, int]:
+        """Bytes moved per link ("storage->host", "host->fast", "fast->host")."""
+        return dict(self.bytes_moved)
 
     def _kept_compact(self, key: ExpertKey) -> bool:
         tensors = self.ftw.expert_info(*key).tensors

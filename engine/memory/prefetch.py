@@ -290,6 +290,10 @@ class Prefetcher:
         self.counters.taken += 1
         return value
 
+    def stats(self) -> dict[str, float]:
+        """The prefetch counters with precision and recall (`PrefetchCounters`)."""
+        return self.counters.as_dict()
+
     def close(self) -> None:
         """Cancel queued loads and stop the loader threads."""
         for fut in [*self._pending.values(), *self._current.values()]:

@@ -1,4 +1,4 @@
-"""TieredExpertProvider: the ExpertProvider over an FTW file and a MemoryBudget.
+"""TieredExpertProvider: the ExpertStore over an FTW file and a MemoryBudget.
 
 Tiers on a CPU-only machine (tier 1 and tier 2 are both RAM; what differs is the form):
 - tier 1 "fast": decoded `ExpertWeights` ready for matmul (budget shared with the KV cache);
@@ -57,9 +57,9 @@ from typing import Any
 import torch
 
 from ..errors import EngineError, MemoryBudgetError
-from ..experts import ExpertKey, ExpertWeights, dispatch_experts, expert_forward
+from ..expert_tensors import kept_bytes
+from ..experts import ExpertKey, ExpertStore, ExpertWeights, dispatch_experts, expert_forward
 from ..ftw import FTWFile
-from ..ftw.provider import kept_bytes
 from ..int8 import check_quant_options
 from ..spec import MoESpec
 from .budget import MemoryBudget, format_size
@@ -68,14 +68,14 @@ from .oracle import BandwidthOracle, Clock
 from .policy import AlwaysStreamPolicy, ComputeCostModel, ExpertCase, Placement, QStarPolicy
 from .prefetch import Prefetcher
 from .routing import RoutingFrequency
-from .stats import PhaseTimer, provider_stats
+from .stats import PhaseTimer
 from .storage import BlockReader
 from .weights import codec_name
 
 logger = logging.getLogger(__name__)
 
 
-class TieredExpertProvider:
+class TieredExpertProvider(ExpertStore):
     """Experts from `ftw` under `budget` (fast_bytes: tier 1 + KV; host_bytes: tier 2).
 
     Built by the engine's composition root (`Engine.from_pretrained(..., placement="qstar" |
@@ -257,7 +257,7 @@ class TieredExpertProvider:
             self.kv_bytes = old
             raise
 
-    # ---- the ExpertProvider protocol ------------------------------------------------------
+    # ---- the ExpertStore interface -----------------------------------------------------
     def get(self, layer: int, expert: int) -> ExpertWeights:
         """The expert's weights on the compute device (promotes it to tier 1 when it fits)."""
         key = (layer, expert)
@@ -430,6 +430,13 @@ class TieredExpertProvider:
                 self._soon[nxt] = set(pred)
             self.prefetcher.issue(nxt, pred, skip=self._in_ram)
 
+    def keys(self) -> list[ExpertKey]:
+        """Every ``(layer, expert)`` the file holds, in memory or not, sorted."""
+        return self.ftw.expert_keys()
+
+    def weights_file(self) -> tuple[Path, int] | None:
+        return Path(self.ftw.path), self.ftw.fileno()
+
     # ---- anchors: expert-cache state ------------------------------------------------------
     def snapshot_state(self) -> dict[str, list[ExpertKey]]:
         """Tier name -> experts held there, coldest first (an anchor records it with its KV)."""
@@ -455,8 +462,27 @@ class TieredExpertProvider:
     def stats(self) -> dict[str, Any]:
         """Hits/misses per tier, bytes moved per link, bandwidth estimates (and their recent
         history), decisions, prefetch precision/recall, time per phase (s), budget figures
-        (bytes). JSON-able."""
-        return provider_stats(self)
+        (bytes). JSON-able: each part's own `stats()`, composed."""
+        storage = self.reader.stats()
+        links = (self.storage_link, self.fast_link, self.act_link)
+        return {
+            "tiers": {"fast": self.fast.stats(), "host": self.host.stats(), "storage": storage},
+            "exclusive_ram_tiers": self.exclusive,
+            "bytes_moved": self.moves.stats(),
+            "file_bytes_read": storage["bytes_read"],
+            "bandwidth": {link.name: link.stats() for link in links if link},
+            "policy": self.policy.stats(),
+            "prefetch": self.prefetcher.stats() if self.prefetcher else None,
+            **self.phases.stats(),
+            "budget": {
+                "fast_bytes": self.budget.fast_bytes,
+                "host_bytes": self.budget.host_bytes,
+                "kv_bytes": self.kv_bytes,
+                "spare_bytes": self.spare_bytes,
+                "min_working_set": self.min_working_set,
+            },
+            "steps": self.steps,
+        }
 
     def close(self) -> None:
         """Stop the loader threads, remove the attention hooks, close the tier-3 reader."""

@@ -1,4 +1,5 @@
-"""Observability of the tiered expert memory: time per phase and the `stats()` record.
+"""Observability of the tiered expert memory: time per phase (each part reports its own `stats()`;
+`TieredExpertProvider.stats` composes them).
 
 Phases (seconds, summed since construction, compute thread only):
 - attention: the attention modules' forward (forward hooks the provider installs on the modules it is given);
@@ -15,12 +16,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from .provider import TieredExpertProvider
 
 
 class PhaseTimer:
@@ -42,6 +40,10 @@ class PhaseTimer:
             self.seconds[name] = self.seconds.get(name, 0.0) + box[0]
             self.counts[name] += 1
 
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """`phase_s` (seconds per phase) and `phase_calls` (times each ran)."""
+        return {"phase_s": dict(self.seconds), "phase_calls": dict(self.counts)}
+
     def hook(self, module: torch.nn.Module, name: str) -> list[Any]:
         """Time every forward of `module` as phase `name`; returns the hook handles."""
         started: list[float] = []
@@ -55,36 +57,3 @@ class PhaseTimer:
                 self.counts[name] += 1
 
         return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-
-
-def provider_stats(p: TieredExpertProvider) -> dict[str, Any]:
-    """`TieredExpertProvider.stats()`: JSON-able counters of every tier, link, decision and phase."""
-    reader = p.reader
-    return {
-        "tiers": {
-            "fast": p.fast.stats(),
-            "host": p.host.stats(),
-            "storage": {
-                "reads": reader.reads,
-                "bytes_read": reader.bytes_read,
-                "direct_io": reader.direct,
-                "busy_s": reader.busy_seconds,
-            },
-        },
-        "exclusive_ram_tiers": p.exclusive,
-        "bytes_moved": dict(p.moves.bytes_moved),
-        "file_bytes_read": reader.bytes_read,
-        "bandwidth": {o.name: o.stats() for o in (p.storage_link, p.fast_link, p.act_link) if o},
-        "policy": p.policy.stats(),
-        "prefetch": p.prefetcher.counters.as_dict() if p.prefetcher else None,
-        "phase_s": dict(p.phases.seconds),
-        "phase_calls": dict(p.phases.counts),
-        "budget": {
-            "fast_bytes": p.budget.fast_bytes,
-            "host_bytes": p.budget.host_bytes,
-            "kv_bytes": p.kv_bytes,
-            "spare_bytes": p.spare_bytes,
-            "min_working_set": p.min_working_set,
-        },
-        "steps": p.steps,
-    }

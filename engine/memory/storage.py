@@ -289,6 +289,15 @@ class BlockReader:
         self.ftw.check_block(info, memoryview(buf)[:BLOCK_HEADER_SIZE], stored)
         return stored
 
+    def stats(self) -> dict[str, int | float | bool]:
+        """Reads, bytes read, whether O_DIRECT is in use, and the seconds a read was in flight."""
+        return {
+            "reads": self.reads,
+            "bytes_read": self.bytes_read,
+            "direct_io": self.direct,
+            "busy_s": self.busy_seconds,
+        }
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from ..expert_tensors import expert_tensors
 from ..experts import PROJECTIONS, ExpertKey, ExpertWeights
 from ..ftw import FTWFile
-from ..ftw.provider import expert_tensors
 
 
 def codec_name(ftw: FTWFile, key: ExpertKey) -> str:

@@ -6,12 +6,12 @@ import argparse
 import sys
 from collections import Counter, defaultdict
 
-from ..engine import check_device, resolve_model
+from ..engine import Engine, check_device, resolve_model
 from ..engine.ftw import CODECS, ExpertInfo, FTWFile
-from ..engine.ftw.calibrate import AutoPolicy
-from ..engine.ftw.convert import QUANTS, convert_checkpoint
 from ..engine.ftw.layout import ALIGNMENT
-from ..engine.gguf import SOURCE, convert_gguf, is_gguf_path
+from ..engine.loading.calibrate import AutoPolicy
+from ..engine.loading.convert import QUANTS, convert_checkpoint
+from ..engine.loading.gguf import SOURCE, convert_gguf, is_gguf_path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -78,6 +78,7 @@ def run_convert(args: argparse.Namespace) -> int:
         progress=_progress(args),
         auto_policy=policy,
         calibration_device=args.device,
+        open_model=Engine.for_calibration,
     )
     print(report.summary())  # noqa: T201
     return 0

@@ -296,7 +296,7 @@ def train(
     `code_share`, `world_share`: the corpus mix (the rest is generic tool use, see `build_corpus`)."""
     from transformers import AutoModelForCausalLM
 
-    from freetoken_agents.engine.ftw.convert import convert_checkpoint
+    from freetoken_agents.engine.loading.convert import convert_checkpoint
 
     if threads:
         torch.set_num_threads(threads)

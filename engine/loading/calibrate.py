@@ -10,19 +10,45 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
-from ..experts import ExpertKey, ExpertProvider, ExpertWeights
-from ..spec import MoESpec
-from .codecs import CODECS
-
-if TYPE_CHECKING:
-    from ..engine import Engine
+from ..codecs import CODECS
+from ..experts import DelegatingStore, ExpertKey, ExpertStore
+from ..spec import ModelSpec, MoESpec
 
 logger = logging.getLogger(__name__)
+
+
+class _Prefill(Protocol):
+    def prefill(self, token_ids: list[int], *, last_only: bool = ...) -> torch.Tensor: ...
+
+
+class CalibrationModel(Protocol):
+    """What routing calibration runs (the `Engine` is one): its tokenizer, a fresh session per
+    sequence, and a way to route its MoE layers through a counting wrapper of its expert store."""
+
+    spec: ModelSpec
+    max_context: int
+    experts: ExpertStore
+
+    @property
+    def has_tokenizer(self) -> bool: ...
+    @property
+    def tokenizer(self) -> Any: ...
+    def use_expert_provider(self, provider: ExpertStore) -> None: ...
+    def new_session(self) -> AbstractContextManager[_Prefill]: ...
+    def close(self) -> None: ...
+
+
+OpenForCalibration = Callable[[Path, str], CalibrationModel]
+"""(checkpoint folder, device) -> the model loaded there for calibration (`Engine.for_calibration`):
+given to the converter, so loading never imports the engine it builds."""
 
 CALIBRATION_PROMPTS: tuple[str, ...] = (
     "You are a helpful assistant. Answer the question as briefly as you can.",
@@ -78,8 +104,8 @@ class AutoPolicy:
         return d
 
 
-class RoutingCounter:
-    """An `ExpertProvider` wrapper that counts the router's selections and delegates everything.
+class RoutingCounter(DelegatingStore):
+    """An `ExpertStore` wrapper that counts the router's selections and delegates everything.
 
     Attributes:
         inner: the wrapped provider.
@@ -88,18 +114,10 @@ class RoutingCounter:
         selected: every ``(layer, expert)`` selected at least once.
     """
 
-    def __init__(self, inner: ExpertProvider) -> None:
-        self.inner = inner
+    def __init__(self, inner: ExpertStore) -> None:
+        super().__init__(inner)
         self.counts: dict[int, torch.Tensor] = {}
         self.selected: set[ExpertKey] = set()
-
-    def get(self, layer: int, expert: int) -> ExpertWeights:
-        return self.inner.get(layer, expert)
-
-    def keys(self) -> list[ExpertKey]:
-        """The wrapped provider's keys (for code that fingerprints a provider)."""
-        keys = getattr(self.inner, "keys", None)
-        return list(keys()) if callable(keys) else []
 
     def run(
         self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec
@@ -112,7 +130,7 @@ class RoutingCounter:
         return self.inner.run(layer, hidden, expert_ids, weights, spec)
 
 
-def calibration_token_ids(engine: Engine, policy: AutoPolicy) -> list[list[int]]:
+def calibration_token_ids(engine: CalibrationModel, policy: AutoPolicy) -> list[list[int]]:
     """The calibration sequences for `engine`: the policy's prompts tokenized with the engine's
     tokenizer, or random token sequences when it has none. Ids outside the model vocab are dropped."""
     vocab = engine.spec.vocab_size
@@ -132,7 +150,7 @@ def calibration_token_ids(engine: Engine, policy: AutoPolicy) -> list[list[int]]
     return seqs
 
 
-def measure_routing(engine: Engine, policy: AutoPolicy) -> tuple[dict[int, list[int]], int]:
+def measure_routing(engine: CalibrationModel, policy: AutoPolicy) -> tuple[dict[int, list[int]], int]:
     """Run `engine` over the calibration set; return ``({layer: selections per expert}, tokens)``.
 
     Each sequence is prefilled in a fresh session. The engine's expert provider is restored

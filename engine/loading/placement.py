@@ -8,15 +8,15 @@ inject), so the decision is testable without a machine of any particular size.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 
 import torch
 
-from .errors import EngineError, MemoryBudgetError
-from .memory import MemoryBudget
-from .memory.budget import format_size, free_cuda_bytes, free_host_bytes
-from .spec import ModelSpec
+from ..errors import EngineError, MemoryBudgetError
+from ..memory import MemoryBudget
+from ..memory.budget import format_size, free_cuda_bytes, free_host_bytes
+from ..options import DEVICE_PATTERN
+from ..spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,6 @@ def expert_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
     return total
 
 
-DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
 """The devices an engine runs on: "cpu", "cuda" or "cuda:N"."""
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@
   uint4_b32, MXFP4 -> mxfp4, other types dequantized to fp32).
 - `tokenizer`: tokenizer files, chat template and end-of-generation ids from ``tokenizer.*``.
 - `convert`: `convert_gguf`, the FTW writer (`freetoken convert x.gguf out.ftw`);
-  `ftw.cache.cached_ftw` keeps one conversion per GGUF file for `Engine.from_pretrained("x.gguf")`.
+  `loading.cache.cached_ftw` keeps one conversion per GGUF file for `Engine.from_pretrained("x.gguf")`.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def _hash_fd(fd: int, size: int, path: str | os.PathLike[str]) -> str:
 
 
 def _cache_path() -> Path:
-    from ..ftw.cache import cache_root
+    from .cache import cache_root
 
     return cache_root() / CACHE_FILE
 

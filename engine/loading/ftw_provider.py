@@ -21,128 +21,23 @@ before. ``"int8"`` also quantizes the other codecs' projections to int8 at first
 from __future__ import annotations
 
 import logging
-import math
 import threading
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import FTWFormatError
-from ..experts import SCALES, ExpertKey, ExpertWeights, run_experts
-from ..int8 import check_quant_options, quantize
+from ..expert_tensors import expert_tensors, kept_bytes
+from ..experts import SCALES, ExpertKey, ExpertStore, ExpertWeights, run_experts
+from ..ftw.reader import FTWFile
+from ..int8 import check_quant_options
 from ..spec import MoESpec
-from .codecs import MXFP4_BLOCK, EncodedTensor, decode
-from .layout import TensorInfo
-from .reader import FTWFile
 
 logger = logging.getLogger(__name__)
 
-_WEIGHTS = ("gate_up", "gate", "up", "down")
-_KNOWN = {*_WEIGHTS, "gate_up_bias", "down_bias"} | {f"{n}_scale" for n in _WEIGHTS}
 
-
-def canonical_expert(
-    tensors: dict[str, torch.Tensor], *, path: str = "", key: ExpertKey | None = None
-) -> dict[str, torch.Tensor]:
-    """Decoded block projections -> the canonical ``ExpertWeights`` names (joins split gate/up).
-
-    Int8 projections come with their row scales under ``<name>_scale``; split ``gate_scale`` and
-    ``up_scale`` are joined like the weights. Raises FTWFormatError (naming ``path`` and ``key``)
-    for unknown or missing projections, or a split gate/up of which only one half is int8.
-    """
-    where = f"{path}: expert block (layer={key[0]}, expert={key[1]})" if key else path or "expert block"
-    unknown = set(tensors) - _KNOWN
-    if unknown:
-        raise FTWFormatError(f"{where}: unknown projections {sorted(unknown)}")
-    out = dict(tensors)
-    if "gate" in out or "up" in out:
-        if "gate_up" in out or "gate" not in out or "up" not in out:
-            raise FTWFormatError(f"{where}: needs either 'gate_up' or both 'gate' and 'up'")
-        if ("gate_scale" in out) != ("up_scale" in out):
-            raise FTWFormatError(f"{where}: 'gate' and 'up' must both be int8 (with scales) or neither")
-        out["gate_up"] = torch.cat([out.pop("gate"), out.pop("up")], dim=0)
-        if "gate_scale" in out:
-            out["gate_up_scale"] = torch.cat([out.pop("gate_scale"), out.pop("up_scale")], dim=0)
-    for name in ("gate_up", "down"):
-        if name not in out:
-            raise FTWFormatError(f"{where}: missing projection {name!r}")
-    return out
-
-
-def kept_forms(codecs: Mapping[str, str], expert_quant: str) -> dict[str, str]:
-    """The weight projections of a block (projection name -> stored codec) held compact under
-    `expert_quant` (`int8.EXPERT_QUANTS`), each with its form: "int8" (stored int8, or any codec
-    under "int8") or "mxfp4" (stored MXFP4 under "compact"). A split gate/up is joined: both in
-    one form or neither."""
-    keep: dict[str, str] = {}
-    if expert_quant == "none":
-        return keep
-    for name, codec in codecs.items():
-        if name not in _WEIGHTS:
-            continue
-        if codec == "int8" or expert_quant == "int8":
-            keep[name] = "int8"
-        elif codec == "mxfp4" and expert_quant == "compact":
-            keep[name] = "mxfp4"
-    if keep.get("gate") != keep.get("up"):
-        keep.pop("gate", None)
-        keep.pop("up", None)
-    return keep
-
-
-def expert_tensors(
-    encs: Mapping[str, EncodedTensor],
-    dtype: torch.dtype,
-    expert_quant: str,
-    *,
-    path: str = "",
-    key: ExpertKey | None = None,
-) -> dict[str, torch.Tensor]:
-    """A block's encoded projections -> canonical `ExpertWeights` tensors: the projections
-    `kept_forms` picks stay compact: int8 (weight + fp32 row scale: the stored parts themselves,
-    zero-copy, when stored as int8; quantized otherwise) or MXFP4 (blocks [N, K/2] + E8M0 scales
-    [N, K/32], the stored parts); every other one is decoded to `dtype` (views of the stored parts
-    when the codec is `dtype` itself). Raises FTWFormatError as `canonical_expert`."""
-    keep = kept_forms({n: e.codec for n, e in encs.items()}, expert_quant)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, enc in encs.items():
-        form = keep.get(name)
-        if form is None:
-            tensors[name] = decode(enc, dtype)
-        elif form == "mxfp4":
-            blocks = enc.parts["blocks"]
-            tensors[name] = blocks.view(blocks.shape[0], -1)
-            tensors[f"{name}_scale"] = enc.parts["scales"]
-        elif enc.codec == "int8":  # as stored: no requantization
-            tensors[name], tensors[f"{name}_scale"] = enc.parts["weight"], enc.parts["scale"]
-        else:
-            tensors[name], tensors[f"{name}_scale"] = quantize(decode(enc, torch.float32))
-    return canonical_expert(tensors, path=path, key=key)
-
-
-def kept_bytes(tensors: Mapping[str, TensorInfo], expert_quant: str, dtype: torch.dtype) -> int:
-    """Bytes of one expert block (its manifest `tensors`) held as `expert_tensors` holds it: int8
-    weights with their fp32 row scales, MXFP4 blocks with their E8M0 scales, the other projections
-    in `dtype`."""
-    keep = kept_forms({n: t.codec for n, t in tensors.items()}, expert_quant)
-    elem = dtype.itemsize
-    total = 0
-    for name, t in tensors.items():
-        n = math.prod(t.shape)
-        form = keep.get(name)
-        if form == "int8":
-            total += n + 4 * t.shape[0]
-        elif form == "mxfp4":
-            total += n // 2 + n // MXFP4_BLOCK
-        else:
-            total += n * elem
-    return total
-
-
-class FTWExpertProvider:
-    """An `ExpertProvider` over an open `FTWFile`.
+class FTWExpertProvider(ExpertStore):
+    """An `ExpertStore` over an open `FTWFile`.
 
     Args:
         ftw: the open file (the provider reads from it for as long as it is used; it does not
@@ -176,6 +71,9 @@ class FTWExpertProvider:
     def keys(self) -> list[ExpertKey]:
         """Every ``(layer, expert)`` the file holds (loaded or not), sorted."""
         return self.ftw.expert_keys()
+
+    def weights_file(self) -> tuple[Path, int] | None:
+        return Path(self.ftw.path), self.ftw.fileno()
 
     def take_all(self, progress: bool = False) -> dict[ExpertKey, ExpertWeights]:
         """Every expert of the file, read now (those not loaded yet) and handed over: the provider

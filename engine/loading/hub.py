@@ -44,9 +44,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .errors import ModelNotFoundError
-from .stop_tokens import GENERATION_CONFIG
-from .tokenizer_files import TOKENIZER_FILES
+from ..errors import ModelNotFoundError
+from ..stop_tokens import GENERATION_CONFIG
+from ..tokenizer_files import TOKENIZER_FILES
 
 logger = logging.getLogger(__name__)
 

@@ -1,12 +1,13 @@
-"""The composition root: the one place an `Engine` is put together (`Engine.from_pretrained`).
+"""The composition root: the one place the parts of an `Engine` are put together
+(`Engine.from_pretrained` builds the engine from them).
 
     options -> device checked -> dense model loaded (HF folder or FTW file)
             -> placement resolved (`placement.resolve_placement`: "auto" made concrete)
-            -> expert provider built: resident (all experts in RAM/VRAM, or lazily from an FTW
+            -> expert store built: resident (all experts in RAM/VRAM, or lazily from an FTW
                file) or tiered (`memory.TieredExpertProvider` over an FTW file: the file given,
-               or the cached conversion of the HF folder, `ftw.cache`)
-            -> Engine(spec, model, provider, ...): the KV pool gets the provider's resize
-               callback and the anchor store's reclaim at construction.
+               or the cached conversion of the HF folder, `cache`)
+            -> `LoadedModel`: what `Engine(...)` takes; it builds the KV pool (with the store's
+               resize callback), the model fingerprint and the anchor store.
 
 Collaborators get what they need through their constructors (the tiered provider: routers for
 pre-gating and the attention modules it times); nothing is patched on afterwards.
@@ -16,22 +17,29 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
-from .errors import CheckpointError, EngineError
-from .experts import ExpertProvider, InMemoryExpertProvider
-from .ftw.cache import cached_ftw, lossless_quant
-from .ftw.load import load_ftw
+from ..errors import CheckpointError, EngineError
+from ..experts import ExpertStore, InMemoryExpertProvider
+from ..int8 import check_quant_options, quantize_dense
+from ..memory import MemoryBudget, TieredExpertProvider
+from ..memory.budget import free_host_bytes
+from ..moe import MoEBlock
+from ..options import EngineOptions
+from ..spec import ModelSpec
+from ..stop_tokens import read_generation_eos
+from ..transformer import MoETransformer
+from .cache import cached_ftw, lossless_quant
+from .calibrate import OpenForCalibration
+from .ftw_load import load_ftw
 from .gguf.reader import is_gguf_path
 from .hf_folder import expert_source_dtype, load_hf_dense, load_hf_experts, load_hf_tokenizer
-from .int8 import check_quant_options, quantize_dense
-from .memory import TieredExpertProvider
-from .memory.budget import free_host_bytes
-from .moe import MoEBlock
-from .options import EngineOptions
 from .placement import (
     PlacementChoice,
     check_device,
@@ -40,11 +48,6 @@ from .placement import (
     resolve_placement,
     tiered_budget,
 )
-from .stop_tokens import read_generation_eos
-from .transformer import MoETransformer
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +57,34 @@ def is_ftw_path(path: Path) -> bool:
     return path.is_file() or (path.suffix == ".ftw" and not path.exists())
 
 
-def assemble(engine_cls: type[Engine], path: str | Path, options: EngineOptions) -> Engine:
-    """Build the engine for `path` (an HF checkpoint folder or an FTW file) under `options`.
+@dataclass(frozen=True)
+class LoadedModel:
+    """The parts of a loaded model, as `Engine.__init__` takes them (`Engine(**parts.as_kwargs())`)."""
+
+    spec: ModelSpec
+    model: MoETransformer
+    experts: ExpertStore
+    tokenizer: Any | None
+    tokenizer_error: str | None
+    hf_config: PretrainedConfig | None
+    dtype: torch.dtype
+    device: str
+    memory: MemoryBudget | None
+    source: Path
+    placement: PlacementChoice
+    on_kv_resize: Callable[[int], None] | None
+    expert_quant: str
+    dense_quant: Sequence[str]
+    generation_eos: int | list[int] | None
+
+    def as_kwargs(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def assemble(path: str | Path, options: EngineOptions, open_model: OpenForCalibration) -> LoadedModel:
+    """Load the parts of the engine for `path` (an HF checkpoint folder, an FTW or GGUF file)
+    under `options`; `open_model` loads a checkpoint for routing calibration, should a
+    conversion with quant "auto" be needed.
 
     Raises CheckpointError, FTWFormatError, UnsupportedModelError (what the loaders raise),
     EngineError (an unknown or absent device, bad quant options, a combination that cannot
@@ -93,7 +122,7 @@ def assemble(engine_cls: type[Engine], path: str | Path, options: EngineOptions)
             # Read every expert now and stack each layer: grouped GEMMs with no host sync, so the
             # decode step can be captured as a CUDA graph (the lazy provider dispatches expert by
             # expert, syncing each layer). On a CPU the file stays lazy (read on first use).
-            experts: ExpertProvider = InMemoryExpertProvider(loaded_ftw.experts.take_all(options.progress))
+            experts: ExpertStore = InMemoryExpertProvider(loaded_ftw.experts.take_all(options.progress))
         elif loaded_ftw is not None:
             experts = loaded_ftw.experts
         else:
@@ -102,15 +131,15 @@ def assemble(engine_cls: type[Engine], path: str | Path, options: EngineOptions)
     else:
         if ftw_path is None:
             assert hf is not None
-            ftw_path = _converted(hf, path, dtype, options)
+            ftw_path = _converted(hf, path, dtype, options, open_model)
         memory = tiered_budget(memory, device, free_fast_bytes(device), free_host_bytes())
         provider = _tiered_provider(ftw_path, memory, model, dtype, dev, choice, options)
         experts, on_kv_resize = provider, provider.on_kv_resize
     quantize_dense(model, dense_quant)
-    engine = engine_cls(
-        spec,
-        model,
-        experts,
+    parts = LoadedModel(
+        spec=spec,
+        model=model,
+        experts=experts,
         tokenizer=tokenizer,
         tokenizer_error=tokenizer_error,
         hf_config=hf_config,
@@ -131,10 +160,12 @@ def assemble(engine_cls: type[Engine], path: str | Path, options: EngineOptions)
         time.perf_counter() - t0,
         choice.placement,
     )
-    return engine
+    return parts
 
 
-def _converted(hf: Any, folder: Path, dtype: torch.dtype, options: EngineOptions) -> Path:
+def _converted(
+    hf: Any, folder: Path, dtype: torch.dtype, options: EngineOptions, open_model: OpenForCalibration
+) -> Path:
     """The cached FTW of an HF folder that must be tiered (converted on first use)."""
     if options.quant is not None:
         quant, dense = options.quant, (dtype if dtype != torch.float16 else torch.float32)
@@ -142,7 +173,12 @@ def _converted(hf: Any, folder: Path, dtype: torch.dtype, options: EngineOptions
         quant, dense = lossless_quant(folder, dtype, expert_source_dtype(hf))
     try:
         return cached_ftw(
-            folder, quant=quant, dense_dtype=dense, cache_dir=options.cache_dir, progress=options.progress
+            folder,
+            quant=quant,
+            dense_dtype=dense,
+            cache_dir=options.cache_dir,
+            progress=options.progress,
+            open_model=open_model,
         )
     except ValueError as e:
         raise EngineError(f"cannot convert {folder} for tiered placement: {e}") from e

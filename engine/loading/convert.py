@@ -46,15 +46,15 @@ from tqdm import tqdm
 from ..adapters import adapter_for
 from ..adapters.base import FP8_SCALE_SUFFIX, Adapter, fp8_encoded
 from ..checkpoint import SafetensorsCheckpoint, config_from_dict, read_config
+from ..codecs import EncodedTensor, decode, encode, get_codec
 from ..errors import CheckpointError
+from ..ftw.reader import FTWFile
+from ..ftw.writer import FTWWriter
 from ..spec import ModelSpec, MoESpec
 from ..stop_tokens import GENERATION_CONFIG
 from ..tokenizer_files import TOKENIZER_FILES
 from ..transformer import MoETransformer
-from .calibrate import AutoPolicy, hot_experts, measure_routing
-from .codecs import EncodedTensor, decode, encode, get_codec
-from .reader import FTWFile
-from .writer import FTWWriter
+from .calibrate import AutoPolicy, CalibrationModel, OpenForCalibration, hot_experts, measure_routing
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,7 @@ def convert_checkpoint(
     auto_policy: AutoPolicy | None = None,
     dense_dtype: torch.dtype | None = None,
     calibration_device: str = "cpu",
+    open_model: OpenForCalibration | None = None,
 ) -> ConvertReport:
     """Write the Hugging Face checkpoint in `hf_dir` as the FTW file `out_path` (see module doc).
 
@@ -150,6 +151,8 @@ def convert_checkpoint(
         dense_dtype: override the dense float dtype policy (float32, bfloat16 or float16).
         calibration_device: where ``quant="auto"`` runs the model to measure routing ("cpu",
             "cuda" or "cuda:N"; on CUDA in bfloat16, placed by the engine's "auto" placement).
+        open_model: loads the checkpoint to measure its routing for ``quant="auto"``
+            (`Engine.for_calibration`); required then.
 
     Raises CheckpointError / UnsupportedModelError for an unreadable or unsupported checkpoint,
     ValueError for a bad argument. The file appears atomically: on error nothing is left at
@@ -159,6 +162,10 @@ def convert_checkpoint(
     folder, out = Path(hf_dir), Path(out_path)
     if quant not in QUANTS:
         raise ValueError(f"unknown quant {quant!r}; expected one of {', '.join(QUANTS)}")
+    if quant == "auto" and open_model is None:
+        raise ValueError(
+            "quant 'auto' measures routing on the model: pass open_model (Engine.for_calibration)"
+        )
     if out.is_dir():
         raise ValueError(f"output path {out} is a folder; give a file name such as model.ftw")
     if dense_dtype is None:
@@ -187,7 +194,8 @@ def convert_checkpoint(
     hot: dict[int, list[int]] | None = None
     policy = auto_policy or AutoPolicy()
     if quant == "auto":
-        hot = _calibrate(folder, policy, metadata, calibration_device)
+        assert open_model is not None  # checked first thing
+        hot = _calibrate(open_model(folder, calibration_device), policy, metadata)
     tokenizer_files = {n: (folder / n).read_bytes() for n in EMBEDDED_FILES if (folder / n).is_file()}
 
     stats: Counter[str] = Counter()
@@ -244,18 +252,13 @@ def _report(
     )
 
 
-def _calibrate(
-    folder: Path, policy: AutoPolicy, metadata: dict[str, Any], device: str
-) -> dict[int, list[int]]:
-    """Measure routing on the source checkpoint; record policy, counts and hot sets in `metadata`."""
-    from ..engine import Engine
-
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    engine = Engine.from_pretrained(folder, device=device, dtype=dtype)
+def _calibrate(model: CalibrationModel, policy: AutoPolicy, metadata: dict[str, Any]) -> dict[int, list[int]]:
+    """Measure routing on the source checkpoint (`model`, closed here); record policy, counts and
+    hot sets in `metadata`."""
     try:
-        counts, tokens = measure_routing(engine, policy)
+        counts, tokens = measure_routing(model, policy)
     finally:
-        engine.close()
+        model.close()
     hot = hot_experts(counts, policy.hot_fraction)
     metadata["auto"] = {
         "policy": policy.to_dict(),

@@ -14,15 +14,15 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from .adapters import adapter_for
-from .adapters.base import Adapter
-from .checkpoint import SafetensorsCheckpoint, config_from_dict, read_config
-from .dense import load_dense_weights
-from .errors import CheckpointError
-from .experts import ExpertKey, ExpertWeights
-from .spec import ModelSpec
-from .tokenizer_files import TOKENIZER_MARKERS
-from .transformer import MoETransformer
+from ..adapters import adapter_for
+from ..adapters.base import Adapter
+from ..checkpoint import SafetensorsCheckpoint, config_from_dict, read_config
+from ..dense import load_dense_weights
+from ..errors import CheckpointError
+from ..experts import ExpertKey, ExpertWeights
+from ..spec import ModelSpec
+from ..tokenizer_files import TOKENIZER_MARKERS
+from ..transformer import MoETransformer
 
 logger = logging.getLogger(__name__)
 

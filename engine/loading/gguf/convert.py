@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..adapters import adapter_for
-from ..checkpoint import config_from_dict
-from ..ftw.convert import QUANT_CODECS, ConvertReport, _encode_weight, _report
-from ..ftw.writer import FTWWriter
-from ..spec import ModelSpec
-from ..transformer import MoETransformer
+from ...adapters import adapter_for
+from ...checkpoint import config_from_dict
+from ...ftw.writer import FTWWriter
+from ...spec import ModelSpec
+from ...transformer import MoETransformer
+from ..convert import QUANT_CODECS, ConvertReport, _encode_weight, _report
 from .config import hf_config
 from .reader import GGUFSource
 from .tensors import TensorMap, float_block, layer_experts

@@ -51,8 +51,9 @@ from filelock import FileLock
 
 from ..checkpoint import read_config
 from ..errors import FTWFormatError
+from ..ftw.reader import FTWFile
+from .calibrate import OpenForCalibration
 from .convert import EMBEDDED_FILES, QUANTS, convert_checkpoint
-from .reader import FTWFile
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def _safetensors_header(path: Path) -> bytes:
 def _weight_files(source: Path) -> list[Path]:
     """The files a conversion reads weights from: the GGUF parts, or the folder's safetensors."""
     if source.is_file():
-        from ..gguf.reader import gguf_parts
+        from .gguf.reader import gguf_parts
 
         return gguf_parts(source)
     return sorted(source.glob("*.safetensors"))
@@ -144,15 +145,17 @@ def cached_ftw(
     dense_dtype: torch.dtype | None,
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
+    open_model: OpenForCalibration | None = None,
 ) -> Path:
     """The verified FTW conversion of `folder` with expert codec `quant`, converting (and
-    verifying) it first when the cache has no sound entry. `folder` may be a GGUF file (quant
+    verifying) it first when the cache has no sound entry (`open_model`: for quant "auto", see
+    `convert_checkpoint`). `folder` may be a GGUF file (quant
     "source" or a `QUANT_CODECS` name). ValueError for an unknown quant; the converter's
     CheckpointError / UnsupportedModelError for a bad folder or file."""
     folder = Path(folder).resolve()
     gguf = folder.is_file()
     if gguf:
-        from ..gguf.convert import GGUF_QUANTS
+        from .gguf.convert import GGUF_QUANTS
 
         if quant not in GGUF_QUANTS:
             raise ValueError(
@@ -180,11 +183,13 @@ def cached_ftw(
         _remove(entry)
         record = _source_record(folder, with_content=True)
         if gguf:
-            from ..gguf.convert import convert_gguf
+            from .gguf.convert import convert_gguf
 
             convert_gguf(folder, entry, quant=quant, dense_dtype=dense_dtype, progress=progress)
         else:
-            convert_checkpoint(folder, entry, quant=quant, dense_dtype=dense_dtype, progress=progress)
+            convert_checkpoint(
+                folder, entry, quant=quant, dense_dtype=dense_dtype, progress=progress, open_model=open_model
+            )
         if _identities(_source_record(folder, with_content=False)) != _identities(record):
             _remove(entry)
             raise FTWFormatError(f"{folder} changed while it was converted; load it again")

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import UnsupportedModelError
+from ...errors import UnsupportedModelError
 from .deepseek2 import config_fields as _deepseek_v3
 from .reader import GGUFSource
 

@@ -28,12 +28,12 @@ from ..adapters.base import dequantized
 from ..checkpoint import config_from_dict
 from ..dense import load_dense_weights
 from ..errors import CheckpointError, FTWFormatError
+from ..ftw.reader import FTWFile
 from ..int8 import check_quant_options
 from ..spec import ModelSpec
 from ..tokenizer_files import TOKENIZER_MARKERS
 from ..transformer import MoETransformer
-from .provider import FTWExpertProvider
-from .reader import FTWFile
+from .ftw_provider import FTWExpertProvider
 
 logger = logging.getLogger(__name__)
 

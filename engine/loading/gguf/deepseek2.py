@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, UnsupportedModelError
+from ...errors import CheckpointError, UnsupportedModelError
 from .reader import GGUFSource
 
 SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID
