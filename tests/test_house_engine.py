@@ -1,6 +1,6 @@
 """Issue 32 ("the house"), engine corridors: one list of tokenizer files, one config loader, one
 FTW block check, and the bug the scattered lists hid (the anchors' fingerprint skipped
-added_tokens.json)."""
+added_tokens.json); the declared seams (ExpertStore, AnchorHost)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ import pytest
 from tiny_models import build_tiny_model
 from transformers import AutoConfig
 
-from freetoken_agents.engine import Engine, checkpoint
+from freetoken_agents.engine import Engine, MemoryBudget, TieringOptions, checkpoint
+from freetoken_agents.engine.anchors.host import AnchorHost
 from freetoken_agents.engine.errors import FTWFormatError
+from freetoken_agents.engine.experts import ExpertStore
 from freetoken_agents.engine.ftw.reader import FTWFile
 from freetoken_agents.engine.loading import ftw_load as load
 from freetoken_agents.engine.loading import hub
+from freetoken_agents.engine.loading.calibrate import RoutingCounter
 from freetoken_agents.engine.loading.convert import EMBEDDED_FILES, convert_checkpoint
 from freetoken_agents.engine.memory import BlockReader
 from freetoken_agents.engine.stop_tokens import GENERATION_CONFIG
@@ -79,3 +82,62 @@ def test_one_block_check(tiny_checkpoint, tmp_path, where):
         messages = [str(direct.value), str(tier3.value)]
     assert messages[0] == messages[1]
     assert "expert block (layer=0, expert=1)" in messages[0]
+
+
+# ---- declared seams: the expert store and the anchor host ---------------------------------------
+def test_every_expert_store_declares_its_capabilities(tiny_checkpoint, tmp_path):
+    """Resident, lazily read FTW and tiered stores are `ExpertStore`s: the engine calls `stats`,
+    `close`, `snapshot_state` on each without probing for them, and a store missing `get` or `run`
+    cannot be built."""
+    folder = tiny_checkpoint("qwen3_moe")
+    ftw = tmp_path / "m.ftw"
+    convert_checkpoint(folder, ftw, quant="bf16", progress=False)
+    tiering = TieringOptions(prefetch_thread=False)
+    engines = {
+        "resident": Engine.from_pretrained(folder),
+        "ftw": Engine.from_pretrained(ftw),
+        "tiered": Engine.from_pretrained(ftw, placement="qstar", memory=MemoryBudget(), tiering=tiering),
+    }
+    for name, engine in engines.items():
+        assert isinstance(engine.experts, ExpertStore), name
+        engine.generate([1, 2, 3], max_new_tokens=2)
+        assert engine.stats()["placement"] == ("qstar" if name == "tiered" else "resident")
+        assert engine.experts.snapshot_state(), name
+        engine.close()
+    assert engines["tiered"].experts.weights_file()[0] == ftw
+
+    class Half(ExpertStore):
+        def get(self, layer: int, expert: int):  # no run
+            raise KeyError
+
+    with pytest.raises(TypeError):
+        Half()  # type: ignore[abstract]
+
+
+def test_a_wrapped_store_keeps_the_inner_stores_capabilities(tiny_checkpoint, tmp_path):
+    """A routing counter around the tiered store (calibration, benchmarks) reports the tiered
+    stats and expert-cache state, and its anchors record the tiers: the counter used to expose
+    only `keys`, so stats fell back to bare counters and anchors recorded every expert "resident"."""
+    ftw = tmp_path / "m.ftw"
+    convert_checkpoint(tiny_checkpoint("qwen3_moe"), ftw, quant="bf16", progress=False)
+    tiering = TieringOptions(prefetch_thread=False)
+    with Engine.from_pretrained(ftw, placement="qstar", memory=MemoryBudget(), tiering=tiering) as engine:
+        inner = engine.experts
+        engine.use_expert_provider(RoutingCounter(inner))
+        with engine.new_session() as session:
+            session.prefill([1, 2, 3, 4])
+            anchor = session.anchor("manual")
+        assert "tiers" in engine.stats()
+        assert {tier for tier, _ in anchor.expert_state} == {"fast", "host"}
+        engine.use_expert_provider(inner)
+
+
+def test_the_anchor_store_never_holds_the_engine(tiny_checkpoint):
+    """The store is built over an `AnchorHost` (pool, lock, fingerprint, expert state), after the
+    KV pool it budgets; it used to be handed the whole Engine, before the pool existed."""
+    with Engine.from_pretrained(tiny_checkpoint("qwen3_moe")) as engine:
+        store = engine.anchors
+        assert isinstance(store.host, AnchorHost)
+        assert not any(isinstance(value, Engine) for value in vars(store).values())
+        assert store.host.pool is engine.kv_pool and store.host.lock is engine.lock
+        assert store.host.model_fingerprint == engine.model_fingerprint
