@@ -3,12 +3,13 @@
 transient tool failures retry the tool; both under tenacity.
 
 Concurrency: every run has a context of its own. On a model that can open contexts
-(`new_context()`: FreeTokenModel) each run opens one and closes it at its end, so runs of one
+(`supports_contexts`: FreeTokenModel) each run opens one and closes it at its end, so runs of one
 Agent, of several Agents sharing a model, or over models sharing an engine, proceed side by side;
 on one that cannot (ScriptedModel, OpenAICompatibleModel) runs take turns on its one context,
 first come first served (`sync_bridge.TurnGate`: waiting threads block, waiting tasks await,
 nobody holds a thread while waiting). Model steps run on the one worker thread of the model's
-engine (`sync_bridge.step_worker`), one short step at a time; tools run on threads of their own.
+`step_owner` (its engine; `sync_bridge.step_worker`), one short step at a time; tools run on
+threads of their own.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class Agent:
         self.validate = validate
         if max_result_chars is not None and max_result_chars < 1:
             raise ValueError(f"max_result_chars must be at least 1, got {max_result_chars}")
-        self.max_result_chars = max_result_chars or default_result_chars(getattr(model, "max_context", None))
+        self.max_result_chars = max_result_chars or default_result_chars(model.max_context)
         self.isolate_runs = isolate_runs
         self.tools = tools_by_name(tools)
         self.tool_timeout = check_timeout(tool_timeout, "tool_timeout")
@@ -135,7 +136,7 @@ class Agent:
         if not callable(tool_choice):
             resolve_tool_choice(tool_choice, list(self.tools))  # fail early on an unknown name
         # Every model over one engine (and every context of a model) shares one step worker.
-        self._worker = step_worker(getattr(model, "engine", None) or model)
+        self._worker = step_worker(model.step_owner)
 
     # ---- public entry points --------------------------------------------------------------------
     async def astream(self, task: str) -> AsyncIterator[AgentEvent]:
@@ -211,9 +212,8 @@ class Agent:
         """The run's context: a new one when the model opens them (closed at the end, even when
         the run is cancelled), else the model's own, once the runs before this one are done."""
         m = self.model
-        new_context = getattr(m, "new_context", None)
-        if self.isolate_runs and callable(new_context):
-            context = await self._step(new_context)
+        if self.isolate_runs and m.supports_contexts:
+            context = await self._step(m.new_context)
             try:
                 yield context
             finally:  # submitted, not awaited bare: a cancelled run still closes its context
@@ -319,9 +319,7 @@ class Agent:
                     if event.anchor.kind == "tool_call":
                         turn.anchors.append((len(head) + written, event.anchor))
         finally:
-            close = getattr(events, "close", None)
-            if close is not None:
-                await self._step(close)
+            await self._step(events.close)
         full = head + "".join(parts)
         turn.full_text = full
         if finish == "memory":

@@ -5,11 +5,17 @@ The protocol is narrow on purpose so an OpenAI-compatible server with prefix cac
 there rollback means "resend the kept prefix" and the server's prefix cache absorbs it.
 FreeTokenModel (`model.py`) implements it over the engine, ScriptedModel (`testing.py`) for
 tests, OpenAICompatibleModel (`openai_compat.py`) over HTTP.
+
+Capabilities are declared, not probed: every member the Agent may use is on the protocol, and an
+optional capability a backend lacks has a declared "not supported" value (`max_context` None,
+`supports_contexts` False), so the Agent reads what a backend can do instead of guessing from
+which attributes it happens to have. `BackendBase` holds those defaults for backends with one
+context of their own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -42,6 +48,11 @@ class GenerateRequest(BaseModel):
     streaming checks as sampled ones, so a prefix that opens a code block or a tool call is anchored
     and constrained as if the model had written it. `logit_bias` maps token ids to values added to
     their logits while decoding freely (not inside grammar-constrained arguments).
+
+    `stop`: stop strings for the turn's free text (before its first tool call; never inside a
+    call's arguments). Text that may still begin one is held back; when one appears, the text before
+    it is delivered and the turn ends ("done", finish_reason "stop"); the tokens decoded stay in the
+    context, and no end-of-turn token is appended.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -56,6 +67,7 @@ class GenerateRequest(BaseModel):
     seed: int | None = None
     prefix: str = ""
     logit_bias: dict[int, float] = Field(default_factory=dict)
+    stop: list[str] = Field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -81,9 +93,20 @@ class ModelBackend(Protocol):
     before returning to it (the engine's modes; None: the backend's own default). The Agent passes
     it only when it was set, so a backend without validation modes may leave it out.
 
-    Optional: `new_context() -> ModelBackend`, another context over the same model (its own
-    conversation, anchors and usage) with `close()` to release it. An Agent gives each run its own
-    when the backend has it; otherwise the Agent's runs take turns on the backend's one context.
+    `generate` returns a generator: the Agent closes it when it stops reading (a failed step, a
+    cancelled run), so a backend can release what the turn holds (a lock, an HTTP stream).
+
+    Declared capabilities (`BackendBase` has the defaults of a backend with one context):
+
+    - `max_context`: the most tokens a context may hold; None when the backend cannot know (a
+      remote server). The Agent sizes the tool results the model reads from it.
+    - `step_owner`: the object whose one worker thread (`sync_bridge.step_worker`) runs this
+      backend's steps. Backends over one engine name the engine, so their steps never run in two
+      threads at once; a backend that shares nothing names itself.
+    - `supports_contexts`: whether `new_context()` opens another context over the same model (its
+      own conversation, anchors and usage), released by `close()`. An Agent gives each run its own
+      when True; when False runs take turns on the backend's one context, `new_context()` raises
+      NotImplementedError and `close()` does nothing.
     """
 
     name: str
@@ -91,16 +114,49 @@ class ModelBackend(Protocol):
 
     @property
     def position(self) -> int: ...
+    @property
+    def max_context(self) -> int | None: ...
+    @property
+    def step_owner(self) -> object: ...
+    @property
+    def supports_contexts(self) -> bool: ...
     def render(
         self, messages: Sequence[dict], tools: Sequence[dict] | None, *, generation_prompt: bool = True
     ) -> list[int]: ...
     def sync(self, ids: Sequence[int]) -> None: ...
     def append_text(self, text: str) -> None: ...
-    def generate(self, request: GenerateRequest) -> Iterator[GenEvent]: ...
+    def generate(self, request: GenerateRequest) -> Generator[GenEvent, None, None]: ...
     def anchor(self, kind: AnchorKind, label: str | None = None) -> AnchorHandle: ...
     def rollback(self, anchor: AnchorHandle) -> RollbackOutcome: ...
     def usage(self) -> Usage: ...
     def reset(self) -> None: ...
+    def new_context(self) -> ModelBackend: ...
+    def close(self) -> None: ...
+
+
+class BackendBase:
+    """The declared defaults of a backend with one context of its own and no known context size
+    (ScriptedModel, OpenAICompatibleModel): it cannot open contexts, so an Agent's runs take turns
+    on it, and its steps run on a worker thread of its own."""
+
+    supports_contexts: bool = False
+
+    @property
+    def max_context(self) -> int | None:
+        """Unknown: the Agent falls back to its default tool-result size."""
+        return None
+
+    @property
+    def step_owner(self) -> object:
+        """This backend shares no model with another, so it owns its step worker."""
+        return self
+
+    def new_context(self) -> ModelBackend:
+        """Not supported (`supports_contexts` is False): there is one context, this one."""
+        raise NotImplementedError(f"{type(self).__name__} has one context: it cannot open another")
+
+    def close(self) -> None:
+        """Nothing to release: the one context lives as long as the backend."""
 
 
 def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:

@@ -21,7 +21,7 @@ import copy
 import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -93,6 +93,9 @@ class FreeTokenModel:
     `session` is the engine session holding the context: read it, change it through this class.
     """
 
+    supports_contexts = True
+    """`new_context()` opens another context over the same engine (the Agent opens one per run)."""
+
     def __init__(
         self, engine: Engine, *, family: str | None = None, max_anchors: int = 64, validate: str | None = None
     ) -> None:
@@ -110,12 +113,18 @@ class FreeTokenModel:
 
     def _open(self) -> None:
         """This object's own context: session, anchors, usage, lock (the rest is shared)."""
-        self.anchors = AnchorBook(self.max_anchors, store=getattr(self.engine, "anchors", None))
+        self.anchors = AnchorBook(self.max_anchors, store=self.engine.anchors)
         self.session = self.engine.new_session()
         self._usage = Usage()
         self._logits: torch.Tensor | None = None  # next-token logits [V] after the context, when known
         self._lock = threading.RLock()
         self._version = 0  # changes made to the context (see _context_step)
+
+    @property
+    def step_owner(self) -> Engine:
+        """The engine: every model and context over it shares one step worker, so the SDK's
+        per-token work (tokenizer, grammar masks, sampling) never runs in two threads at once."""
+        return self.engine
 
     def new_context(self) -> FreeTokenModel:
         """Another context over the same engine: an empty session, its own anchors and usage; the
@@ -298,7 +307,7 @@ class FreeTokenModel:
         self.anchors.forget_after(0)
 
     # ---- generation -----------------------------------------------------------------------------
-    def generate(self, request: GenerateRequest) -> Iterator[GenEvent]:
+    def generate(self, request: GenerateRequest) -> Generator[GenEvent, None, None]:
         """Decode one assistant turn after the context (`_decode.TurnDecoder`): text deltas,
         anchors, then "done". Raises ContextConflict if another caller changes the context while
         the turn is suspended between events."""
@@ -375,7 +384,7 @@ class FreeTokenModel:
         yield GenEvent("done", finish_reason=call.finish_reason)
 
     # ---- internals ------------------------------------------------------------------------------
-    def _guarded(self, events: Iterator[GenEvent]) -> Iterator[GenEvent]:
+    def _guarded(self, events: Iterator[GenEvent]) -> Generator[GenEvent, None, None]:
         """`events` (a turn) advanced under the context's lock, checking on each resume that the
         context was not changed by anyone else while the turn was suspended."""
         seen: int | None = None

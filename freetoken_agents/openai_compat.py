@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any, NoReturn
 
 from .anchors import AnchorBook, AnchorHandle, RollbackOutcome
+from .backend import BackendBase
 from .errors import AgentError
 from .model import GenerateRequest, GenEvent, Usage, common_prefix_length
 from .parsers import ToolCallParser, parser_for
@@ -76,13 +77,17 @@ def _codes(text: str) -> list[int]:
     return [ord(c) for c in text]
 
 
-class OpenAICompatibleModel:
+class OpenAICompatibleModel(BackendBase):
     """A `ModelBackend` over an OpenAI-compatible chat-completions server (see the module docstring).
 
     base_url: the API root (".../v1"); model: the served model's id; api_key: sent as a Bearer
     key (servers that need none accept any); family: the text format the transcript keeps tool
     calls in (default Hermes); timeout: seconds per request; max_retries: the client's retries of
     connection errors, 429 and 5xx; client: an `openai.OpenAI` to use instead of building one.
+
+    Its capabilities are `BackendBase`'s: the transcript is its one context (an Agent's runs take
+    turns on it; the server, not this client, runs requests side by side), and the context size is
+    the server's, unknown here.
     """
 
     def __init__(
@@ -174,7 +179,7 @@ class OpenAICompatibleModel:
         return RollbackOutcome(start, anchor.position, rebuilt)
 
     # ---- generation -----------------------------------------------------------------------------
-    def generate(self, request: GenerateRequest) -> Iterator[GenEvent]:
+    def generate(self, request: GenerateRequest) -> Generator[GenEvent, None, None]:
         """One request, streamed: text deltas as they come, then for each tool call an anchor
         before it and its text in the parser's format, then `done`."""
         messages, tools = self._conversation(request.prefix)
@@ -249,6 +254,8 @@ class OpenAICompatibleModel:
             params["top_p"] = request.top_p
         if request.logit_bias:
             params["logit_bias"] = {str(k): v for k, v in request.logit_bias.items()}
+        if request.stop:  # the server applies them (OpenAI takes at most 4)
+            params["stop"] = list(request.stop)
         if tools:
             params["tools"] = tools
             if not request.tools:

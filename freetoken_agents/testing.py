@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .anchors import AnchorBook, AnchorHandle, RollbackOutcome
-from .backend import GenerateRequest, GenEvent, Usage, common_prefix_length
+from .backend import BackendBase, GenerateRequest, GenEvent, Usage, common_prefix_length
+from .engine.stop_text import first_stop
 from .errors import UnexpectedModelBehavior
 from .parsers import ToolCallParser, parser_for
 from .trace import AnchorKind
@@ -66,7 +67,7 @@ class _TextSession:
         del self.chars[position:]
 
 
-class ScriptedModel:
+class ScriptedModel(BackendBase):
     """A `ModelBackend` playing `turns` in order, one per `generate` call (across runs: `reset`
     clears the context, not the script). Raises UnexpectedModelBehavior when the script runs out,
     or when a turn cannot honour the request (no call where tool_choice forces one, a call of
@@ -74,6 +75,9 @@ class ScriptedModel:
 
     `family` picks the tool-call format (default Hermes, the engine's); `chunk` is how many
     characters each streamed text event carries.
+
+    Its capabilities are `BackendBase`'s: one context (an Agent's runs take turns on it, so a test
+    reads every run's requests and contexts here), no known context size.
     """
 
     def __init__(
@@ -170,7 +174,7 @@ class ScriptedModel:
         return RollbackOutcome(start, anchor.position, rebuilt)
 
     # ---- generation ---------------------------------------------------------------------------
-    def generate(self, request: GenerateRequest) -> Iterator[GenEvent]:
+    def generate(self, request: GenerateRequest) -> Generator[GenEvent, None, None]:
         """Play the next scripted turn: text in `chunk`-sized events, an anchor before each tool
         call and before each code fence the text opens."""
         from ._fences import opening_fences
@@ -185,7 +189,7 @@ class ScriptedModel:
         self._played += 1
         if callable(turn):
             turn = turn(request, self.text)
-        parts = self._check(_parts(turn), request)
+        parts = _cut_at_stop(self._check(_parts(turn), request), request.stop)
         turn_text = ""
         for part in parts:
             if isinstance(part, ToolCall):
@@ -243,3 +247,23 @@ def _encode(text: str) -> list[int]:
 
 
 __all__ = ["Part", "ScriptedModel", "ToolCall", "Turn"]
+
+
+def _cut_at_stop(parts: list[Part], stops: Sequence[str]) -> list[Part]:
+    """The scripted turn up to the first of `stops` (`GenerateRequest.stop`) in its free text
+    before its first tool call, as the engine's turn decoder ends a turn there."""
+    text = ""
+    for i, part in enumerate(parts):
+        if isinstance(part, ToolCall):
+            break
+        text += part
+        at = first_stop(text, stops)
+        if at is not None:
+            kept: list[Part] = []
+            for piece in parts[: i + 1]:
+                if at <= 0:
+                    break
+                kept.append(piece[:at])  # type: ignore[index]
+                at -= len(piece)  # type: ignore[arg-type]
+            return kept
+    return parts
