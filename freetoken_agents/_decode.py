@@ -1,6 +1,7 @@
 """One assistant turn on FreeTokenModel: free decoding with anchors placed before tool calls and
 fenced code blocks, a leading reasoning block (`<think>`, harmony's analysis channel) streamed
-apart, and tool calls whose arguments decode under the tools' JSON schema.
+apart, tool calls whose arguments decode under the tools' JSON schema, and the request's stop
+strings (`GenerateRequest.stop`) applied to the free text before the turn's first call.
 
 Linear in the turn's length: text is detokenised incrementally (`IncrementalDetokenizer`), call
 markers are searched only in new text and fences are tracked by a small per-character state
@@ -16,8 +17,9 @@ from typing import Any, Protocol
 
 import torch
 
-from freetoken_agents.engine import MemoryBudgetError, SamplingParams
+from freetoken_agents.engine import MemoryBudgetError, SamplingParams, held_back_for_stops
 from freetoken_agents.engine.generate import Sampler
+from freetoken_agents.engine.stop_text import first_stop
 
 from ._fences import FenceDetector
 from .anchors import AnchorHandle
@@ -79,6 +81,7 @@ class TurnDecoder:
         self.free_used = 0  # free tokens sampled in the turn
         self._bias = _bias_tensor(request.logit_bias, model.vocab_size)
         self.think = _thinking(model)
+        self.stops = _StopStrings(request.stop)
         self._new_segment()
         # harmony: the answer may open with role/channel headers even without an analysis block
         self.strip_leading = bool(model.reasoning is not None and model.reasoning.answer_headers)
@@ -95,11 +98,19 @@ class TurnDecoder:
     # ---- the turn -------------------------------------------------------------------------------
     def run(self) -> Iterator[GenEvent]:
         try:
-            yield from self._turn()
-        except MemoryBudgetError as e:
-            logger.warning("the turn was stopped by the memory limit at %d tokens: %s", self.m.position, e)
-            yield from self._flush()
-            yield GenEvent("done", finish_reason="memory")
+            try:
+                yield from self._turn()
+            except MemoryBudgetError as e:
+                logger.warning(
+                    "the turn was stopped by the memory limit at %d tokens: %s",
+                    self.m.position,
+                    e,
+                )
+                yield from self._flush()
+                yield from self._text("", end=True)
+                yield GenEvent("done", finish_reason="memory")
+        except _StopStringHit:  # the text before it was delivered; the tokens stay in the context
+            yield GenEvent("done", finish_reason="stop")
 
     def _turn(self) -> Iterator[GenEvent]:
         if self.req.force is not None and self.tools_on:
@@ -114,6 +125,7 @@ class TurnDecoder:
                 token = forced.pop(0)
             elif self.free_used >= self.req.max_new_tokens or m.position + 2 > m.max_context:
                 yield from self._flush()
+                yield from self._text("", end=True)
                 yield from self._end("length", stop_token=False)
                 return
             else:
@@ -122,6 +134,7 @@ class TurnDecoder:
             if token in m.stop_ids:
                 m.append_pending(token)
                 yield from self._flush()
+                yield from self._text("", end=True)
                 yield GenEvent("done", finish_reason="stop")
                 return
             self.detok.push(token)
@@ -142,6 +155,7 @@ class TurnDecoder:
                     continue
                 if start is not None:  # unconstrained: anchor before the call, decode on freely
                     yield from self._cut_to(start, keep_text=True)
+                    yield from self._text("", end=True)  # the call's text is not free text
                     yield GenEvent("anchor", anchor=m.anchor("tool_call"))
                     self._replay()
                     continue
@@ -198,7 +212,7 @@ class TurnDecoder:
             self._new_segment()  # the answer starts after this token
             self.strip_leading = True
             if rest:  # text the same token carried past the marker
-                yield GenEvent("text", rest)
+                yield from self._text(rest)
         return True
 
     def _reasoning_upto(self, text: str, upto: int) -> Iterator[GenEvent]:
@@ -242,8 +256,9 @@ class TurnDecoder:
         if self.tools_on:
             hold = max(hold, self.m.parser.held_back(text[-len(self.m.parser.start) :]))
         if len(text) - hold > self.emitted:
-            yield GenEvent("text", text[self.emitted : len(text) - hold])
+            delta = text[self.emitted : len(text) - hold]
             self.emitted = len(text) - hold
+            yield from self._text(delta)
 
     def _flush(self) -> Iterator[GenEvent]:
         self.detok.flush()
@@ -252,8 +267,20 @@ class TurnDecoder:
             return
         self._skip_answer_start()
         if len(self.detok.text) > self.emitted:
-            yield GenEvent("text", self.detok.text[self.emitted :])
+            delta = self.detok.text[self.emitted :]
             self.emitted = len(self.detok.text)
+            yield from self._text(delta)
+
+    def _text(self, delta: str, *, end: bool = False) -> Iterator[GenEvent]:
+        """Yield `delta` of the turn's text: while stop strings apply (free text before the first
+        call), what may still begin one is held back, and one that appears ends the turn
+        (_StopStringHit, after the text before it). `end`: the free text ends here (the turn ends,
+        or a call begins): deliver what was held back, and stop strings no longer apply."""
+        out, hit = self.stops.feed(delta, end=end)
+        if out:
+            yield GenEvent("text", out)
+        if hit:
+            raise _StopStringHit
 
     def _end(self, finish: str, *, stop_token: bool = True) -> Iterator[GenEvent]:
         if stop_token and self.m.stop_ids:
@@ -275,8 +302,9 @@ class TurnDecoder:
         before = self.detok.text_length_after(keep)
         self._skip_answer_start()
         if before > self.emitted:
-            yield GenEvent("text", self.detok.text[self.emitted : before])
+            delta = self.detok.text[self.emitted : before]
             self.emitted = before
+            yield from self._text(delta)
 
     def _replay(self) -> None:
         """Re-append the tokens cut for an anchor, the sampled one included (same ids, same KV)."""
@@ -287,6 +315,7 @@ class TurnDecoder:
         """One tool call: anchor, marker, arguments under the schema (in the parser's body format),
         end marker. Returns the finish reason: "stop" when the call is complete, "length" when its
         budget ran out."""
+        yield from self._text("", end=True)  # the call's text is not free text
         m, parser = self.m, self.m.parser
         tools = self.req.tools
         if force != "*":
@@ -377,6 +406,35 @@ class TurnDecoder:
             yield from self._emit()
         yield from self._flush()
         return "length"
+
+
+class _StopStringHit(Exception):
+    """A stop string appeared in the turn's free text: the turn ends (finish_reason "stop")."""
+
+
+class _StopStrings:
+    """The request's stop strings over the turn's free text as it streams: `feed` returns the text
+    to deliver now and whether a stop string appeared (the text before it is delivered, the rest
+    dropped). What may still begin one is held back (`engine.stop_text`); once the free text ended
+    (`end`) they no longer apply and text passes unchanged."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.held = ""  # text held back: it may begin a stop string
+
+    def feed(self, delta: str, *, end: bool = False) -> tuple[str, bool]:
+        if not self.stops:
+            return delta, False
+        text = self.held + delta
+        at = first_stop(text, self.stops, searched=len(self.held))
+        if at is not None:
+            self.stops, self.held = (), ""
+            return text[:at], True
+        keep = 0 if end else held_back_for_stops(text, self.stops)
+        self.held = text[len(text) - keep :]
+        if end:
+            self.stops = ()
+        return text[: len(text) - keep], False
 
 
 @dataclass

@@ -18,7 +18,8 @@ from typing import Any
 from ..anchors import AnchorHandle
 from ..engine import EngineError
 from ..engine.memory.budget import format_size
-from ..model import FreeTokenModel, GenerateRequest
+from ..integrations.chat_turn import ChatTurnRequest, ContentDelta, run_chat_turn
+from ..model import FreeTokenModel
 from ..recipes._common import (
     add_model_argument,
     engine_options,
@@ -95,13 +96,17 @@ class ChatSession:
             )
         self.messages = messages
         self._sync(generation_prompt=True)
-        request = GenerateRequest(
-            max_new_tokens=self.args.max_new_tokens, temperature=self.args.temperature, seed=self.args.seed
+        request = ChatTurnRequest(
+            ids=ids,
+            max_tokens=self.args.max_new_tokens,
+            temperature=self.args.temperature,
+            seed=self.args.seed,
         )
         write("assistant> ")
         answer = ""
-        for event in self.model.generate(request):
-            if event.kind == "text":
+        # the chat keeps its context itself (its anchors, /rollback): no prefix cache
+        for event in run_chat_turn(self.model, None, request, reuse=False):
+            if isinstance(event, ContentDelta):
                 answer += event.text
                 write(event.text)
         write("\n")

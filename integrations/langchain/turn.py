@@ -1,4 +1,5 @@
-"""One assistant turn for LangChain: prefix reuse, generation, stop strings, tool-call parsing.
+"""One assistant turn for LangChain: the shared chat turn (`integrations.chat_turn`: prefix reuse,
+generation, stop strings, tool-call parsing) as `AIMessageChunk`s.
 
 `run_turn` is a plain generator of `AIMessageChunk`s: content deltas as they are decoded, then
 one chunk with the tool calls (`tool_call_chunks`, each with an index) or `invalid_tool_calls`,
@@ -9,7 +10,6 @@ advance it in a worker thread per step. The engine lock is held from the first s
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,11 +19,8 @@ from langchain_core.messages import AIMessageChunk
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 
 from freetoken_agents.constrained import resolve_tool_choice
-from freetoken_agents.engine import SamplingParams, held_back_for_stops
-from freetoken_agents.model import GenerateRequest
-from freetoken_agents.parsers import new_call_id
 
-from ..prefix_cache import prepare_context
+from ..chat_turn import ChatTurnRequest, ContentDelta, Finished, ReasoningDelta, ToolCallDone, run_chat_turn
 from .engines import EngineHandle
 
 logger = logging.getLogger(__name__)
@@ -58,95 +55,68 @@ class TurnState:
     response_metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def _call_id() -> str:
-    return new_call_id()  # nine letters and digits: what every chat template accepts
-
-
 def run_turn(
     handle: EngineHandle, ids: list[int], opts: TurnOptions, state: TurnState | None = None
 ) -> Iterator[AIMessageChunk]:
     """Generate one assistant turn after prompt `ids` (see the module docstring)."""
     state = state if state is not None else TurnState()
     backend = handle.backend
+    tools_on = bool(opts.tools) and opts.tool_choice != "none" and opts.json_schema is None
+    names = [t["function"]["name"] for t in opts.tools]
+    request = ChatTurnRequest(
+        ids=ids,
+        tools=opts.tools if tools_on else [],
+        force=resolve_tool_choice(opts.tool_choice, names) if tools_on else None,
+        json_schema=opts.json_schema,
+        stop=tuple(opts.stop),
+        max_tokens=opts.max_tokens,
+        max_call_tokens=opts.max_call_tokens,
+        json_limit="max_call_tokens",  # the SDK's constrained decoder, as for forced calls
+        temperature=opts.temperature,
+        seed=opts.seed,
+    )
     handle.lock.acquire()
+    turn = run_chat_turn(backend, handle.cache, request, reuse=opts.reuse)
     try:
-        cache_read = prepare_context(backend, handle.cache, ids, reuse=opts.reuse)
-        parser = backend.parser
-        tools_on = bool(opts.tools) and opts.tool_choice != "none" and opts.json_schema is None
-        if opts.json_schema is not None:  # the SDK's constrained decoder, as for forced calls
-            events = backend.decode_json(
-                opts.json_schema,
-                max_tokens=opts.max_call_tokens,
-                sampling=SamplingParams(temperature=opts.temperature, seed=opts.seed),
-                limit_name="max_call_tokens",
-            )
-        else:
-            names = [t["function"]["name"] for t in opts.tools]
-            force = resolve_tool_choice(opts.tool_choice, names) if tools_on else None
-            request = GenerateRequest(
-                tools=opts.tools if tools_on else [],
-                force=force,
-                max_new_tokens=opts.max_tokens,
-                max_call_tokens=opts.max_call_tokens,
-                temperature=opts.temperature,
-                seed=opts.seed,
-            )
-            events = backend.generate(request)
-        deltas: Iterator[Any] = ((e.kind, e.text or e.finish_reason) for e in events)
-        full, emitted, finish = "", 0, "length"
-        stops = opts.stop if opts.json_schema is None else ()
-        for kind, value in deltas:
-            if kind == "done":
-                finish = value or finish
-                continue
-            if kind == "reasoning" and value:  # a thinking model's <think> block: not the answer
-                state.reasoning += value
-                yield AIMessageChunk(content="", additional_kwargs={"reasoning_content": value})
-                continue
-            if kind != "text" or not value:
-                continue
-            full += value
-            cut = len(full)
-            if tools_on and (i := parser.call_started(full)) is not None:
-                cut = i
-            hit = [j for j in (full.find(s) for s in stops) if 0 <= j < cut]
-            if hit:
-                cut = min(hit)
-            visible = cut if hit else cut - held_back_for_stops(full[:cut], stops)
-            if visible > emitted:
-                yield AIMessageChunk(content=full[emitted:visible])
-                emitted = visible
-            if hit:
-                full, finish = full[:cut], "stop"
-                break
-        if opts.json_schema is not None:
-            finish = "stop"
-        call_at = parser.call_started(full) if tools_on else None
-        if emitted < len(full) and call_at is None:
-            yield AIMessageChunk(content=full[emitted:])
-            emitted = len(full)
-        if emitted < len(full) and call_at is not None:
-            # text before the call that was not yet emitted
-            head = full[:call_at]
-            if len(head) > emitted:
-                yield AIMessageChunk(content=head[emitted:])
-                emitted = len(head)
-        state.content = full[:emitted]
-        if tools_on:
-            yield from _tool_chunks(parser.parse(full, opts.tools), state)
-            if state.tool_calls:
-                finish = "tool_calls"
-        output_tokens = max(0, backend.position - len(ids))
+        chunks: list[Any] = []
+        done: Finished | None = None
+        for event in turn:
+            if isinstance(event, ContentDelta):
+                if not event.after_calls:  # the message's content is the text before its calls
+                    state.content += event.text
+                    yield AIMessageChunk(content=event.text)
+            elif isinstance(event, ReasoningDelta):  # a thinking model's <think> block: not the answer
+                state.reasoning += event.text
+                yield AIMessageChunk(content="", additional_kwargs={"reasoning_content": event.text})
+            elif isinstance(event, ToolCallDone):
+                if event.error is not None:
+                    state.invalid_tool_calls.append(
+                        invalid_tool_call(
+                            name=event.name or None, args=event.arguments, id=event.id, error=event.error
+                        )
+                    )
+                    continue
+                state.tool_calls.append(tool_call(name=event.name, args=event.args, id=event.id))
+                chunks.append(
+                    tool_call_chunk(name=event.name, args=event.arguments, id=event.id, index=len(chunks))
+                )
+            else:
+                done = event
+        assert done is not None
+        if chunks:
+            yield AIMessageChunk(content="", tool_call_chunks=chunks)
+        if state.invalid_tool_calls:
+            yield AIMessageChunk(content="", invalid_tool_calls=state.invalid_tool_calls)
         state.usage = {
-            "input_tokens": len(ids),
-            "output_tokens": output_tokens,
-            "total_tokens": len(ids) + output_tokens,
-            "input_token_details": {"cache_read": cache_read},
+            "input_tokens": done.prompt_tokens,
+            "output_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "input_token_details": {"cache_read": done.cached_tokens},
         }
         state.response_metadata = {
             "model_name": opts.model_name,
             "model_provider": "freetoken",
-            "finish_reason": finish,
+            "finish_reason": _finish_reason(done, opts),
         }
         yield AIMessageChunk(
             content="",
@@ -155,27 +125,17 @@ def run_turn(
             chunk_position="last",
         )
     finally:
+        turn.close()  # a consumer that stopped early: the decoder lets go of the context first
         handle.lock.release()
 
 
-def _tool_chunks(parsed: Any, state: TurnState) -> Iterator[AIMessageChunk]:
-    chunks = []
-    for call in parsed.calls:
-        cid = _call_id()
-        if call.error or not isinstance(call.arguments, dict):
-            args = call.arguments if isinstance(call.arguments, str) else json.dumps(call.arguments)
-            state.invalid_tool_calls.append(
-                invalid_tool_call(name=call.name or None, args=args, id=cid, error=call.error)
-            )
-            continue
-        state.tool_calls.append(tool_call(name=call.name, args=call.arguments, id=cid))
-        args = json.dumps(call.arguments, ensure_ascii=False)
-        chunks.append(tool_call_chunk(name=call.name, args=args, id=cid, index=len(chunks)))
-    if parsed.partial:
-        state.invalid_tool_calls.append(
-            invalid_tool_call(name=None, args=parsed.partial, id=_call_id(), error="unterminated tool call")
-        )
-    if chunks:
-        yield AIMessageChunk(content="", tool_call_chunks=chunks)
-    if state.invalid_tool_calls:
-        yield AIMessageChunk(content="", invalid_tool_calls=state.invalid_tool_calls)
+def _finish_reason(done: Finished, opts: TurnOptions) -> str:
+    """LangChain's finish_reason: the decoder's own when the reply was cut short ("memory" too),
+    "stop" for a structured reply, "tool_calls" when the turn called tools."""
+    if done.finish_reason == "tool_calls":
+        return "tool_calls"
+    if opts.json_schema is not None:
+        return "stop"
+    if done.finish_reason == "length" and done.backend_reason:
+        return done.backend_reason
+    return done.finish_reason
