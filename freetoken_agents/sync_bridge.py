@@ -10,8 +10,11 @@ threads block on it, asyncio tasks (on any event loop) await it without taking a
 however many runs wait, no executor fills up and the holder always gets to finish.
 
 `step_worker(owner)`: the one thread that runs every model step of `owner` (for FreeTokenModel,
-its engine). Steps of concurrent runs interleave there one at a time, each a short job, and the
-SDK's per-token work (tokenizer, grammar masks, sampling) never runs in two threads at once.
+its engine), for every front end: the Agent's runs, ChatFreeToken's calls and the server's jobs.
+Steps of concurrent runs interleave there one at a time, each a short job, and the SDK's
+per-token work (tokenizer, grammar masks, sampling) never runs in two threads at once.
+`run_on` / `iterate_on` / `aiterate_on` run a call or each step of a generator there (inline when
+the caller already is that thread).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import collections
 import concurrent.futures
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -165,8 +168,61 @@ class _PerOwner(Generic[T]):
 turn_gate: Callable[[Any], TurnGate] = _PerOwner(TurnGate)
 """turn_gate(owner): the one TurnGate of `owner`."""
 
-step_worker: Callable[[Any], concurrent.futures.ThreadPoolExecutor] = _PerOwner(
-    lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="freetoken-model")
-)
+
+class _ThreadRole(threading.local):
+    worker: concurrent.futures.Executor | None = None  # the step worker this thread is, if any
+
+
+_role = _ThreadRole()
+
+
+def _new_step_worker() -> concurrent.futures.ThreadPoolExecutor:
+    box: list[concurrent.futures.ThreadPoolExecutor] = []
+
+    def mark() -> None:
+        _role.worker = box[0]
+
+    box.append(
+        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="freetoken-model", initializer=mark)
+    )
+    return box[0]
+
+
+step_worker: Callable[[Any], concurrent.futures.ThreadPoolExecutor] = _PerOwner(_new_step_worker)
 """step_worker(owner): the one worker thread that runs `owner`'s model steps (its thread ends when
 the owner is garbage)."""
+
+
+def run_on(worker: concurrent.futures.Executor, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on `worker`, waited for; inline when the calling thread is that worker (a step
+    that calls the model again must not wait on itself)."""
+    if _role.worker is worker:
+        return fn(*args)
+    return worker.submit(fn, *args).result()
+
+
+_DONE = object()
+
+
+def iterate_on(worker: concurrent.futures.Executor, steps: Generator[T, None, None]) -> Iterator[T]:
+    """The items of `steps`, each `next()` run on `worker`; closing this iterator closes `steps`
+    there too (its cleanup is a step like the others)."""
+    try:
+        while (item := run_on(worker, next, steps, _DONE)) is not _DONE:
+            yield item  # type: ignore[misc]
+    finally:
+        run_on(worker, steps.close)
+
+
+async def aiterate_on(
+    worker: concurrent.futures.Executor, steps: Generator[T, None, None]
+) -> AsyncIterator[T]:
+    """`iterate_on` for async callers: the loop keeps running while a step runs on `worker`, and no
+    thread waits for the steps of another call. Closing (or cancelling) it closes `steps` on the
+    worker once its current step is done."""
+    loop = asyncio.get_running_loop()
+    try:
+        while (item := await loop.run_in_executor(worker, next, steps, _DONE)) is not _DONE:
+            yield item  # type: ignore[misc]
+    finally:
+        await asyncio.shield(asyncio.wrap_future(worker.submit(steps.close)))

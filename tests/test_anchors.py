@@ -446,3 +446,21 @@ def test_load_refuses_truncated_or_tampered_files(engine_for, tmp_path):
     assert len(engine.anchors) == 0 and engine.kv_pool.blocks_in_use == 0
     (folder / "anchors.json").write_text(meta)
     assert len(engine.anchors.load(folder)) == 2
+
+
+def test_an_anchor_two_holders_created_survives_until_both_discard_it(engine_for):
+    """Anchors are content-addressed: a context's own anchor and a prefix cache's pin of the same
+    state are one record. The bug: the first holder to discard it (a ChatFreeToken call closing
+    its context) removed it under the other, so the cache's next restore found no anchor."""
+    engine = engine_for()
+    with engine.new_session() as s:
+        s.prefill(_ids(21, 16))
+        mine, theirs = s.anchor("tool_call"), s.anchor("manual")
+        assert mine.id == theirs.id
+        assert engine.anchors.discard(mine.id)
+        assert theirs.id in engine.anchors  # still held by the second holder
+        s.prefill(_ids(5, 3))
+        s.rollback(theirs)
+        assert s.position == theirs.position
+        assert engine.anchors.discard(theirs.id)
+        assert theirs.id not in engine.anchors

@@ -1,11 +1,14 @@
 """Many concurrent `ainvoke` calls on one ChatFreeToken all finish, each with the answer it gets
-alone: a waiting call blocks its own thread, never a worker of the loop's default executor."""
+alone; each call has a context of its own, and every front end's steps run on the engine's one
+step worker."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
+from fastapi.testclient import TestClient
 
 from freetoken_agents import default_model
 from freetoken_agents.integrations.langchain import ChatFreeToken, clear_engines
@@ -29,4 +32,55 @@ async def test_sixteen_concurrent_ainvoke_calls_all_finish_with_their_own_answer
     async for chunk in llm.astream(QUESTIONS[0]):  # streaming still yields chunk by chunk
         streamed.append(chunk.content)
     assert "".join(streamed) == alone[0] and len([c for c in streamed if c]) > 1
+    clear_engines()
+
+
+async def test_each_call_has_a_context_of_its_own_and_runs_on_the_engines_step_worker(monkeypatch):
+    """One executor per engine: ChatFreeToken's steps (sync and async calls), an Agent's and the
+    server's all run on the engine's step worker; each ChatFreeToken call opens a context of its
+    own (closed at its end) instead of taking turns on one shared session under a lock, so
+    concurrent calls interleave and the shared backend's own context is never used."""
+    from freetoken_agents import Agent
+    from freetoken_agents.engine import Session
+    from freetoken_agents.integrations.langchain.engines import shared_engine
+    from freetoken_agents.integrations.openai_server import ServerConfig, create_app
+    from freetoken_agents.model import FreeTokenModel
+    from freetoken_agents.sync_bridge import run_on
+
+    clear_engines()
+    llm = ChatFreeToken(model=str(default_model()), max_tokens=6)
+    handle = shared_engine(str(default_model()), llm.engine_options(), family=llm.tool_format)
+    steps: set[int] = set()
+    opened, closed = [], []
+    real_forward, real_new, real_close = Session._forward, FreeTokenModel.new_context, FreeTokenModel.close
+
+    def forward(self, ids, *, last_only):  # every forward pass of the engine
+        steps.add(threading.get_ident())
+        return real_forward(self, ids, last_only=last_only)
+
+    def new_context(self):
+        opened.append(self)
+        return real_new(self)
+
+    def close(self):
+        closed.append(self)
+        return real_close(self)
+
+    monkeypatch.setattr(Session, "_forward", forward)
+    monkeypatch.setattr(FreeTokenModel, "new_context", new_context)
+    monkeypatch.setattr(FreeTokenModel, "close", close)
+    alone = [llm.invoke(q).content for q in QUESTIONS[:4]]
+    answers = await asyncio.wait_for(asyncio.gather(*(llm.ainvoke(q) for q in QUESTIONS[:4])), timeout=600)
+    assert [a.content for a in answers] == alone
+    assert len(opened) == len(closed) == 8 and all(m is handle.backend for m in opened)
+    assert handle.backend.position == 0  # the shared backend's own context was never used
+    Agent(FreeTokenModel(handle.engine)).run("Hello")
+    with TestClient(create_app(handle.engine, ServerConfig(model_name="tiny"))) as client:
+        reply = client.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+        )
+        assert reply.status_code == 200
+    worker = run_on(handle.worker, threading.get_ident)
+    assert steps == {worker}  # ChatFreeToken (sync and async), the Agent and the server: one thread
     clear_engines()

@@ -343,8 +343,18 @@ def test_an_agent_run_with_a_forced_call(model):
     assert "<tool_call>\n<function=multiply>\n<parameter=a>\n" in context  # the run's history, re-rendered
 
 
-def test_chatfreetoken_returns_a_forced_call_parsed():
+def test_chatfreetoken_returns_a_forced_call_parsed(monkeypatch):
     from freetoken_agents.integrations.langchain import ChatFreeToken
+    from freetoken_agents.model import FreeTokenModel
+
+    contexts: list[list[int]] = []  # each call's own context, as it closes (its prompt and reply)
+    real_close = FreeTokenModel.close
+
+    def close(self: FreeTokenModel) -> None:
+        contexts.append(list(self.token_ids))
+        real_close(self)
+
+    monkeypatch.setattr(FreeTokenModel, "close", close)
 
     llm = ChatFreeToken(
         model=str(default_model()), tool_format="qwen3_coder", max_call_tokens=48, temperature=0
@@ -355,7 +365,7 @@ def test_chatfreetoken_returns_a_forced_call_parsed():
         msg = llm.bind_tools(TOOLS, tool_choice=choice).invoke("What is the weather in Paris?")
         assert msg.invalid_tool_calls == [] and len(msg.tool_calls) == 1
         [call] = msg.tool_calls
-        context = handle.backend.tokenizer.decode(handle.backend.token_ids)
+        context = handle.backend.tokenizer.decode(contexts[-1])
         generated_text = context[
             context.rindex("<tool_call>") : context.rindex("</tool_call>") + len("</tool_call>")
         ]

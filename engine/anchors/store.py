@@ -104,6 +104,7 @@ class AnchorStore:
         self._byte_budget = byte_budget
         self._metadata_budget = metadata_budget
         self._holders: Counter[int] = Counter()  # block -> stored anchors holding it
+        self._claims: Counter[str] = Counter()  # anchor id -> creates not yet discarded
         # each distinct expert state once: -> (the one stored object, anchors that have it)
         self._states: dict[ExpertState, tuple[ExpertState, int]] = {}
         self._metadata_bytes = 0
@@ -199,7 +200,8 @@ class AnchorStore:
         session_id: str = "",
     ) -> Anchor:
         """Anchor `table` + `token_ids` (Session.anchor calls this). An identical state that is
-        already stored (same id) is refreshed and returned instead of a second record."""
+        already stored (same id) is refreshed and returned instead of a second record; it then has
+        one more claim (see `discard`)."""
         check_kind(kind)
         fingerprint = self.host.model_fingerprint
         state = self.host.expert_state()
@@ -208,6 +210,7 @@ class AnchorStore:
         existing = self._anchors.get(identity[0])
         if existing is not None:
             self._anchors.move_to_end(existing.id)
+            self._claims[existing.id] += 1
             return existing
         anchor = make_anchor(
             table,
@@ -284,10 +287,14 @@ class AnchorStore:
 
     @_locked
     def discard(self, anchor_id: str) -> bool:
-        """Remove the anchor and release its blocks (pinned or not); False if it was not stored."""
+        """Release one claim on the anchor: each `create` of its state made one (two holders, say a
+        context's anchors and a prefix cache, may anchor the same content-addressed state). The
+        last claim removes it and releases its blocks (pinned or not). False if it was not stored."""
         if anchor_id not in self._anchors:
             return False
-        self._drop(anchor_id, reason="discarded")
+        self._claims[anchor_id] -= 1
+        if self._claims[anchor_id] <= 0:
+            self._drop(anchor_id, reason="discarded")
         return True
 
     @_locked
@@ -355,12 +362,14 @@ class AnchorStore:
             anchor = dataclasses.replace(anchor, expert_state=state)
         self._states[state] = (state, count + 1)
         self._anchors[anchor.id] = anchor
+        self._claims[anchor.id] = 1
         self._holders.update(set(anchor.table.blocks))
         self._metadata_bytes += _record_bytes(anchor)
         return anchor
 
     def _drop(self, anchor_id: str, *, reason: str) -> None:
         anchor = self._anchors.pop(anchor_id)
+        del self._claims[anchor_id]
         self._pinned.discard(anchor_id)
         self._holders.subtract(set(anchor.table.blocks))
         for block in set(anchor.table.blocks):

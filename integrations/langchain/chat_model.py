@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -24,6 +23,7 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field
 
 from freetoken_agents.engine import Engine, EngineOptions, MemoryBudget, Placement
+from freetoken_agents.sync_bridge import aiterate_on, iterate_on
 
 from .engines import EngineHandle, shared_engine
 from .messages import to_chat_dicts
@@ -31,8 +31,6 @@ from .tool_choice import normalize_tool_choice
 from .turn import TurnOptions, TurnState, run_turn
 
 logger = logging.getLogger(__name__)
-
-_END = object()
 
 
 class ChatFreeToken(BaseChatModel):
@@ -208,9 +206,14 @@ class ChatFreeToken(BaseChatModel):
         return shared_engine(self.model, self.engine_options(), family=self.tool_format)
 
     def _turn(
-        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], state: TurnState
-    ) -> Iterator[AIMessageChunk]:
-        handle = self._handle()
+        self,
+        handle: EngineHandle,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        kwargs: dict[str, Any],
+        state: TurnState,
+    ) -> Generator[AIMessageChunk, None, None]:
+        """The call's steps (rendering the prompt included), each run on the engine's step worker."""
         tools = list(kwargs.get("tools") or [])
         fmt = kwargs.get("response_format")
         schema = None
@@ -237,7 +240,7 @@ class ChatFreeToken(BaseChatModel):
             seed=kwargs.get("seed", self.seed),
             reuse=self.prefix_cache,
         )
-        return run_turn(handle, ids, opts, state)
+        yield from run_turn(handle, ids, opts, state)
 
     @staticmethod
     def _result(state: TurnState) -> ChatResult:
@@ -258,8 +261,8 @@ class ChatFreeToken(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        state = TurnState()
-        for _ in self._turn(messages, stop, kwargs, state):
+        state, handle = TurnState(), self._handle()
+        for _ in iterate_on(handle.worker, self._turn(handle, messages, stop, kwargs, state)):
             pass
         return self._result(state)
 
@@ -270,7 +273,8 @@ class ChatFreeToken(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        for chunk in self._turn(messages, stop, kwargs, TurnState()):
+        handle = self._handle()
+        for chunk in iterate_on(handle.worker, self._turn(handle, messages, stop, kwargs, TurnState())):
             out = ChatGenerationChunk(message=chunk)
             if run_manager and isinstance(chunk.content, str) and chunk.content:
                 run_manager.on_llm_new_token(chunk.content, chunk=out)
@@ -304,47 +308,10 @@ class ChatFreeToken(BaseChatModel):
     async def _aturn(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], state: TurnState
     ) -> AsyncIterator[AIMessageChunk]:
-        """The turn in a thread of its own, its chunks handed to the event loop as they come, so
-        the loop keeps running between tokens.
-
-        Its own thread, not the loop's default executor: concurrent calls wait for the shared
-        engine handle (one turn at a time on its session) inside their threads, and with the
-        executor's few workers all waiting, the turn holding the handle never got a worker back
-        for its next step (7 concurrent ainvoke calls hung forever on 2 cores). A consumer that
-        stops early (cancelled, closed) stops the turn after its current step."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
-        stopped = threading.Event()
-
-        def hand_over(item: tuple[Any, BaseException | None]) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the loop is closed: nobody is waiting any more
-                stopped.set()
-
-        def produce() -> None:
-            try:
-                turn = self._turn(messages, stop, kwargs, state)
-                try:
-                    for chunk in turn:
-                        hand_over((chunk, None))
-                        if stopped.is_set():
-                            break
-                finally:
-                    turn.close()
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's task
-                hand_over((_END, e))
-                return
-            hand_over((_END, None))
-
-        threading.Thread(target=produce, name="freetoken-turn", daemon=True).start()
-        try:
-            while True:
-                chunk, error = await queue.get()
-                if chunk is _END:
-                    if error is not None:
-                        raise error
-                    return
-                yield chunk
-        finally:
-            stopped.set()
+        """The turn's steps on the engine's step worker, the event loop free between them: no
+        thread waits for the steps of another call (each call has its own context), so any number
+        of concurrent calls proceed, interleaved. A consumer that stops early (cancelled, closed)
+        stops the turn after its current step."""
+        handle = await asyncio.to_thread(self._handle)  # the first call loads the weights
+        async for chunk in aiterate_on(handle.worker, self._turn(handle, messages, stop, kwargs, state)):
+            yield chunk

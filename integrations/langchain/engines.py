@@ -3,12 +3,14 @@
 LangChain constructs chat models often (per request, per agent step, thousands of times in its
 standard test suite), so `ChatFreeToken(...)` must not load weights. The first generation calls
 `shared_engine(...)`, which loads once per (path, engine options, tool format) and hands every later
-caller the same `EngineHandle`: the engine, the one backend session over it, its prefix cache
-and the lock that serialises work on them (engine sessions are not thread-safe).
+caller the same `EngineHandle`: the engine, the backend whose contexts the calls open (one per
+call, `new_context()`), and the prefix cache they share. Every step runs on the engine's one step
+worker (`sync_bridge.step_worker`), the executor the Agent and the server use too.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from freetoken_agents.engine import Engine, EngineOptions, is_hub_id
+from freetoken_agents.sync_bridge import step_worker
 
 from ..prefix_cache import PrefixCache
 from .backend import LangChainBackend
@@ -28,15 +31,18 @@ class EngineHandle:
     """One loaded model as the adapter shares it.
 
     engine: the `freetoken_agents.engine.Engine`.
-    backend: the FreeTokenModel subclass whose session is the kept (live) context.
-    cache: the content-addressed prefix cache over that session's anchors.
-    lock: held for the whole of one generation (sync, prefill, decode).
+    backend: the FreeTokenModel subclass each call opens its context from (`new_context()`).
+    cache: the content-addressed prefix cache over the engine's anchors, shared by the calls.
+    worker: the engine's step worker, which runs every step of every call.
     """
 
     engine: Any
     backend: LangChainBackend
     cache: PrefixCache
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    worker: concurrent.futures.ThreadPoolExecutor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.worker = step_worker(self.backend.step_owner)
 
 
 _HANDLES: dict[tuple, EngineHandle] = {}

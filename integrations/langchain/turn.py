@@ -4,14 +4,17 @@ generation, stop strings, tool-call parsing) as `AIMessageChunk`s.
 `run_turn` is a plain generator of `AIMessageChunk`s: content deltas as they are decoded, then
 one chunk with the tool calls (`tool_call_chunks`, each with an index) or `invalid_tool_calls`,
 then a last chunk (`chunk_position="last"`) carrying `usage_metadata` and `response_metadata`.
-Every `next()` runs at most one engine step (a decode, or one forced stretch), so async callers
-advance it in a worker thread per step. The engine lock is held from the first step to the end.
+Every `next()` runs at most one engine step (a decode, or one forced stretch); ChatFreeToken runs
+each on the engine's step worker (`sync_bridge.iterate_on`), so concurrent calls interleave their
+steps there. Each call opens a context of its own over the engine (`new_context()`), closed when
+the turn ends: no lock is held between steps, and the prefix cache (engine anchors) carries what
+one call's prompt and reply leave to the next.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,10 +60,9 @@ class TurnState:
 
 def run_turn(
     handle: EngineHandle, ids: list[int], opts: TurnOptions, state: TurnState | None = None
-) -> Iterator[AIMessageChunk]:
+) -> Generator[AIMessageChunk, None, None]:
     """Generate one assistant turn after prompt `ids` (see the module docstring)."""
     state = state if state is not None else TurnState()
-    backend = handle.backend
     tools_on = bool(opts.tools) and opts.tool_choice != "none" and opts.json_schema is None
     names = [t["function"]["name"] for t in opts.tools]
     request = ChatTurnRequest(
@@ -75,8 +77,8 @@ def run_turn(
         temperature=opts.temperature,
         seed=opts.seed,
     )
-    handle.lock.acquire()
-    turn = run_chat_turn(backend, handle.cache, request, reuse=opts.reuse)
+    context = handle.backend.new_context()
+    turn = run_chat_turn(context, handle.cache, request, reuse=opts.reuse)
     try:
         chunks: list[Any] = []
         done: Finished | None = None
@@ -126,7 +128,7 @@ def run_turn(
         )
     finally:
         turn.close()  # a consumer that stopped early: the decoder lets go of the context first
-        handle.lock.release()
+        context.close()  # its KV goes back to the pool; the cache's anchors keep what they pin
 
 
 def _finish_reason(done: Finished, opts: TurnOptions) -> str:

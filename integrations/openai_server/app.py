@@ -20,7 +20,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Generator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,6 +31,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from freetoken_agents.sync_bridge import step_worker
 
 from ..prefix_cache import PrefixCache
 from .completion import ContentDelta, Event, Finished, ReasoningDelta, ToolCallDone, run_completion
@@ -96,12 +98,12 @@ class ServerState:
     def __init__(self, backend: FreeTokenModel, config: ServerConfig) -> None:
         self.backend, self.config = backend, config
         self.cache = PrefixCache(max_entries=config.cached_prefixes)
-        self.worker = EngineWorker(config.max_queue)
+        self.worker = EngineWorker(step_worker(backend.step_owner), config.max_queue)
         self.created = int(time.time())
         backend.grammars()  # build the grammar compiler once, before requests validate schemas
 
     def job(self, checked: CheckedRequest, tenant: str, loop: asyncio.AbstractEventLoop) -> Job:
-        def run(job: Job) -> Iterator[Any]:
+        def run(job: Job) -> Generator[Any, None, None]:
             # rendering, tokenizing and compiling cost time: here, one request at a time, and not
             # for a client that already left
             prepared = prepare(checked, self.backend, cancelled=lambda: job.cancelled)

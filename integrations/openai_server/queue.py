@@ -11,15 +11,18 @@ still waits, stopped between two decode steps if it runs.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
+
+from freetoken_agents.sync_bridge import iterate_on
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +47,9 @@ class Job:
     """A request waiting for, or running on, the engine. The worker calls `run(job)`, a generator
     of events; each event (then a `JobEnd`) reaches `events` on the submitting loop."""
 
-    def __init__(self, run: Callable[[Job], Iterator[Any]], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, run: Callable[[Job], Generator[Any, None, None]], loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.run = run
         self.loop = loop
         self.events: asyncio.Queue[Any] = asyncio.Queue()
@@ -85,11 +90,14 @@ class WorkerStats:
 
 
 class EngineWorker:
-    """Runs jobs one at a time on its own thread; at most `max_queue` wait behind the running one."""
+    """Admits jobs (at most `max_queue` wait behind the running one) and runs them one at a time:
+    a dispatcher thread takes each job in turn and runs its steps on `steps`, the engine's step
+    worker (`sync_bridge.step_worker`), the one executor every front end's model steps run on."""
 
-    def __init__(self, max_queue: int = 16) -> None:
+    def __init__(self, steps: concurrent.futures.Executor, max_queue: int = 16) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
+        self.steps = steps
         self.max_queue = max_queue
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._stats = WorkerStats()
@@ -163,7 +171,7 @@ class EngineWorker:
             started = time.perf_counter()
             end, how = JobEnd(), "done"
             try:
-                for event in job.run(job):
+                for event in iterate_on(self.steps, job.run(job)):
                     job.emit(event)
                 if job.cancelled:
                     how = "cancelled"
