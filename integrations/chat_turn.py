@@ -114,12 +114,15 @@ def run_chat_turn(
     request: ChatTurnRequest,
     *,
     reuse: bool = True,
+    record: bool = True,
     cancelled: Callable[[], bool] = lambda: False,
     tenant: str = "",
 ) -> Iterator[Event]:
     """Generate the reply to `request` (see the module docstring). Prefix reuse is `tenant`'s own;
-    with `reuse` the whole context (prompt and reply) is recorded in `cache` afterwards. `cache`
-    None: the caller keeps the context itself (its anchors stay), it is only synced to the prompt.
+    with `reuse` and `record` the whole context (prompt and reply) is pinned in `cache` afterwards
+    (one anchor per turn: worth it where one context serves many conversations, as the server's
+    does). `cache` None: the caller keeps the context itself (its anchors stay), it is only
+    synced to the prompt.
     Raises TokenLimitTooSmall when a forced call or a JSON reply cannot close inside its bound."""
     ids = request.ids
     if cache is None:
@@ -178,7 +181,7 @@ def run_chat_turn(
             yield ContentDelta(parsed.content, after_calls=True)
     if calls.done:
         finish = "tool_calls"
-    if reuse and cache is not None:
+    if reuse and record and cache is not None:
         record_context(backend, cache, tenant)
     yield Finished(finish, len(ids), max(0, backend.position - len(ids)), cached, reason)
 

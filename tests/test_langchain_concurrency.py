@@ -42,7 +42,7 @@ async def test_each_call_has_a_context_of_its_own_and_runs_on_the_engines_step_w
     concurrent calls interleave and the shared backend's own context is never used."""
     from freetoken_agents import Agent
     from freetoken_agents.engine import Session
-    from freetoken_agents.integrations.langchain.engines import shared_engine
+    from freetoken_agents.integrations.langchain.engines import EngineHandle, shared_engine
     from freetoken_agents.integrations.openai_server import ServerConfig, create_app
     from freetoken_agents.model import FreeTokenModel
     from freetoken_agents.sync_bridge import run_on
@@ -51,28 +51,38 @@ async def test_each_call_has_a_context_of_its_own_and_runs_on_the_engines_step_w
     llm = ChatFreeToken(model=str(default_model()), max_tokens=6)
     handle = shared_engine(str(default_model()), llm.engine_options(), family=llm.tool_format)
     steps: set[int] = set()
-    opened, closed = [], []
-    real_forward, real_new, real_close = Session._forward, FreeTokenModel.new_context, FreeTokenModel.close
+    held: list[object] = []  # the contexts calls hold right now
+    overlapped = 0  # calls that got a context while another call held one
+    real_forward, real_open, real_release = (
+        Session._forward,
+        EngineHandle.open_context,
+        EngineHandle.release_context,
+    )
 
     def forward(self, ids, *, last_only):  # every forward pass of the engine
         steps.add(threading.get_ident())
         return real_forward(self, ids, last_only=last_only)
 
-    def new_context(self):
-        opened.append(self)
-        return real_new(self)
+    def open_context(self):
+        nonlocal overlapped
+        context = real_open(self)
+        assert context is not self.backend and all(context is not other for other in held)
+        overlapped += bool(held)
+        held.append(context)
+        return context
 
-    def close(self):
-        closed.append(self)
-        return real_close(self)
+    def release_context(self, context, *, keep=True):
+        held.remove(context)
+        return real_release(self, context, keep=keep)
 
     monkeypatch.setattr(Session, "_forward", forward)
-    monkeypatch.setattr(FreeTokenModel, "new_context", new_context)
-    monkeypatch.setattr(FreeTokenModel, "close", close)
+    monkeypatch.setattr(EngineHandle, "open_context", open_context)
+    monkeypatch.setattr(EngineHandle, "release_context", release_context)
     alone = [llm.invoke(q).content for q in QUESTIONS[:4]]
+    assert overlapped == 0
     answers = await asyncio.wait_for(asyncio.gather(*(llm.ainvoke(q) for q in QUESTIONS[:4])), timeout=600)
     assert [a.content for a in answers] == alone
-    assert len(opened) == len(closed) == 8 and all(m is handle.backend for m in opened)
+    assert overlapped > 0 and not held  # concurrent calls held contexts of their own, all given back
     assert handle.backend.position == 0  # the shared backend's own context was never used
     Agent(FreeTokenModel(handle.engine)).run("Hello")
     with TestClient(create_app(handle.engine, ServerConfig(model_name="tiny"))) as client:

@@ -345,16 +345,16 @@ def test_an_agent_run_with_a_forced_call(model):
 
 def test_chatfreetoken_returns_a_forced_call_parsed(monkeypatch):
     from freetoken_agents.integrations.langchain import ChatFreeToken
-    from freetoken_agents.model import FreeTokenModel
+    from freetoken_agents.integrations.langchain.engines import EngineHandle
 
-    contexts: list[list[int]] = []  # each call's own context, as it closes (its prompt and reply)
-    real_close = FreeTokenModel.close
+    contexts: list[list[int]] = []  # each call's own context as the call ends (its prompt and reply)
+    real_release = EngineHandle.release_context
 
-    def close(self: FreeTokenModel) -> None:
-        contexts.append(list(self.token_ids))
-        real_close(self)
+    def release_context(self: EngineHandle, context, *, keep: bool = True) -> None:
+        contexts.append(list(context.token_ids))
+        real_release(self, context, keep=keep)
 
-    monkeypatch.setattr(FreeTokenModel, "close", close)
+    monkeypatch.setattr(EngineHandle, "release_context", release_context)
 
     llm = ChatFreeToken(
         model=str(default_model()), tool_format="qwen3_coder", max_call_tokens=48, temperature=0

@@ -40,11 +40,32 @@ class EngineHandle:
     backend: LangChainBackend
     cache: PrefixCache
     worker: concurrent.futures.ThreadPoolExecutor = field(init=False)
+    _idle: list[LangChainBackend] = field(default_factory=list, init=False)
+    _idle_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def __post_init__(self) -> None:
         self.worker = step_worker(self.backend.step_owner)
 
+    def open_context(self) -> LangChainBackend:
+        """A context for one call: the one the last finished call gave back, when no other call
+        holds it (its session still holds that call's prompt and reply, so the conversation's
+        next call keeps them as they are), else a new one (`new_context()`)."""
+        with self._idle_lock:
+            if self._idle:
+                return self._idle.pop()
+        return self.backend.new_context()
 
+    def release_context(self, context: LangChainBackend, *, keep: bool = True) -> None:
+        """The call is done with `context`: kept for the next call (at most `MAX_IDLE_CONTEXTS`
+        are), else closed (its KV back to the pool; the prefix cache's anchors keep their own)."""
+        with self._idle_lock:
+            if keep and len(self._idle) < MAX_IDLE_CONTEXTS:
+                self._idle.append(context)
+                return
+        context.close()
+
+
+MAX_IDLE_CONTEXTS = 1  # what one idle context costs: the KV of its last prompt and reply
 _HANDLES: dict[tuple, EngineHandle] = {}
 _LOAD_LOCK = threading.Lock()
 

@@ -6,9 +6,10 @@ one chunk with the tool calls (`tool_call_chunks`, each with an index) or `inval
 then a last chunk (`chunk_position="last"`) carrying `usage_metadata` and `response_metadata`.
 Every `next()` runs at most one engine step (a decode, or one forced stretch); ChatFreeToken runs
 each on the engine's step worker (`sync_bridge.iterate_on`), so concurrent calls interleave their
-steps there. Each call opens a context of its own over the engine (`new_context()`), closed when
-the turn ends: no lock is held between steps, and the prefix cache (engine anchors) carries what
-one call's prompt and reply leave to the next.
+steps there. Each call has a context of its own over the engine (`EngineHandle.open_context`: the
+one the last call left, whose session still holds its prompt and reply, or a new one), given back
+when the turn ends: no lock is held between steps, concurrent calls never share a context, and the
+prefix cache (engine anchors) carries what one call leaves to another.
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def run_turn(
         temperature=opts.temperature,
         seed=opts.seed,
     )
-    context = handle.backend.new_context()
-    turn = run_chat_turn(context, handle.cache, request, reuse=opts.reuse)
+    context, ok = handle.open_context(), False
+    # No reply pinned: the context given back keeps it live for the conversation's next call.
+    turn = run_chat_turn(context, handle.cache, request, reuse=opts.reuse, record=False)
     try:
         chunks: list[Any] = []
         done: Finished | None = None
@@ -126,9 +128,13 @@ def run_turn(
             response_metadata=state.response_metadata,
             chunk_position="last",
         )
+        ok = True
+    except GeneratorExit:  # the consumer stopped early: the context is sound, the turn cut short
+        ok = True
+        raise
     finally:
-        turn.close()  # a consumer that stopped early: the decoder lets go of the context first
-        context.close()  # its KV goes back to the pool; the cache's anchors keep what they pin
+        turn.close()  # the decoder lets go of the context first
+        handle.release_context(context, keep=ok)  # a failed turn's context is closed, not reused
 
 
 def _finish_reason(done: Finished, opts: TurnOptions) -> str:
