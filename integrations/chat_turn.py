@@ -14,7 +14,7 @@ events it checks `cancelled()` and stops (finish_reason "cancelled") when the ca
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -117,7 +117,7 @@ def run_chat_turn(
     record: bool = True,
     cancelled: Callable[[], bool] = lambda: False,
     tenant: str = "",
-) -> Iterator[Event]:
+) -> Generator[Event, None, None]:
     """Generate the reply to `request` (see the module docstring). Prefix reuse is `tenant`'s own;
     with `reuse` and `record` the whole context (prompt and reply) is pinned in `cache` afterwards
     (one anchor per turn: worth it where one context serves many conversations, as the server's

@@ -1,12 +1,7 @@
-"""What the recipes (and the `freetoken` command, which sits above them) share: the model and
-engine arguments (`--model`, `--device`, `--dtype`, `--fast-mem`, `--host-mem`, `--placement`,
-`--expert-quant`),
-loading the model with them, the writer recipes print through, and running a recipe as a program
-(`python -m freetoken_agents.recipes.NAME`) with one-line errors.
-
-The engine arguments are defined here, not in `cli/`, because the recipes parse them themselves
-(`add_arguments` of each recipe, under `python -m` and `freetoken recipe NAME`) and may not import
-the CLI above them: this is the lowest layer that needs them, and their only definition.
+"""What the recipes (and the `freetoken` command, which sits above them) share: `--model` (with
+the engine's own flags, `engine.flags`), loading the model with them, the writer recipes print
+through, and running a recipe as a program (`python -m freetoken_agents.recipes.NAME`) with
+one-line errors.
 """
 
 from __future__ import annotations
@@ -16,20 +11,16 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from freetoken_agents import AgentError, FreeTokenModel, default_model
-from freetoken_agents.engine import EXPERT_QUANTS, PLACEMENTS, EngineError, EngineOptions, MemoryBudgetError
-from freetoken_agents.engine.memory import MemoryBudget
+from freetoken_agents.engine import EngineError, MemoryBudgetError
+from freetoken_agents.engine.flags import MEMORY_FLAGS, add_engine_arguments, engine_options
 from freetoken_agents.engine.memory.budget import format_size
 
 from . import RecipeError
 
 Write = Callable[[str], None]
 """Where recipe output goes: text in, nothing out (lines end with their own newline)."""
-
-MEMORY_FLAGS = {"fast_bytes": "--fast-mem", "host_bytes": "--host-mem"}
-"""Budget field -> the flag that sets it (errors name the flag)."""
 
 ERRORS: tuple[type[BaseException], ...] = (EngineError, AgentError, RecipeError, OSError, ValueError)
 """Errors a recipe program (and the CLI) prints as one line with exit code 1; anything else is a
@@ -57,60 +48,6 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
         "(default: the embedded model)",
     )
     add_engine_arguments(parser)
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options every command that loads a model takes, passed to the engine unchanged."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    group.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype"
-    )
-    group.add_argument(
-        "--fast-mem",
-        default=None,
-        metavar="SIZE",
-        help="tier 1 budget (VRAM on CUDA, resident experts in RAM on a CPU), shared with the KV "
-        "cache: a size such as 8GiB, or a fraction of free memory such as 0.25; tiers the experts",
-    )
-    group.add_argument(
-        "--host-mem",
-        default=None,
-        metavar="SIZE",
-        help="tier 2 budget (host RAM for expert blocks): a size such as 32GiB or a fraction such as "
-        "0.5; tiers the experts",
-    )
-    group.add_argument(
-        "--placement",
-        default="auto",
-        choices=PLACEMENTS,
-        help="where experts go: auto (tiered q* when a budget is given or the experts do not fit "
-        "free memory), resident, qstar, stream (default auto)",
-    )
-    group.add_argument(
-        "--expert-quant",
-        default="auto",
-        choices=EXPERT_QUANTS,
-        help="compact expert compute: auto (projections stored as int8 stay int8), int8 (quantize "
-        "every expert projection), compact (int8 and MXFP4 stay as stored), none (decode "
-        "everything to --dtype) (default auto)",
-    )
-
-
-def engine_options(args: argparse.Namespace, **extra: Any) -> EngineOptions:
-    """The EngineOptions the engine arguments in `args` ask for (MemoryBudgetError naming the
-    flag for an unreadable size; EngineError for a bad device)."""
-    quant = args.expert_quant
-    options = EngineOptions.parse(
-        device=args.device, dtype=args.dtype, placement=args.placement, expert_quant=quant, **extra
-    )
-    memory = MemoryBudget.from_strings(
-        args.fast_mem,
-        args.host_mem,
-        device=options.device,
-        names=(MEMORY_FLAGS["fast_bytes"], MEMORY_FLAGS["host_bytes"]),
-    )
-    return options.model_copy(update={"memory": memory}) if memory is not None else options
 
 
 def load_model(args: argparse.Namespace) -> FreeTokenModel:

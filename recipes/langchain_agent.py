@@ -17,10 +17,11 @@ from langchain_core.messages import BaseMessage
 from langchain_core.tools import tool
 
 from freetoken_agents.engine import EngineOptions
+from freetoken_agents.engine.flags import engine_options
 from freetoken_agents.integrations.langchain import ChatFreeToken
 
 from . import RECIPES, RecipeError
-from ._common import Write, add_model_argument, engine_options, model_path, recipe_main, stdout_write
+from ._common import Write, add_model_argument, model_path, recipe_main, stdout_write
 from .tiny.world import SYSTEM_PROMPT, capital_of, tool_question, weather_report
 
 

@@ -14,9 +14,9 @@ import pytest
 from freetoken_agents import FreeTokenModel, GenerateRequest, default_model
 from freetoken_agents.cli import main
 from freetoken_agents.engine import Engine, EngineError, MemoryBudget
+from freetoken_agents.engine.flags import add_engine_arguments, engine_options
 from freetoken_agents.integrations.langchain import ChatFreeToken, clear_engines
 from freetoken_agents.recipes import tool_loop
-from freetoken_agents.recipes._common import add_engine_arguments, engine_options
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

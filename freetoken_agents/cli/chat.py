@@ -17,17 +17,18 @@ from typing import Any
 
 from ..anchors import AnchorHandle
 from ..engine import EngineError
+from ..engine.flags import engine_options
 from ..engine.memory.budget import format_size
 from ..integrations.chat_turn import ChatTurnRequest, ContentDelta, run_chat_turn
 from ..model import FreeTokenModel
 from ..recipes._common import (
     add_model_argument,
-    engine_options,
     model_path,
     one_line,
     positive_int,
     use_threads,
 )
+from ..sync_bridge import iterate_on, step_worker
 from .argtypes import non_negative_float
 from .common import CLIError, model_label, show_progress, sync_with_progress, write
 
@@ -105,7 +106,8 @@ class ChatSession:
         write("assistant> ")
         answer = ""
         # the chat keeps its context itself (its anchors, /rollback): no prefix cache
-        for event in run_chat_turn(self.model, None, request, reuse=False):
+        turn = run_chat_turn(self.model, None, request, reuse=False)
+        for event in iterate_on(step_worker(self.model.step_owner), turn):  # the engine's one executor
             if isinstance(event, ContentDelta):
                 answer += event.text
                 write(event.text)

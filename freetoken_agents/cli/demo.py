@@ -14,9 +14,10 @@ import random
 import time
 
 from ..agent import Agent, AgentResult
+from ..engine.flags import engine_options
 from ..errors import AgentError
 from ..model import FreeTokenModel
-from ..recipes._common import add_model_argument, engine_options, model_path, positive_int, use_threads
+from ..recipes._common import add_model_argument, model_path, positive_int, use_threads
 from ..recipes._printing import AgentPrinter, CodingPrinter, answer_block, trace_summary
 from ..recipes.coding_assistant import CodingResult, solve
 from ..recipes.tiny import world

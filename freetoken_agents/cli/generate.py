@@ -6,8 +6,9 @@ import argparse
 from collections.abc import Iterator
 
 from ..engine import Engine, SamplingParams, TokenEvent
+from ..engine.flags import add_engine_arguments, engine_options
 from ..engine.generate import stream_tokens
-from ..recipes._common import add_engine_arguments, engine_options, positive_int, use_threads
+from ..recipes._common import positive_int, use_threads
 from .argtypes import non_negative_float, probability
 from .common import PREFILL_CHUNK, CLIError, prefill_session, show_progress, write
 

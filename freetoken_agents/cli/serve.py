@@ -13,8 +13,9 @@ import logging
 import os
 from pathlib import Path
 
+from ..engine.flags import add_engine_arguments, engine_options
 from ..parsers import PARSERS
-from ..recipes._common import add_engine_arguments, engine_options, positive_int, use_threads
+from ..recipes._common import positive_int, use_threads
 from .common import CLIError, model_label
 
 logger = logging.getLogger(__name__)

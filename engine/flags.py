@@ -1,0 +1,71 @@
+"""The engine's command-line flags (`--device`, `--dtype`, `--fast-mem`, `--host-mem`,
+`--placement`, `--expert-quant`), defined once beside `EngineOptions`, which they fill: every
+command that loads a model takes them (`freetoken chat/generate/serve/demo`, and the recipes'
+own `python -m` programs, which may not import the CLI above them).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .int8 import EXPERT_QUANTS
+from .memory import MemoryBudget
+from .options import PLACEMENTS, EngineOptions
+
+MEMORY_FLAGS = {"fast_bytes": "--fast-mem", "host_bytes": "--host-mem"}
+"""Budget field -> the flag that sets it (errors name the flag)."""
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every command that loads a model takes, passed to the engine unchanged."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    group.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype"
+    )
+    group.add_argument(
+        "--fast-mem",
+        default=None,
+        metavar="SIZE",
+        help="tier 1 budget (VRAM on CUDA, resident experts in RAM on a CPU), shared with the KV "
+        "cache: a size such as 8GiB, or a fraction of free memory such as 0.25; tiers the experts",
+    )
+    group.add_argument(
+        "--host-mem",
+        default=None,
+        metavar="SIZE",
+        help="tier 2 budget (host RAM for expert blocks): a size such as 32GiB or a fraction such as "
+        "0.5; tiers the experts",
+    )
+    group.add_argument(
+        "--placement",
+        default="auto",
+        choices=PLACEMENTS,
+        help="where experts go: auto (tiered q* when a budget is given or the experts do not fit "
+        "free memory), resident, qstar, stream (default auto)",
+    )
+    group.add_argument(
+        "--expert-quant",
+        default="auto",
+        choices=EXPERT_QUANTS,
+        help="compact expert compute: auto (projections stored as int8 stay int8), int8 (quantize "
+        "every expert projection), compact (int8 and MXFP4 stay as stored), none (decode "
+        "everything to --dtype) (default auto)",
+    )
+
+
+def engine_options(args: argparse.Namespace, **extra: Any) -> EngineOptions:
+    """The EngineOptions the engine arguments in `args` ask for (MemoryBudgetError naming the
+    flag for an unreadable size; EngineError for a bad device)."""
+    quant = args.expert_quant
+    options = EngineOptions.parse(
+        device=args.device, dtype=args.dtype, placement=args.placement, expert_quant=quant, **extra
+    )
+    memory = MemoryBudget.from_strings(
+        args.fast_mem,
+        args.host_mem,
+        device=options.device,
+        names=(MEMORY_FLAGS["fast_bytes"], MEMORY_FLAGS["host_bytes"]),
+    )
+    return options.model_copy(update={"memory": memory}) if memory is not None else options
