@@ -58,13 +58,15 @@ class AnchorBook:
         self._anchors: OrderedDict[str, AnchorHandle] = OrderedDict()
         self._ids = itertools.count(1)
 
-    @staticmethod
-    def native(session: Any) -> bool:
-        return callable(getattr(session, "anchor", None)) and callable(getattr(session, "rollback", None))
+    @property
+    def native(self) -> bool:
+        """Whether anchors are the engine's own (a store was given: FreeTokenModel's sessions), or
+        positions in the text (ScriptedModel, OpenAICompatibleModel): declared, not probed."""
+        return self.store is not None
 
     def place(self, session: Any, kind: AnchorKind, label: str | None = None) -> AnchorHandle:
         prefix = tuple(session.token_ids)
-        if self.native(session):
+        if self.native:
             a = session.anchor(kind, label=label)
             handle = AnchorHandle(str(a.id), kind, int(a.position), label, prefix, a)
         else:
@@ -80,7 +82,7 @@ class AnchorBook:
         if tuple(session.token_ids) != handle.prefix:
             raise ValueError(f"cannot rebind anchor {handle.id}: the session is not at its prefix")
         self._discard_native(handle)
-        native = session.anchor(handle.kind, label=handle.label) if self.native(session) else None
+        native = session.anchor(handle.kind, label=handle.label) if self.native else None
         fresh = AnchorHandle(handle.id, handle.kind, handle.position, handle.label, handle.prefix, native)
         self._anchors[handle.id] = fresh
         self._evict()
@@ -119,7 +121,7 @@ class AnchorBook:
         held = self._anchors.get(handle.id)
         if held is None:
             raise AnchorNotFoundError(f"anchor {handle.id} is not held (forgotten or past a truncation)")
-        if held.native is not None and self.native(session):
+        if held.native is not None and self.native:
             try:
                 if validate is None:
                     session.rollback(held.native)
