@@ -43,9 +43,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..adapters import adapter_for
 from ..adapters.base import FP8_SCALE_SUFFIX, Adapter, fp8_encoded
-from ..checkpoint import SafetensorsCheckpoint, config_from_dict, read_config
+from ..checkpoint import SafetensorsCheckpoint
 from ..codecs import EncodedTensor, decode, encode, get_codec
 from ..errors import CheckpointError
 from ..ftw.reader import FTWFile
@@ -55,6 +54,7 @@ from ..stop_tokens import GENERATION_CONFIG
 from ..tokenizer_files import TOKENIZER_FILES
 from ..transformer import MoETransformer
 from .calibrate import AutoPolicy, CalibrationModel, OpenForCalibration, hot_experts, measure_routing
+from .hf_folder import open_hf_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -172,14 +172,8 @@ def convert_checkpoint(
         dense_dtype = torch.float32 if quant == "fp32" else torch.bfloat16
     if dense_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dense_dtype must be float32, bfloat16 or float16, got {dense_dtype}")
-    raw = read_config(folder)
-    adapter = adapter_for(raw["model_type"])
-    try:
-        hf_config = config_from_dict(raw)
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"cannot read the config in {folder}: {e}") from e
-    spec = adapter.build_spec(hf_config)
-    ckpt = SafetensorsCheckpoint(folder)
+    opened = open_hf_checkpoint(folder)
+    raw, adapter, spec, ckpt = opened.raw, opened.adapter, opened.spec, opened.checkpoint
 
     metadata: dict[str, Any] = {
         "converter": "freetoken-agents",

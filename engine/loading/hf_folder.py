@@ -39,17 +39,36 @@ class HFDense:
     checkpoint: SafetensorsCheckpoint
 
 
-def load_hf_dense(folder: Path, dtype: torch.dtype, device: str) -> HFDense:
-    """Read the config, build the model and assign its dense weights. CheckpointError for
-    missing/garbled files or tensors, UnsupportedModelError for an unknown model_type."""
+@dataclass(frozen=True)
+class HFCheckpoint:
+    """A checkpoint folder opened: its raw config.json, the transformers config, the adapter of
+    its architecture, the spec it builds, and its memory-mapped safetensors."""
+
+    raw: dict[str, Any]
+    hf_config: PretrainedConfig
+    adapter: Adapter
+    spec: ModelSpec
+    checkpoint: SafetensorsCheckpoint
+
+
+def open_hf_checkpoint(folder: Path) -> HFCheckpoint:
+    """Read `folder`'s config and open its safetensors (what loading and conversion start from).
+    CheckpointError for a missing or garbled config, UnsupportedModelError for an unknown
+    model_type."""
     raw = read_config(folder)
     adapter = adapter_for(raw["model_type"])
     try:
         hf_config = config_from_dict(raw)
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"cannot read the config in {folder}: {e}") from e
-    spec = adapter.build_spec(hf_config)
-    ckpt = SafetensorsCheckpoint(folder)
+    return HFCheckpoint(raw, hf_config, adapter, adapter.build_spec(hf_config), SafetensorsCheckpoint(folder))
+
+
+def load_hf_dense(folder: Path, dtype: torch.dtype, device: str) -> HFDense:
+    """Read the config, build the model and assign its dense weights. CheckpointError for
+    missing/garbled files or tensors, UnsupportedModelError for an unknown model_type."""
+    opened = open_hf_checkpoint(folder)
+    adapter, hf_config, spec, ckpt = opened.adapter, opened.hf_config, opened.spec, opened.checkpoint
     model = MoETransformer(spec)
     load_dense_weights(model, lambda name: adapter.dense_tensor(ckpt, name), str(folder), dtype, device)
     return HFDense(folder, spec, model, hf_config, adapter, ckpt)
