@@ -1,0 +1,120 @@
+"""Routing traces: which experts each token chose, layer by layer, as JSON lines.
+
+One line per (token, MoE layer):
+
+    {"seq": 0, "token": 17, "layer": 3, "experts": [5, 1], "weights": [0.62, 0.38], "phase": "decode"}
+
+- `seq`: the sequence (one session's tokens; numbered from 0 in the order sequences start);
+- `token`: the token's position in its sequence (from 0);
+- `layer`: the model layer index (MoE layers only; dense layers have no line);
+- `experts`: the routed experts, in the router's order (top-k); `weights`: their routing weights,
+  as many as `experts`;
+- `phase`: "prefill" (the token was run in a batch with others) or "decode" (alone).
+
+A trace written by another engine in this shape replays too. `read_trace` checks every line and
+raises `RoutingTraceError` naming the file and line for the first malformed one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from .errors import EngineError
+
+Phase = Literal["prefill", "decode"]
+PHASES: tuple[Phase, ...] = ("prefill", "decode")
+
+
+class RoutingTraceError(EngineError):
+    """A routing trace that cannot be read, or does not fit the model it is replayed on."""
+
+
+@dataclass(frozen=True)
+class RoutingRecord:
+    """One token's routing at one MoE layer (see the module docstring)."""
+
+    seq: int
+    token: int
+    layer: int
+    experts: tuple[int, ...]
+    weights: tuple[float, ...]
+    phase: Phase
+
+    def to_json(self) -> str:
+        doc = {
+            "seq": self.seq,
+            "token": self.token,
+            "layer": self.layer,
+            "experts": list(self.experts),
+            "weights": [round(w, 6) for w in self.weights],
+            "phase": self.phase,
+        }
+        return json.dumps(doc, separators=(",", ":"))
+
+
+def parse_record(line: str, where: str) -> RoutingRecord:
+    """The record on one JSON line; RoutingTraceError naming `where` (file:line) if malformed."""
+    try:
+        doc = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise RoutingTraceError(f"{where}: not a JSON object ({e.msg})") from None
+    if not isinstance(doc, dict):
+        raise RoutingTraceError(f"{where}: not a JSON object")
+    missing = [k for k in ("seq", "token", "layer", "experts", "weights", "phase") if k not in doc]
+    if missing:
+        raise RoutingTraceError(f"{where}: missing {', '.join(missing)}")
+    for key in ("seq", "token", "layer"):
+        if not _is_index(doc[key]):
+            raise RoutingTraceError(f"{where}: {key} must be an integer >= 0, got {doc[key]!r}")
+    experts, weights = doc["experts"], doc["weights"]
+    if not isinstance(experts, list) or not experts or not all(_is_index(e) for e in experts):
+        raise RoutingTraceError(f"{where}: experts must be a non-empty list of integers >= 0")
+    if len(set(experts)) != len(experts):
+        raise RoutingTraceError(f"{where}: experts {experts} repeat an expert")
+    if (
+        not isinstance(weights, list)
+        or len(weights) != len(experts)
+        or not all(_is_weight(w) for w in weights)
+    ):
+        raise RoutingTraceError(f"{where}: weights must be {len(experts)} finite numbers, one per expert")
+    if doc["phase"] not in PHASES:
+        raise RoutingTraceError(f"{where}: phase must be prefill or decode, got {doc['phase']!r}")
+    return RoutingRecord(
+        doc["seq"], doc["token"], doc["layer"], tuple(experts), tuple(float(w) for w in weights), doc["phase"]
+    )
+
+
+def read_trace(path: str | Path) -> Iterator[RoutingRecord]:
+    """The records of the trace at `path`, in file order (blank lines skipped). RoutingTraceError
+    for a missing file or the first malformed line."""
+    path = Path(path)
+    try:
+        handle = path.open(encoding="utf-8")
+    except OSError as e:
+        raise RoutingTraceError(f"cannot read routing trace {path}: {e.strerror or e}") from None
+    with handle:
+        for number, line in enumerate(handle, 1):
+            if line.strip():
+                yield parse_record(line, f"{path}:{number}")
+
+
+def write_trace(records: Iterable[RoutingRecord], out: IO[str]) -> int:
+    """Write `records` to `out` as JSON lines; returns how many were written."""
+    n = 0
+    for record in records:
+        out.write(record.to_json() + "\n")
+        n += 1
+    return n
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_weight(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
