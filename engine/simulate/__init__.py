@@ -1,0 +1,9 @@
+"""q* on real routing, off the machine: routing traces replayed through the engine's own tiers
+and policy on a modelled machine (issue 33).
+
+- `shapes`: model shapes (layers, experts, top-k, bytes per expert per codec, dense bytes per
+  token) from a config.json or a built-in name.
+- `profiles`: hardware profiles (links, memory, compute), built in or from a TOML file.
+- `synthetic`: routing traces with set temporal reuse, popularity skew and cross-layer correlation.
+- `stats`: what a trace's routing looks like (reuse, skew, misses of cache policies).
+"""
