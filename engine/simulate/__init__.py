@@ -2,7 +2,7 @@
 and policy on a modelled machine (issue 33).
 
 - `shapes`: model shapes (layers, experts, top-k, bytes per expert per codec, dense bytes per
-  token) from a config.json or a built-in name.
+  token) from a config.json or a built-in name (`builtin_models`); whether a trace fits one.
 - `profiles`: hardware profiles (links, memory, compute), built in or from a TOML file.
 - `synthetic`: routing traces with set temporal reuse, popularity skew and cross-layer correlation.
 - `stats`: what a trace's routing looks like (reuse, skew, misses of cache policies).

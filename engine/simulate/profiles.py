@@ -1,0 +1,286 @@
+"""Hardware profiles for the simulator: the links, memories and compute of a modelled machine.
+
+A `HardwareProfile` holds the figures a decode-speed model needs. Built-ins (`BUILTIN_PROFILES`)
+cite their source beside each figure: a spec sheet, a whitepaper, ``measured: FACTS.md`` (the
+project's measurements of the H200 machine) or ``estimate`` (with how it was reached). Rates are
+decimal: 1 GB/s = 1e9 bytes/s; sizes are bytes. Everything is a figure a user can replace by writing
+a TOML file with every field (`load_profile`), for example a 4090 box with 128 GB of RAM:
+
+    name = "my-4090"
+    device = "cuda"              # "cuda", or "cpu" for a machine without a GPU
+    link_gbps = 25.0             # host -> device copy from pinned memory, GB/s
+    link_latency_us = 10.0       # fixed cost of one small copy, microseconds
+    device_mem_gbps = 1008.0     # device memory bandwidth, GB/s
+    device_mem_bytes = 25_757_220_864
+    device_bf16_tflops = 165.2   # dense tensor-core bf16 (fp32 accumulate)
+    device_lowp_tflops = 330.3   # dense fp8 (or int8) tensor-core figure
+    host_mem_gbps = 70.0
+    host_mem_bytes = 137_438_953_472
+    disk_gbps = 5.0
+    cpu_gflops = 1000.0          # sustained fp32 GFLOP/s, all cores
+    cpu_cores = 16
+
+For ``device = "cpu"`` the device IS the host: its memory figures are the host's, the link is a
+memory copy (host bandwidth) and its compute the CPU's; `fast` and host tiers then share one RAM.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from ..errors import EngineError
+
+__all__ = ["BUILTIN_PROFILES", "HardwareProfile", "ProfileError", "load_profile"]
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+class ProfileError(EngineError, ValueError):
+    """A hardware profile file or name that cannot be used; the message names the file and key."""
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """The figures of one modelled machine (see the module docstring for units).
+
+    Attributes:
+        name: profile name.
+        device: "cuda" (a GPU behind a host link) or "cpu" (no GPU: the device is the host).
+        link_gbps: host -> device copy bandwidth from pinned host memory, GB/s (effective).
+        link_latency_us: fixed cost of one small host -> device copy (launch, sync), microseconds.
+        device_mem_gbps: device memory bandwidth, GB/s.
+        device_mem_bytes: device memory, bytes.
+        device_bf16_tflops: dense bf16 matrix throughput of the device, TFLOP/s.
+        device_lowp_tflops: dense low-precision (fp8 or int8) matrix throughput, TFLOP/s.
+        host_mem_gbps: host memory bandwidth, GB/s.
+        host_mem_bytes: host memory, bytes.
+        disk_gbps: disk read bandwidth for expert-sized reads that bypass the page cache, GB/s.
+        cpu_gflops: sustained fp32 GFLOP/s of the CPU, all cores.
+        cpu_cores: CPU cores.
+    """
+
+    name: str
+    device: Literal["cuda", "cpu"]
+    link_gbps: float
+    link_latency_us: float
+    device_mem_gbps: float
+    device_mem_bytes: int
+    device_bf16_tflops: float
+    device_lowp_tflops: float
+    host_mem_gbps: float
+    host_mem_bytes: int
+    disk_gbps: float
+    cpu_gflops: float
+    cpu_cores: int
+
+    def __post_init__(self) -> None:
+        for key, value in _validate(_as_dict(self), f"profile {self.name!r}").items():
+            object.__setattr__(self, key, value)  # ints given for float figures become floats
+
+    def link_seconds(self, nbytes: int, copies: int = 1) -> float:
+        """Time to copy `nbytes` host -> device in `copies` transfers (latency paid per transfer)."""
+        return copies * self.link_latency_us * 1e-6 + nbytes / (self.link_gbps * 1e9)
+
+    def to_toml(self) -> str:
+        """This profile as a TOML document `load_profile` reads back."""
+        lines = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            lines.append(f"{f.name} = " + (f'"{v}"' if isinstance(v, str) else repr(v)))
+        return "\n".join(lines) + "\n"
+
+
+_TYPES: dict[str, type] = {
+    "name": str,
+    "device": str,
+    "link_gbps": float,
+    "link_latency_us": float,
+    "device_mem_gbps": float,
+    "device_mem_bytes": int,
+    "device_bf16_tflops": float,
+    "device_lowp_tflops": float,
+    "host_mem_gbps": float,
+    "host_mem_bytes": int,
+    "disk_gbps": float,
+    "cpu_gflops": float,
+    "cpu_cores": int,
+}
+_DEVICES = ("cuda", "cpu")
+
+
+def _as_dict(p: HardwareProfile) -> dict[str, Any]:
+    return {f.name: getattr(p, f.name) for f in fields(p)}
+
+
+def _validate(doc: dict[str, Any], where: str) -> dict[str, Any]:
+    """`doc` with int figures widened to float where a float is expected; ProfileError naming
+    `where` and the first key at fault (unknown, missing, wrong type, non-positive, bad device)."""
+    unknown = sorted(set(doc) - set(_TYPES))
+    if unknown:
+        raise ProfileError(f"{where}: unknown key {unknown[0]!r} (keys: {', '.join(_TYPES)})")
+    missing = [k for k in _TYPES if k not in doc]
+    if missing:
+        raise ProfileError(f"{where}: missing key {missing[0]!r}")
+    out: dict[str, Any] = {}
+    for key, kind in _TYPES.items():
+        v = doc[key]
+        if kind is str:
+            if not isinstance(v, str) or not v:
+                raise ProfileError(f"{where}: key {key!r} must be a non-empty string, got {v!r}")
+        elif kind is int:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ProfileError(f"{where}: key {key!r} must be an integer, got {v!r}")
+        else:
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise ProfileError(f"{where}: key {key!r} must be a number, got {v!r}")
+            v = float(v)
+            if not math.isfinite(v):
+                raise ProfileError(f"{where}: key {key!r} must be finite, got {v!r}")
+        if kind is not str and v <= 0:
+            raise ProfileError(f"{where}: key {key!r} must be positive, got {v!r}")
+        out[key] = v
+    if out["device"] not in _DEVICES:
+        raise ProfileError(
+            f"{where}: key 'device' must be one of {', '.join(_DEVICES)}, got {out['device']!r}"
+        )
+    return out
+
+
+BUILTIN_PROFILES: dict[str, HardwareProfile] = {
+    # A desktop RTX 4090 on PCIe 4.0 x16 with dual-channel DDR5.
+    "rtx4090-pcie4": HardwareProfile(
+        name="rtx4090-pcie4",
+        device="cuda",
+        # PCIe 4.0 x16 is 31.5 GB/s raw (16 GT/s x 16 lanes, 128b/130b); estimate 25 GB/s effective
+        # pinned, ~0.8 of raw (the H200 machine measured 55 of PCIe 5's 63 GB/s: FACTS.md).
+        link_gbps=25.0,
+        # estimate: FACTS.md (H200) measured ~7.7 us per op launch and ~11.7 us per device sync.
+        link_latency_us=10.0,
+        # NVIDIA GeForce RTX 4090 spec sheet: 384-bit GDDR6X at 21 Gbps = 1008 GB/s, 24 GB.
+        device_mem_gbps=1008.0,
+        device_mem_bytes=24 * GiB,
+        # NVIDIA Ada Lovelace architecture whitepaper (RTX 4090): FP16/BF16 tensor, FP32 accumulate,
+        # dense 165.2 TFLOPS; FP8 tensor, FP32 accumulate, dense 330.3 TFLOPS.
+        device_bf16_tflops=165.2,
+        device_lowp_tflops=330.3,
+        # DDR5-5600 dual channel: 2 x 8 B x 5.6 GT/s = 89.6 GB/s peak; estimate 70 GB/s achieved.
+        host_mem_gbps=70.0,
+        # 64 GB (2 x 32 GB, the low end of 64-128 GB): write a TOML profile for more.
+        host_mem_bytes=64 * GiB,
+        # PCIe 4.0 NVMe spec sheets give ~7 GB/s sequential (Samsung 990 PRO: 7,450 MB/s);
+        # estimate 5 GB/s for expert-sized O_DIRECT reads.
+        disk_gbps=5.0,
+        # estimate: 16-core desktop CPU (e.g. Ryzen 9 7950X, AVX-512 on Zen 4: ~2.5 TFLOP/s fp32
+        # peak), ~40% sustained in GEMV-like loops.
+        cpu_gflops=1000.0,
+        cpu_cores=16,
+    ),
+    # A desktop RTX 5090 on PCIe 5.0 x16 with dual-channel DDR5.
+    "rtx5090-pcie5": HardwareProfile(
+        name="rtx5090-pcie5",
+        device="cuda",
+        # PCIe 5.0 x16 is 63 GB/s raw; measured: FACTS.md, 55 GB/s pinned H2D on the H200 machine's
+        # PCIe 5 x16 link.
+        link_gbps=55.0,
+        link_latency_us=10.0,  # estimate, as rtx4090-pcie4
+        # NVIDIA GeForce RTX 5090 spec sheet: 512-bit GDDR7 at 28 Gbps = 1792 GB/s, 32 GB.
+        device_mem_gbps=1792.0,
+        device_mem_bytes=32 * GiB,
+        # NVIDIA RTX Blackwell GPU architecture whitepaper (RTX 5090): FP16/BF16 tensor, FP32
+        # accumulate, dense 209.5 TFLOPS; FP8 tensor, FP32 accumulate, dense 419 TFLOPS (approx.).
+        device_bf16_tflops=209.5,
+        device_lowp_tflops=419.0,
+        # DDR5-6000 dual channel: 96 GB/s peak; estimate 75 GB/s achieved.
+        host_mem_gbps=75.0,
+        host_mem_bytes=64 * GiB,
+        # PCIe 5.0 NVMe spec sheets give 12-14 GB/s sequential; estimate 8 GB/s for expert reads.
+        disk_gbps=8.0,
+        cpu_gflops=1000.0,  # estimate, as rtx4090-pcie4
+        cpu_cores=16,
+    ),
+    # The project's H200 machine (FACTS.md, measured 2026-12-04).
+    "h200": HardwareProfile(
+        name="h200",
+        device="cuda",
+        link_gbps=55.0,  # measured: FACTS.md, pinned host -> device copy, 25 and 256 MiB
+        # measured: FACTS.md, ~7.7 us per tiny op launch, ~11.7 us per device -> host sync
+        link_latency_us=10.0,
+        # measured: FACTS.md, device-to-device copy ~4.3 TB/s (spec sheet: 4.8 TB/s HBM3e)
+        device_mem_gbps=4300.0,
+        device_mem_bytes=143_771 * MiB,  # measured: FACTS.md, 143,771 MiB (spec: 141 GB)
+        # NVIDIA H200 SXM spec sheet: BF16 tensor 1,979 TFLOPS and FP8 3,958 with sparsity,
+        # so 989.5 and 1,979 dense.
+        device_bf16_tflops=989.5,
+        device_lowp_tflops=1979.0,
+        # estimate: not measured; a 16-core slice of a multi-channel DDR5 server.
+        host_mem_gbps=100.0,
+        host_mem_bytes=125 * 10**9,  # measured: FACTS.md, 125 GB RAM
+        disk_gbps=1.9,  # measured: FACTS.md, 1.8-2.1 GB/s with O_DIRECT
+        # estimate: not measured; 16 server cores with AVX-512 at ~2 GHz sustained, ~40% of peak.
+        cpu_gflops=800.0,
+        cpu_cores=16,  # measured: FACTS.md
+    ),
+    # A desktop with no GPU: 16 cores and dual-channel DDR5 (the device is the host).
+    "cpu-ddr5": HardwareProfile(
+        name="cpu-ddr5",
+        device="cpu",
+        link_gbps=70.0,  # no link: a copy within RAM at host bandwidth
+        link_latency_us=1.0,  # estimate: a small memcpy, no device launch
+        device_mem_gbps=70.0,  # = host_mem_gbps
+        device_mem_bytes=64 * GiB,  # = host_mem_bytes
+        # estimate: the CPU itself (bf16 runs through fp32 math on AVX2/AVX-512 without AMX)
+        device_bf16_tflops=1.0,
+        device_lowp_tflops=1.0,
+        # DDR5-5600 dual channel: 89.6 GB/s peak; estimate 70 GB/s achieved.
+        host_mem_gbps=70.0,
+        host_mem_bytes=64 * GiB,
+        disk_gbps=5.0,  # estimate, PCIe 4.0 NVMe as rtx4090-pcie4
+        cpu_gflops=1000.0,  # estimate, as rtx4090-pcie4
+        cpu_cores=16,
+    ),
+}
+"""Built-in hardware profiles by name (sources beside each figure)."""
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """A built-in profile by name, or the profile in a TOML file with every `HardwareProfile` field.
+
+    ProfileError (a ValueError and an EngineError), in one line naming the file and the key, for an
+    unknown name, an unreadable or invalid TOML file, and an unknown, missing, mistyped or
+    non-positive key.
+    """
+    key = str(name_or_path)
+    if key in BUILTIN_PROFILES:
+        return BUILTIN_PROFILES[key]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ProfileError(
+            f"unknown hardware profile {key!r}: not a built-in "
+            f"({', '.join(BUILTIN_PROFILES)}) nor a TOML file"
+        )
+    toml = _toml_module(path)
+    try:
+        doc = toml.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ProfileError(f"cannot read hardware profile {path}: {e}") from None
+    except toml.TOMLDecodeError as e:
+        raise ProfileError(f"{path}: not valid TOML ({e})") from None
+    return HardwareProfile(**_validate(doc, str(path)))
+
+
+def _toml_module(path: Path) -> Any:
+    """tomllib (Python 3.11+), else the tomli backport; ProfileError when neither is there."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        return tomllib
+    try:
+        import tomli
+    except ImportError:
+        raise ProfileError(f"{path}: reading TOML profiles needs Python 3.11+ or the tomli package") from None
+    return tomli
