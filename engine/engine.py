@@ -65,12 +65,16 @@ class Engine:
         source: Path | None = None,
         placement: PlacementChoice | None = None,
         on_kv_resize: Callable[[int], None] | None = None,
+        on_forward: Callable[[str, int, int], None] | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         expert_quant: str = "auto",
         dense_quant: Sequence[str] = (),
         generation_eos: int | Sequence[int] | None = None,
     ) -> None:
         self.spec, self.model, self.experts = spec, model, experts
+        self._own_experts = experts  # closed by `close` even while a wrapper is in use
+        # Told of every forward pass before it runs (`SessionHost.on_forward`: the routing recorder).
+        self.on_forward = on_forward
         # What `from_pretrained` was asked to hold in int8 (`int8.py`); recorded, not applied here.
         self.expert_quant, self.dense_quant = check_quant_options(expert_quant, dense_quant)
         self.hf_config = hf_config
@@ -132,6 +136,7 @@ class Engine:
         cache_dir: str | Path | None = None,
         progress: bool = True,
         tiering: TieringOptions | None = None,
+        record_routing: str | Path | None = None,
     ) -> Engine:
         """Load a Hugging Face checkpoint folder (config.json + *.safetensors [+ tokenizer]), an
         FTW file, or a Hugging Face Hub id ``org/name[@revision][:QUANT]`` (fetched into the
@@ -153,11 +158,16 @@ class Engine:
                 tiers on a GPU); "compact" also keeps MXFP4 projections 4-bit (`mxfp4.py`; tier
                 1 on a GPU too); "none" decodes every codec to `dtype`. dense_quant: a
                 subset of ("attention", "lm_head").
+            record_routing: a file (created or replaced; its folder must exist) receiving the
+                routing of every token the engine runs, one JSON line per (token, MoE layer)
+                (`routing_trace` documents the format; written in whole lines, complete once the
+                engine is closed or the program exits).
 
         Raises CheckpointError (missing/garbled files or tensors; its ModelNotFoundError: a Hub id
         that cannot be fetched: missing, gated, offline with nothing cached), FTWFormatError (a corrupted,
         truncated or foreign FTW file), UnsupportedModelError (unknown model_type), EngineError
-        (bad options: an unknown or absent device, an unknown quant or placement),
+        (bad options: an unknown or absent device, an unknown quant or placement, a
+        record_routing path that cannot be written),
         MemoryBudgetError (a budget below what one layer needs, naming the smallest that works).
         """
         options = EngineOptions.parse(
@@ -171,6 +181,7 @@ class Engine:
             cache_dir=cache_dir,
             progress=progress,
             tiering=tiering or TieringOptions(),
+            record_routing=record_routing,
         )
         return cls.from_options(path, options)
 
@@ -190,14 +201,22 @@ class Engine:
 
     def use_expert_provider(self, provider: ExpertStore) -> None:
         """Route every MoE layer through `provider`, a wrapper of the current one (routing
-        counters for calibration, recorders in benchmarks); the KV pool keeps its wiring."""
+        counters for calibration, recorders in benchmarks); the KV pool keeps its wiring.
+        A routing trace (`record_routing`) keeps recording through a wrapper that delegates `run`
+        to the store it wraps (`DelegatingStore` does); passes of a provider that computes the
+        experts itself never reach the recorder and are not in the trace. `close` closes the
+        store the engine was built with (and so the trace) whatever provider is in use."""
         self.experts = provider
         self.model.attach_experts(provider)
 
     def close(self) -> None:
-        """Stop the expert provider's threads and close its files (tiered placements). The engine
-        must not be used afterwards. Idempotent."""
-        self.experts.close()
+        """Stop the expert provider's threads and close its files (tiered placements; a routing
+        trace is written out). The engine must not be used afterwards. Idempotent."""
+        try:
+            self.experts.close()
+        finally:
+            if self._own_experts is not self.experts:  # a wrapper does not own what it wraps
+                self._own_experts.close()
 
     def __enter__(self) -> Engine:
         return self

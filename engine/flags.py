@@ -1,12 +1,13 @@
 """The engine's command-line flags (`--device`, `--dtype`, `--fast-mem`, `--host-mem`,
-`--placement`, `--expert-quant`), defined once beside `EngineOptions`, which they fill: every
-command that loads a model takes them (`freetoken chat/generate/serve/demo`, and the recipes'
+`--placement`, `--expert-quant`, `--record-routing`), defined once beside `EngineOptions`, which
+they fill: every command that loads a model takes them (`freetoken chat/generate/serve/demo`, and the recipes'
 own `python -m` programs, which may not import the CLI above them).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from .int8 import EXPERT_QUANTS
@@ -53,6 +54,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "every expert projection), compact (int8 and MXFP4 stay as stored), none (decode "
         "everything to --dtype) (default auto)",
     )
+    group.add_argument(
+        "--record-routing",
+        default=None,
+        metavar="PATH",
+        type=Path,
+        help="write the experts every token is routed to, one JSON line per token and MoE layer "
+        "(seq, token, layer, experts, weights, phase), to PATH",
+    )
 
 
 def engine_options(args: argparse.Namespace, **extra: Any) -> EngineOptions:
@@ -60,7 +69,12 @@ def engine_options(args: argparse.Namespace, **extra: Any) -> EngineOptions:
     flag for an unreadable size; EngineError for a bad device)."""
     quant = args.expert_quant
     options = EngineOptions.parse(
-        device=args.device, dtype=args.dtype, placement=args.placement, expert_quant=quant, **extra
+        device=args.device,
+        dtype=args.dtype,
+        placement=args.placement,
+        expert_quant=quant,
+        record_routing=args.record_routing,
+        **extra,
     )
     memory = MemoryBudget.from_strings(
         args.fast_mem,

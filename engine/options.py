@@ -73,7 +73,8 @@ class EngineOptions(BaseModel):
     converted to when it must be tiered (None: lossless, the values the resident engine holds).
     cache_dir: where converted checkpoints are cached (None: $FREETOKEN_CACHE, else the platform's
     user cache dir). progress: progress bars on conversion and verification. tiering: tuning of
-    the tiered memory.
+    the tiered memory. record_routing: a file to write the routing of every token the engine runs
+    to (`routing_record`; JSON lines, `routing_trace`), None: no trace.
     """
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True, extra="forbid")
@@ -88,6 +89,7 @@ class EngineOptions(BaseModel):
     cache_dir: Path | None = None
     progress: bool = True
     tiering: TieringOptions = Field(default_factory=TieringOptions)
+    record_routing: Path | None = None
 
     @field_validator("device", mode="before")
     @classmethod
@@ -142,6 +144,7 @@ class EngineOptions(BaseModel):
             self.quant,
             str(self.cache_dir) if self.cache_dir is not None else None,
             self.tiering,
+            str(self.record_routing) if self.record_routing is not None else None,
         )
 
 

@@ -30,7 +30,11 @@ from .spec import ModelSpec
 class SessionHost(Protocol):
     """What a session runs on (the `Engine` is one): the model and its expert store, the KV pool
     and anchors it shares with the other sessions, and the lock every step holds. Declared here
-    so this module never imports the engine that creates sessions."""
+    so this module never imports the engine that creates sessions.
+
+    `on_forward(session_id, start, count)`, when set, is told of every forward pass before it
+    runs (under the lock): `count` tokens of the session `session_id` from position `start`
+    (the routing recorder, `routing_record.RoutingRecorder.begin_step`)."""
 
     spec: ModelSpec
     model: torch.nn.Module
@@ -41,6 +45,7 @@ class SessionHost(Protocol):
     max_context: int
     device: torch.device
     dtype: torch.dtype
+    on_forward: Callable[[str, int, int], None] | None
 
     @property
     def model_fingerprint(self) -> str: ...
@@ -250,6 +255,8 @@ class Session:
         start = self.table.length
         positions = torch.arange(start, start + len(ids), device=engine.device)
         cos, sin = rope_cos_sin(engine.spec.rope, positions, engine.dtype)
+        if engine.on_forward is not None:
+            engine.on_forward(self.id, start, len(ids))
         with torch.inference_mode():
             new_slots = self.table.reserve(len(ids))
             ctx = StepContext(self.table, new_slots, positions, cos, sin)

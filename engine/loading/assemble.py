@@ -6,8 +6,11 @@
             -> expert store built: resident (all experts in RAM/VRAM, or lazily from an FTW
                file) or tiered (`memory.TieredExpertProvider` over an FTW file: the file given,
                or the cached conversion of the HF folder, `cache`)
+            -> wrapped in a `routing_record.RoutingRecorder` when `record_routing` names a trace
+               file (its path is checked first, before anything is loaded)
             -> `LoadedModel`: what `Engine(...)` takes; it builds the KV pool (with the store's
-               resize callback), the model fingerprint and the anchor store.
+               resize callback), the model fingerprint and the anchor store, and hands the
+               recorder's `begin_step` to its sessions (`on_forward`).
 
 Collaborators get what they need through their constructors (the tiered provider: routers for
 pre-gating and the attention modules it times); nothing is patched on afterwards.
@@ -32,6 +35,7 @@ from ..memory import MemoryBudget, TieredExpertProvider
 from ..memory.budget import free_host_bytes
 from ..moe import MoEBlock
 from ..options import EngineOptions
+from ..routing_record import RoutingRecorder, check_trace_path
 from ..spec import ModelSpec
 from ..stop_tokens import read_generation_eos
 from ..transformer import MoETransformer
@@ -73,6 +77,7 @@ class LoadedModel:
     source: Path
     placement: PlacementChoice
     on_kv_resize: Callable[[int], None] | None
+    on_forward: Callable[[str, int, int], None] | None
     expert_quant: str
     dense_quant: Sequence[str]
     generation_eos: int | list[int] | None
@@ -88,10 +93,13 @@ def assemble(path: str | Path, options: EngineOptions, open_model: OpenForCalibr
 
     Raises CheckpointError, FTWFormatError, UnsupportedModelError (what the loaders raise),
     EngineError (an unknown or absent device, bad quant options, a combination that cannot
-    run), MemoryBudgetError (a budget below what the model needs to run).
+    run, a routing trace path that cannot be written), MemoryBudgetError (a budget below what
+    the model needs to run).
     """
     t0 = time.perf_counter()
     path = Path(path).expanduser()
+    if options.record_routing is not None:
+        check_trace_path(options.record_routing)  # fail before loading anything
     device = check_device(options.device)
     dev = str(device)
     dtype = options.dtype
@@ -136,6 +144,14 @@ def assemble(path: str | Path, options: EngineOptions, open_model: OpenForCalibr
         provider = _tiered_provider(ftw_path, memory, model, dtype, dev, choice, options)
         experts, on_kv_resize = provider, provider.on_kv_resize
     quantize_dense(model, dense_quant)
+    on_forward = None
+    if options.record_routing is not None:
+        try:
+            recorder = RoutingRecorder(experts, options.record_routing)
+        except BaseException:
+            experts.close()  # the tiered provider's threads and files
+            raise
+        experts, on_forward = recorder, recorder.begin_step
     parts = LoadedModel(
         spec=spec,
         model=model,
@@ -149,6 +165,7 @@ def assemble(path: str | Path, options: EngineOptions, open_model: OpenForCalibr
         source=path,
         placement=choice,
         on_kv_resize=on_kv_resize,
+        on_forward=on_forward,
         expert_quant=expert_quant,
         dense_quant=dense_quant,
         generation_eos=read_generation_eos(path, loaded_ftw.ftw if loaded_ftw is not None else None),

@@ -37,7 +37,11 @@ def run(args: argparse.Namespace) -> int:
 
     use_threads(args.threads, args.model)
     options = engine_options(args, progress=show_progress(args.no_progress))
-    engine = Engine.from_options(args.model or default_model(), options)
+    with Engine.from_options(args.model or default_model(), options) as engine:  # closed: traces written
+        return _generate(engine, args)
+
+
+def _generate(engine: Engine, args: argparse.Namespace) -> int:
     tok = engine.tokenizer
     if args.chat:
         ids = engine.apply_chat_template([{"role": "user", "content": args.prompt}])

@@ -83,6 +83,9 @@ class ChatFreeToken(BaseChatModel):
     expert_quant: str = "auto"
     """'auto' | 'int8' | 'compact' | 'none': which expert projections the engine keeps compact (int8,
     MXFP4) and computes from that form (resident or tiered; see `Engine.from_pretrained`)."""
+    record_routing: str | None = None
+    """A file the engine writes the routing of every token it runs to (JSON lines; see
+    `Engine.from_pretrained`); None: no trace."""
     tool_format: str | None = None
     """Tool-call family (a `freetoken_agents.parsers.PARSERS` key: 'hermes', 'mistral', 'mistral_v11',
     'deepseek', 'deepseek_v31', 'harmony', 'qwen3_coder'); None: from the template."""
@@ -194,6 +197,7 @@ class ChatFreeToken(BaseChatModel):
             memory=self.memory,
             placement=self.placement,
             expert_quant=self.expert_quant,
+            record_routing=self.record_routing,
         )
 
     @property
