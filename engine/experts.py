@@ -7,7 +7,7 @@ memory tiers is therefore one copy, and FTW stores exactly these tensors.
 
 A projection may instead be held in int8 (`int8.py`, FTW's ``int8`` codec): then `gate_up` / `down`
 are int8 and `gate_up_scale [2I]` / `down_scale [H]` hold its fp32 per-row scales; such experts are
-packed with `ExpertWeights.packed_mixed` and `expert_forward` computes them with `int8_linear`
+packed with `ExpertWeights.packed_mixed` and `routed.expert_forward` computes them with `int8_linear`
 (fused int8 GEMV for decode, dequantize per block for prefill) without ever holding a float copy.
 Or in MXFP4 (`mxfp4.py`, ``expert_quant="compact"``): `gate_up [2I, H/2]` uint8 blocks with
 `gate_up_scale [2I, H/32]` uint8 E8M0 scales (likewise `down`), computed by `mxfp4_linear`.
@@ -18,24 +18,19 @@ Letters: T tokens, H hidden, I expert intermediate size, A active experts per to
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from .grouped_experts import (
-    ExpertStack,
-    activation,
-    grouped_mm_capturable,
-    run_grouped,
-    run_pair,
-    use_grouped,
-)
-from .int8 import int8_linear, quantize
-from .mxfp4 import mxfp4_linear
+from . import routed
+from .grouped_experts import ExpertStack, grouped_mm_capturable
+from .int8 import quantize
+from .routed import dispatch_experts as dispatch_experts  # re-exported: importers use these names
+from .routed import expert_forward as expert_forward
+from .routed import run_experts as run_experts
 from .spec import MoESpec
 
 ExpertKey = tuple[int, int]  # (layer, expert)
@@ -154,25 +149,6 @@ def _byte_views(
     return views
 
 
-def _project(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
-) -> torch.Tensor:
-    if scale is None:
-        # The bias is added after the product (as the reference does), the same arithmetic as
-        # the grouped GEMM path (`grouped_experts.run_grouped`).
-        y = F.linear(x, weight)
-        return y if bias is None else y + bias
-    if weight.dtype == torch.uint8:  # MXFP4 blocks [N, K/2] with E8M0 scales [N, K/32]
-        return mxfp4_linear(x, weight, scale, bias)
-    return int8_linear(x, weight, scale, bias)
-
-
-def expert_forward(w: ExpertWeights, x: torch.Tensor, spec: MoESpec) -> torch.Tensor:
-    """One expert's MLP on `x [T, H]` -> [T, H] (int8 projections through `int8_linear`)."""
-    gate_up = _project(x, w.gate_up, w.gate_up_scale, w.gate_up_bias)  # [T, 2I]
-    return _project(activation(gate_up, spec), w.down, w.down_scale, w.down_bias)
-
-
 class ExpertStore(ABC):
     """Where the MoE block gets its experts: resident stacks, an FTW file read on first use, the
     tiered memory, or a wrapper of one of those (routing counters, recorders).
@@ -276,68 +252,14 @@ class DelegatingStore(ExpertStore):
         return self.inner.weights_file()
 
 
-def run_experts(
-    get: Callable[[int, int], ExpertWeights],
-    layer: int,
-    hidden: torch.Tensor,
-    expert_ids: torch.Tensor,
-    weights: torch.Tensor,
-    spec: MoESpec,
-) -> torch.Tensor:
-    """Group tokens by expert and accumulate `weight * expert(x)`, experts in ascending id."""
-    return dispatch_experts(lambda e, x: expert_forward(get(layer, e), x, spec), hidden, expert_ids, weights)
-
-
-def dispatch_experts(
-    forward: Callable[[int, torch.Tensor], torch.Tensor],
-    hidden: torch.Tensor,
-    expert_ids: torch.Tensor,
-    weights: torch.Tensor,
-) -> torch.Tensor:
-    """hidden [T, H], expert_ids [T, A], weights [T, A] -> [T, H]: the sum over a token's experts
-    of `weight * forward(expert, its tokens' hidden)`, experts in ascending id.
-
-    Ascending order with index_add matches the reference summation order, so every provider that
-    dispatches through here (in RAM, FTW, tiered) gives the same logits.
-    """
-    if hidden.shape[0] == 1:
-        # Decode: one token, A experts; skip the grouping machinery (and per-expert tensor
-        # indexing: ids and weights come to the host once); each weighted output is added in
-        # ascending expert id.
-        # (add_ with alpha takes the weight as a scalar argument; a tensor op with a Python float
-        # would wrap it into a tensor first, ~3x the cost of the op here.)
-        ids, ws = expert_ids.tolist()[0], weights.tolist()[0]
-        acc = torch.zeros_like(hidden)
-        for a in sorted(range(len(ids)), key=ids.__getitem__):
-            acc.add_(forward(ids[a], hidden), alpha=ws[a])
-        return acc
-    out = torch.zeros_like(hidden)
-    flat_ids = expert_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    sorted_ids = flat_ids[order]
-    token_of = order // expert_ids.shape[1]
-    experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    start = 0
-    for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
-        # clone(): index_add_ with an index that is a view into a larger tensor runs ~300x
-        # slower on CPU (torch 2.13), measured in bench/decode.py's prefill.
-        idx = order[start : start + count]
-        tokens = token_of[start : start + count].clone()
-        start += count
-        y = forward(expert, hidden[tokens])
-        w = weights.reshape(-1)[idx, None]
-        out.index_add_(0, tokens, (y * w).to(out.dtype))
-    return out
-
-
 class InMemoryExpertProvider(ExpertStore):
     """All experts resident (RAM or device memory).
 
     Each layer whose experts are all float, of one shape, dtype and device, is stacked into an
-    `ExpertStack` (slot = expert id) and computed by grouped GEMMs (`grouped_experts`); its
+    `ExpertStack` (slot = expert id), computed by grouped GEMMs or the top-2 pair (`routed`); its
     `ExpertWeights` become views into the stack (the per-expert storages are released as each
     layer is stacked, so `experts` is updated in place and peak memory grows by one layer).
-    Other layers (int8 or mixed experts) dispatch expert by expert.
+    Other layers (int8 or mixed experts) dispatch expert by expert (`routed.run_routed` chooses).
     """
 
     def __init__(self, experts: dict[ExpertKey, ExpertWeights]) -> None:
@@ -368,7 +290,7 @@ class InMemoryExpertProvider(ExpertStore):
         layers = {k[0] for k in self._experts}
         return bool(layers) and all(
             layer in self._stacks
-            and use_grouped(self._stacks[layer], 1)
+            and routed.use_grouped(self._stacks[layer], 1)
             and grouped_mm_capturable(self._stacks[layer].gate_up.device, self._stacks[layer].gate_up.dtype)
             for layer in layers
         )
@@ -380,15 +302,15 @@ class InMemoryExpertProvider(ExpertStore):
     def run(
         self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec
     ) -> torch.Tensor:
-        stack = self._stacks.get(layer)
-        if stack is not None:
-            if use_grouped(stack, hidden.shape[0]):
-                return run_grouped(stack, hidden, expert_ids, weights, spec)
-            if expert_ids.shape == (1, 2):  # CPU decode, top-2: one strided view of the stack
-                ids = expert_ids.tolist()[0]
-                if ids[0] != ids[1]:
-                    return run_pair(stack, hidden, ids, weights, spec)
-        return run_experts(self.get, layer, hidden, expert_ids, weights, spec)
+        experts = self._experts
+        return routed.run_routed(
+            hidden,
+            expert_ids,
+            weights,
+            spec,
+            stack=self._stacks.get(layer),
+            get=lambda e: experts[(layer, e)],
+        )
 
 
 def _stackable(experts: list[ExpertWeights]) -> bool:

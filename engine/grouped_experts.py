@@ -8,7 +8,7 @@ the device), so it is CUDA-graph capturable. The resident provider stacks each l
 (slot = expert id); tier 1 on a GPU is a slot pool of this form with a device-side expert -> slot
 table (`slots.py`).
 
-Arithmetic is that of `experts.expert_forward` + `experts.dispatch_experts`: on CPU
+Arithmetic is that of `routed.expert_forward` + `routed.dispatch_experts`: on CPU
 `_grouped_mm` runs the same matmul per group as `F.linear` per expert (bit for bit, checked in
 tests/test_grouped_experts.py), biases are added after the product as in the reference, and
 each token's weighted expert outputs are accumulated in ascending expert order by one
@@ -17,7 +17,10 @@ each token's weighted expert outputs are accumulated in ascending expert order b
 On CPU (torch 2.13) `_grouped_mm` is a loop of ATen calls, ~3 us per empty group and ~19 us per
 non-empty one on a 2-core AVX2 VM (bench: tests' tiny models, torch profiler), so a decode step
 (A routed experts out of E) runs faster as the loop over the routed experts' views of the stack
-in `experts.dispatch_experts`; prefill (many tokens per expert) uses the grouped GEMM there too.
+in `routed.dispatch_experts`; prefill (many tokens per expert) uses the grouped GEMM there too.
+
+This module holds the kernels (`run_grouped`, `run_pair`); which one computes a routed batch, or
+the per-expert loop, is chosen in one place: `routed.run_routed` (with `routed.use_grouped`).
 
 Letters: T tokens, A active experts per token, S slots (stacked experts), H hidden, I expert
 intermediate size.
@@ -144,13 +147,6 @@ def _self_check(device: torch.device, dtype: torch.dtype) -> bool:
     return ok
 
 
-def use_grouped(stack: ExpertStack, tokens: int) -> bool:
-    """Whether `run_grouped` should compute this step (else a loop over the routed experts):
-    everywhere `_grouped_mm` works, except a CPU decode step (see the module doc)."""
-    w = stack.gate_up
-    return grouped_mm_available(w.device, w.dtype) and not (w.device.type == "cpu" and tokens == 1)
-
-
 def run_grouped(
     stack: ExpertStack,
     hidden: torch.Tensor,
@@ -190,7 +186,7 @@ def run_pair(
 
     Two slots e0 < e1 of a stack are always one strided view (`stack[e0::e1 - e0][:2]`), so both
     experts run as one batched GEMV per projection, no copy of the weights. The same bits as
-    the expert-by-expert loop of `experts.dispatch_experts` (bmm of a row equals F.linear here,
+    the expert-by-expert loop of `routed.dispatch_experts` (bmm of a row equals F.linear here,
     checked in tests/test_grouped_experts.py; the weighted outputs are added in ascending id with
     the loop's add_(alpha=)). hidden [1, H], expert_ids the two ids (host ints), weights [1, 2]
     in the same order -> [1, H].

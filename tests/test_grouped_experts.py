@@ -13,7 +13,8 @@ from freetoken_agents.engine.experts import (
     dispatch_experts,
     expert_forward,
 )
-from freetoken_agents.engine.grouped_experts import ExpertStack, run_grouped, use_grouped
+from freetoken_agents.engine.grouped_experts import ExpertStack, run_grouped
+from freetoken_agents.engine.routed import use_grouped
 from freetoken_agents.engine.spec import MoESpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .. import routed
 from ..expert_tensors import expert_tensors, kept_bytes
-from ..experts import SCALES, ExpertKey, ExpertStore, ExpertWeights, run_experts
+from ..experts import SCALES, ExpertKey, ExpertStore, ExpertWeights
 from ..ftw.reader import FTWFile
 from ..int8 import check_quant_options
 from ..spec import MoESpec
@@ -140,5 +141,6 @@ class FTWExpertProvider(ExpertStore):
     def run(
         self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec
     ) -> torch.Tensor:
-        """hidden [T, H], expert_ids [T, A] (int64), weights [T, A] -> [T, H]; loads what it needs."""
-        return run_experts(self.get, layer, hidden, expert_ids, weights, spec)
+        """hidden [T, H], expert_ids [T, A] (int64), weights [T, A] -> [T, H] (`routed.run_routed`:
+        no stack, so the per-expert loop); loads what it needs."""
+        return routed.run_routed(hidden, expert_ids, weights, spec, get=lambda e: self.get(layer, e))

@@ -35,8 +35,9 @@ double buffer on the device (CUDA), so disk reads overlap compute. The experts p
 coming layers are "needed soon": the tiers evict them last, so a prefetch never pushes out what
 the next layers are about to use.
 
-Every placement computes `expert_forward` on identical weight values, in the summation order of
-`experts.dispatch_experts`, so the logits equal the all-in-RAM engine's whatever the budget.
+Every placement computes `expert_forward` on identical weight values, and every routed batch goes
+through `routed.run_routed` (its per-expert loop, in ascending expert id), so the logits equal the
+all-in-RAM engine's whatever the budget.
 
 Fast memory is shared with the KV cache: the engine gives `on_kv_resize` to its BlockPool as
 `on_resize`; KV growth shrinks tier 1 (prefetch staging first, then coldest experts,
@@ -56,11 +57,13 @@ from typing import Any
 
 import torch
 
+from .. import routed
 from ..errors import EngineError, MemoryBudgetError
 from ..expert_tensors import kept_bytes
-from ..experts import ExpertKey, ExpertStore, ExpertWeights, dispatch_experts, expert_forward
+from ..experts import ExpertKey, ExpertStore, ExpertWeights
 from ..ftw import FTWFile
 from ..int8 import check_quant_options
+from ..routed import expert_forward
 from ..spec import MoESpec
 from .budget import MemoryBudget, format_size
 from .moves import TierMover
@@ -267,7 +270,9 @@ class TieredExpertProvider(ExpertStore):
     def run(
         self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, spec: MoESpec
     ) -> torch.Tensor:
-        """hidden [T, H], expert_ids [T, A], weights [T, A] -> [T, H] (same order as run_experts)."""
+        """hidden [T, H], expert_ids [T, A], weights [T, A] -> [T, H] by `routed.run_routed`: each
+        expert computed where its placement says (`_compute`), or, a decode step whose experts are
+        all in tier 1, straight from them (`_run_resident`)."""
         if self._timer is not None:
             self._timer.poll()
         used = sorted(set(expert_ids.reshape(-1).tolist()))
@@ -285,7 +290,9 @@ class TieredExpertProvider(ExpertStore):
             if resident is not None:  # the common decode step: no per-expert decision at all
                 experts = dict(zip(used, resident, strict=True))
                 return self._run_resident(experts, hidden, expert_ids, weights, spec)
-        return dispatch_experts(lambda e, x: self._compute(layer, e, x, spec), hidden, expert_ids, weights)
+        return routed.run_routed(
+            hidden, expert_ids, weights, spec, compute=lambda e, x: self._compute(layer, e, x, spec)
+        )
 
     def _run_resident(
         self,
@@ -298,14 +305,13 @@ class TieredExpertProvider(ExpertStore):
         """A decode step whose routed experts are all in tier 1: counted as RESIDENT in bulk and
         timed once (each expert credited an equal share for q*'s compute model)."""
         self.policy.count_resident(len(experts), 1)
-        run = lambda e, x: expert_forward(experts[e], x, spec)  # noqa: E731
         if self._timer is not None:
             start = self._timer.start()
-            y = dispatch_experts(run, hidden, expert_ids, weights)
+            y = routed.run_routed(hidden, expert_ids, weights, spec, get=experts.__getitem__)
             self._timer.stop(start, 1, len(experts))  # folded in by poll(), no sync
             return y
         with self.phases.time("experts") as took:
-            y = dispatch_experts(run, hidden, expert_ids, weights)
+            y = routed.run_routed(hidden, expert_ids, weights, spec, get=experts.__getitem__)
         share = took() / len(experts)
         for _ in experts:
             self.policy.compute.observe(self.device.type, "decoded", 1, share)
