@@ -40,8 +40,8 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     for mode in ("graph", "eager"):
-        os.environ["FREETOKEN_CUDA_GRAPHS"] = "1" if mode == "graph" else "0"
-        engine = Engine.from_pretrained(folder, device="cuda", dtype=torch.bfloat16)
+        cuda_graphs = mode == "graph"
+        engine = Engine.from_pretrained(folder, device="cuda", dtype=torch.bfloat16, cuda_graphs=cuda_graphs)
         with engine.new_session() as s:
             s.prefill(prompt, last_only=True)
             for t in forced:  # warm-up (capture)

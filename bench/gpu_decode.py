@@ -15,7 +15,7 @@ Contenders, all from the same 16-token prompt, --tokens teacher-forced decode to
 `--reps` rounds (medians), each timed around its decode calls with CUDA synchronisation:
   transformers eager / grouped_mm / batched_mm   experts_implementation of transformers 5
   engine resident (graph)    every expert on the GPU, decode replayed as a CUDA graph
-  engine resident (eager)    the same with FREETOKEN_CUDA_GRAPHS=0
+  engine resident (eager)    the same with cuda_graphs=False
   engine tiered f=<b>        placement "qstar", fast budget b x the expert bytes (+ KV room),
                              every expert in pinned host RAM (tier 2); steady state: timed after
                              --warmup rounds
@@ -250,14 +250,14 @@ def baselines(
             print(f"transformers {impl}: not measured ({type(e).__name__}: {str(e)[:120]})")
     resident = Engine.from_pretrained(folder, device="cuda", dtype=torch.bfloat16, placement="resident")
     rates["engine resident (graph)"] = 1 / time_engine(resident, prompt, forced, reps)
-    graphs = resident.model._graphs
+    graphs = resident.decode_runner.graphs
     out["graph"] = None if graphs is None else {"captures": graphs.captures, "replays": graphs.replays}
     del resident
     torch.cuda.empty_cache()
-    os.environ["FREETOKEN_CUDA_GRAPHS"] = "0"
-    eager = Engine.from_pretrained(folder, device="cuda", dtype=torch.bfloat16, placement="resident")
+    eager = Engine.from_pretrained(
+        folder, device="cuda", dtype=torch.bfloat16, placement="resident", cuda_graphs=False
+    )
     rates["engine resident (eager)"] = 1 / time_engine(eager, prompt, forced, reps)
-    del os.environ["FREETOKEN_CUDA_GRAPHS"]
     del eager
     torch.cuda.empty_cache()
 
@@ -272,22 +272,27 @@ def compact_resident(
     from freetoken_agents.engine.loading.convert import convert_checkpoint
     from freetoken_agents.engine.mxfp4 import kernel_ok
 
-    os.environ["FREETOKEN_CUDA_GRAPHS"] = "0"
     if "engine resident (eager)" not in rates:
-        eager = Engine.from_pretrained(folder, device="cuda", dtype=torch.bfloat16, placement="resident")
+        eager = Engine.from_pretrained(
+            folder, device="cuda", dtype=torch.bfloat16, placement="resident", cuda_graphs=False
+        )
         rates["engine resident (eager)"] = 1 / time_engine(eager, prompt, forced, args.reps)
         del eager
         torch.cuda.empty_cache()
     convert_checkpoint(folder, ftw, quant="mxfp4", progress=False)
     compact = Engine.from_pretrained(
-        ftw, device="cuda", dtype=torch.bfloat16, placement="resident", expert_quant="compact"
+        ftw,
+        device="cuda",
+        dtype=torch.bfloat16,
+        placement="resident",
+        expert_quant="compact",
+        cuda_graphs=False,
     )
     rates["engine resident mxfp4 compact (eager)"] = 1 / time_engine(compact, prompt, forced, args.reps)
     out["compact"] = {
         "kernel_ok": kernel_ok(torch.device("cuda", torch.cuda.current_device())),
         "expert_bytes_resident": compact.experts.resident_bytes(),
     }
-    del os.environ["FREETOKEN_CUDA_GRAPHS"]
     del compact
     torch.cuda.empty_cache()
     print(f"compact: {out['compact']}")

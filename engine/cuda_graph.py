@@ -8,8 +8,9 @@ GEMMs. Nothing in it syncs with the host or changes shape with the length, so `C
 captures it once (after a warm-up on a side stream) and each token copies its inputs into the
 buffers and replays. The graph is captured again when it cannot serve a step: the sequence
 outgrew its block table (capacity doubles), the KV pool's storage was reallocated, or the expert
-provider changed. `graph_unsupported` says why a model cannot be captured (then the engine
-decodes eagerly, as before): not on CUDA, FREETOKEN_CUDA_GRAPHS=0, no Triton, int8 layers, or a
+provider changed. `graph_unsupported` says why a model cannot be captured (then the decode
+runner, `decode_runner.DecodeRunner`, decodes eagerly): the option `cuda_graphs` off, not on
+CUDA, no Triton, int8 layers, or a
 provider whose decode needs the host (the tiered q* provider decides on the host; with tier 1 as
 `slots.ExpertSlots` its all-resident step would be capturable too, with the slot table's miss
 flag answered by an eager rerun).
@@ -20,7 +21,6 @@ and replay have never run in this repository's CI (no GPU): tests/test_cuda_deco
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 class DecodeModel(Protocol):
-    """What a captured decode step needs of the model (`transformer.DecodeModel` is one);
+    """What a captured decode step needs of the model (`transformer.MoETransformer` is one);
     declared here so this module never imports the transformer that drives it."""
 
     spec: ModelSpec
@@ -47,18 +47,16 @@ class DecodeModel(Protocol):
     ) -> torch.Tensor: ...
 
 
-ENV_SWITCH = "FREETOKEN_CUDA_GRAPHS"
-
-
-def graph_unsupported(model: DecodeModel, device: torch.device) -> str | None:
-    """Why `model`'s decode step cannot be captured on `device` (None: it can)."""
+def graph_unsupported(model: DecodeModel, device: torch.device, *, cuda_graphs: bool = True) -> str | None:
+    """Why `model`'s decode step cannot be captured on `device` (None: it can); `cuda_graphs`:
+    the option (`EngineOptions.cuda_graphs`), checked first."""
     from .int8 import Int8Linear
     from .moe import MoEBlock
 
+    if not cuda_graphs:
+        return "cuda_graphs=False"
     if device.type != "cuda":
         return "not on a CUDA device"
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return f"{ENV_SWITCH}=0"
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -127,7 +125,7 @@ class CudaGraphDecode(StaticDecode):
 
     def __init__(self, model: DecodeModel, table: BlockTable, max_blocks: int, device: torch.device) -> None:
         super().__init__(model, table, max_blocks, device)
-        self.provider = _provider(model)
+        self.provider = expert_provider(model)
         self.graph: Any = None
         self.logits: torch.Tensor | None = None
 
@@ -146,7 +144,7 @@ class CudaGraphDecode(StaticDecode):
             self.logits = self.forward()
 
     def fits(self, table: BlockTable) -> bool:
-        return super().fits(table) and _provider(self.model) is self.provider
+        return super().fits(table) and expert_provider(self.model) is self.provider
 
     def run(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         self.load(tokens, ctx)
@@ -155,7 +153,8 @@ class CudaGraphDecode(StaticDecode):
         return self.logits.clone()  # the buffer is overwritten by the next replay
 
 
-def _provider(model: DecodeModel) -> Any:
+def expert_provider(model: DecodeModel) -> Any:
+    """The expert provider of `model`'s MoE layers (None: no MoE layer)."""
     from .moe import MoEBlock
 
     return next((layer.mlp.provider for layer in model.layers if isinstance(layer.mlp, MoEBlock)), None)

@@ -20,6 +20,7 @@ from .anchors.digest import model_fingerprint
 from .anchors.host import AnchorHost
 from .anchors.store import AnchorStore
 from .chat import render_chat_spans
+from .decode_runner import DecodeRunner
 from .errors import EngineError
 from .experts import ExpertStore
 from .generate import GenerationResult, SamplingParams, TokenEvent, stream_tokens
@@ -70,8 +71,12 @@ class Engine:
         expert_quant: str = "auto",
         dense_quant: Sequence[str] = (),
         generation_eos: int | Sequence[int] | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.spec, self.model, self.experts = spec, model, experts
+        # Runs the sessions' forward passes: eager, or decode by CUDA graph (`cuda_graphs`; switch
+        # with `decode_runner.cuda_graphs = ...`).
+        self.decode_runner = DecodeRunner(model, cuda_graphs=cuda_graphs)
         self._own_experts = experts  # closed by `close` even while a wrapper is in use
         # Told of every forward pass before it runs (`SessionHost.on_forward`: the routing recorder).
         self.on_forward = on_forward
@@ -137,6 +142,7 @@ class Engine:
         progress: bool = True,
         tiering: TieringOptions | None = None,
         record_routing: str | Path | None = None,
+        cuda_graphs: bool = True,
     ) -> Engine:
         """Load a Hugging Face checkpoint folder (config.json + *.safetensors [+ tokenizer]), an
         FTW file, or a Hugging Face Hub id ``org/name[@revision][:QUANT]`` (fetched into the
@@ -162,6 +168,8 @@ class Engine:
                 routing of every token the engine runs, one JSON line per (token, MoE layer)
                 (`routing_trace` documents the format; written in whole lines, complete once the
                 engine is closed or the program exits).
+            cuda_graphs: decode steps replay a captured CUDA graph where the model allows it (a
+                resident, non-int8 model on CUDA with Triton; `decode_runner`); False: eager.
 
         Raises CheckpointError (missing/garbled files or tensors; its ModelNotFoundError: a Hub id
         that cannot be fetched: missing, gated, offline with nothing cached), FTWFormatError (a corrupted,
@@ -182,6 +190,7 @@ class Engine:
             progress=progress,
             tiering=tiering or TieringOptions(),
             record_routing=record_routing,
+            cuda_graphs=cuda_graphs,
         )
         return cls.from_options(path, options)
 

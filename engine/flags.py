@@ -1,7 +1,8 @@
 """The engine's command-line flags (`--device`, `--dtype`, `--fast-mem`, `--host-mem`,
-`--placement`, `--expert-quant`, `--record-routing`), defined once beside `EngineOptions`, which
-they fill: every command that loads a model takes them (`freetoken chat/generate/serve/demo`, and the recipes'
-own `python -m` programs, which may not import the CLI above them).
+`--placement`, `--expert-quant`, `--record-routing`, `--no-cuda-graphs`), defined once beside
+`EngineOptions`, which they fill: every command that loads a model takes them (`freetoken
+chat/generate/serve/demo`, and the recipes' own `python -m` programs, which may not import the
+CLI above them).
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="write the experts every token is routed to, one JSON line per token and MoE layer "
         "(seq, token, layer, experts, weights, phase), to PATH",
     )
+    group.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="decode eagerly on CUDA: no CUDA-graph replay of the decode step",
+    )
 
 
 def engine_options(args: argparse.Namespace, **extra: Any) -> EngineOptions:
@@ -74,6 +81,7 @@ def engine_options(args: argparse.Namespace, **extra: Any) -> EngineOptions:
         placement=args.placement,
         expert_quant=quant,
         record_routing=args.record_routing,
+        cuda_graphs=args.cuda_graphs,
         **extra,
     )
     memory = MemoryBudget.from_strings(

@@ -74,7 +74,8 @@ class EngineOptions(BaseModel):
     cache_dir: where converted checkpoints are cached (None: $FREETOKEN_CACHE, else the platform's
     user cache dir). progress: progress bars on conversion and verification. tiering: tuning of
     the tiered memory. record_routing: a file to write the routing of every token the engine runs
-    to (`routing_record`; JSON lines, `routing_trace`), None: no trace.
+    to (`routing_record`; JSON lines, `routing_trace`), None: no trace. cuda_graphs: decode steps
+    replay a captured CUDA graph where the model allows it (`decode_runner`; False: always eager).
     """
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True, extra="forbid")
@@ -90,6 +91,7 @@ class EngineOptions(BaseModel):
     progress: bool = True
     tiering: TieringOptions = Field(default_factory=TieringOptions)
     record_routing: Path | None = None
+    cuda_graphs: bool = True
 
     @field_validator("device", mode="before")
     @classmethod
@@ -145,6 +147,7 @@ class EngineOptions(BaseModel):
             str(self.cache_dir) if self.cache_dir is not None else None,
             self.tiering,
             str(self.record_routing) if self.record_routing is not None else None,
+            self.cuda_graphs,
         )
 
 

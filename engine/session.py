@@ -27,8 +27,16 @@ from .layers import StepContext, rope_cos_sin
 from .spec import ModelSpec
 
 
+class ForwardPass(Protocol):
+    """A forward pass of the model: tokens [T] -> logits [T, V] (or [1, V] with last_only),
+    writing the tokens' KV through `ctx` (`decode_runner.DecodeRunner` is one)."""
+
+    def __call__(self, tokens: torch.Tensor, ctx: StepContext, *, last_only: bool = ...) -> torch.Tensor: ...
+
+
 class SessionHost(Protocol):
-    """What a session runs on (the `Engine` is one): the model and its expert store, the KV pool
+    """What a session runs on (the `Engine` is one): the runner of the model's forward passes
+    (`decode_runner`: eager, or a decode step by CUDA graph) and its expert store, the KV pool
     and anchors it shares with the other sessions, and the lock every step holds. Declared here
     so this module never imports the engine that creates sessions.
 
@@ -37,7 +45,7 @@ class SessionHost(Protocol):
     (the routing recorder, `routing_record.RoutingRecorder.begin_step`)."""
 
     spec: ModelSpec
-    model: torch.nn.Module
+    decode_runner: ForwardPass
     experts: ExpertStore
     kv_pool: BlockPool
     anchors: AnchorStore
@@ -262,7 +270,7 @@ class Session:
             ctx = StepContext(self.table, new_slots, positions, cos, sin)
             try:
                 tokens = torch.tensor(ids, dtype=torch.long, device=engine.device)
-                logits = engine.model(tokens, ctx, last_only=last_only)
+                logits = engine.decode_runner(tokens, ctx, last_only=last_only)
             except BaseException:
                 self.table.truncate(start)  # never leave half-written KV behind
                 raise

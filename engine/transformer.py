@@ -7,21 +7,16 @@ Letters: T new tokens, H hidden, V vocab.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention import GQAAttention, MLAAttention
-from .cuda_graph import DecodeGraphs, graph_unsupported
 from .experts import ExpertStore
 from .kv import StreamSpec
 from .layers import RMSNorm, StepContext, linear
 from .moe import DenseMLP, MoEBlock
 from .spec import LayerSpec, ModelSpec
-
-logger = logging.getLogger(__name__)
 
 
 class DecoderLayer(nn.Module):
@@ -64,8 +59,6 @@ class MoETransformer(nn.Module):
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, device="meta")
             self.lm_head.requires_grad_(False)
         self._layout_device: torch.device | None = None
-        self._graphs: DecodeGraphs | None = None
-        self._graphs_for: object = ()  # the provider `_graphs` was decided for (none yet)
 
     def attach_experts(self, provider: ExpertStore) -> None:
         for layer in self.layers:
@@ -107,27 +100,12 @@ class MoETransformer(nn.Module):
                     module.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=False)
 
     def forward(self, tokens: torch.Tensor, ctx: StepContext, *, last_only: bool = False) -> torch.Tensor:
-        """tokens [T] -> logits [T, V] (or [1, V] with last_only). On CUDA a decode step is a
-        CUDA-graph replay when the model allows it (`cuda_graph`), else eager."""
+        """tokens [T] -> logits [T, V] (or [1, V] with last_only), eagerly; the decode layout is
+        prepared on the first pass on a device. Sessions run it through the engine's
+        `decode_runner.DecodeRunner`, which replays a CUDA graph instead when it can."""
         if self._layout_device != tokens.device:
             self.prepare_decode_layout(tokens.device)
-        if ctx.is_decode and ctx.static is None:
-            graphs = self.decode_graphs(tokens.device)
-            if graphs is not None:
-                return graphs.run(tokens, ctx)
         return self.forward_layers(tokens, ctx, last_only=last_only)
-
-    def decode_graphs(self, device: torch.device) -> DecodeGraphs | None:
-        """The captured decode step, or None when it cannot be captured (`graph_unsupported`,
-        re-evaluated when the expert provider changes; the reason is logged once)."""
-        provider = next((lay.mlp.provider for lay in self.layers if isinstance(lay.mlp, MoEBlock)), None)
-        if self._graphs_for is not provider:
-            self._graphs_for = provider
-            reason = graph_unsupported(self, device)
-            self._graphs = None if reason else DecodeGraphs(self)
-            if reason:
-                logger.info("decode runs eagerly (no CUDA graph): %s", reason)
-        return self._graphs
 
     def forward_layers(
         self, tokens: torch.Tensor, ctx: StepContext, *, last_only: bool = False

@@ -28,9 +28,8 @@ _STATIC_VS_EAGER = textwrap.dedent(
 
     path = sys.argv[1]
     eager, static = Engine.from_pretrained(path), Engine.from_pretrained(path)
-    model = static.model
-    model._graphs_for = next(l.mlp.provider for l in model.layers if hasattr(l.mlp, "router"))
-    model._graphs = DecodeGraphs(model, StaticDecode)  # what a CUDA device would capture
+    runner = static.decode_runner
+    runner.use_graphs(DecodeGraphs(static.model, StaticDecode))  # what a CUDA device would capture
     ids = torch.randint(0, eager.spec.vocab_size, (30,), generator=torch.Generator().manual_seed(4)).tolist()
     with eager.new_session() as a, static.new_session() as b:
         a.prefill(ids[:20])
@@ -38,7 +37,7 @@ _STATIC_VS_EAGER = textwrap.dedent(
         want = torch.stack([a.decode(t) for t in ids[20:]])
         got = torch.stack([b.decode(t) for t in ids[20:]])
     err = float((got - want).abs().max() / want.abs().max())
-    assert model._graphs.replays == 10 and model._graphs.captures == 1, vars(model._graphs)
+    assert runner.graphs.replays == 10 and runner.graphs.captures == 1, vars(runner.graphs)
     assert err < 1e-4, err
     print("OK", err)
     """
@@ -62,21 +61,18 @@ BF16_TOL = 5e-2
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_decode_equals_eager_decode(arch, tiny_checkpoint, monkeypatch):
+def test_cuda_graph_decode_equals_eager_decode(arch, tiny_checkpoint):
     path = tiny_checkpoint(arch)
     graphs = Engine.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
-    eager = Engine.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
+    eager = Engine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, cuda_graphs=False)
     ids = torch.randint(0, graphs.spec.vocab_size, (60,), generator=torch.Generator().manual_seed(5)).tolist()
     with eager.new_session() as a, graphs.new_session() as b:
-        # The switch is read when a model first decodes (and kept for its provider).
-        monkeypatch.setenv("FREETOKEN_CUDA_GRAPHS", "0")
         a.prefill(ids[:20])
         want = torch.stack([a.decode(t) for t in ids[20:]]).float()
-        monkeypatch.delenv("FREETOKEN_CUDA_GRAPHS")
         b.prefill(ids[:20])
         got = torch.stack([b.decode(t) for t in ids[20:]]).float()
-    assert eager.model._graphs is None
-    g = graphs.model._graphs
+    assert eager.decode_runner.graphs is None
+    g = graphs.decode_runner.graphs
     assert g is not None, "the resident bf16 engine should decode by CUDA graph"
     assert g.replays == 40 and g.captures == 1
     err = float((got - want).abs().max() / want.abs().max())
@@ -95,8 +91,26 @@ def test_cuda_graph_is_recaptured_when_the_table_outgrows_it(tiny_checkpoint):
             s.decode(t % engine.spec.vocab_size)
             if s.position >= limit - 1:
                 break
-    g = engine.model._graphs
+    g = engine.decode_runner.graphs
     assert g is not None and g.captures >= 1 and g.replays > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_runner_switches_between_graph_and_eager_mid_session(tiny_checkpoint):
+    engine = Engine.from_pretrained(tiny_checkpoint("mixtral"), device="cuda", dtype=torch.bfloat16)
+    runner = engine.decode_runner
+    with engine.new_session() as s:
+        s.prefill(list(range(1, 17)))
+        s.decode(20)
+        first = runner.graphs
+        assert first is not None and first.replays == 1
+        runner.cuda_graphs = False
+        s.decode(21)
+        assert runner.graphs is None
+        runner.cuda_graphs = True
+        s.decode(22)
+        assert runner.graphs is not None and runner.graphs is not first and runner.graphs.captures == 1
 
 
 @pytest.mark.cuda

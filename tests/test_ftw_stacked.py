@@ -49,5 +49,5 @@ def test_an_ftw_file_resident_on_the_gpu_is_stacked_and_graph_captured(tiny_chec
     want, got = _logits(hf), _logits(ftw)  # the same weights, both decoded by CUDA graph
     for a, b in zip(want, got, strict=True):
         assert float((a - b).abs().max() / a.abs().max()) < 1e-3
-    graphs = ftw.model._graphs
+    graphs = ftw.decode_runner.graphs
     assert graphs is not None and graphs.replays == len(IDS) - 6

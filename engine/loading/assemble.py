@@ -81,6 +81,7 @@ class LoadedModel:
     expert_quant: str
     dense_quant: Sequence[str]
     generation_eos: int | list[int] | None
+    cuda_graphs: bool
 
     def as_kwargs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -169,6 +170,7 @@ def assemble(path: str | Path, options: EngineOptions, open_model: OpenForCalibr
         expert_quant=expert_quant,
         dense_quant=dense_quant,
         generation_eos=read_generation_eos(path, loaded_ftw.ftw if loaded_ftw is not None else None),
+        cuda_graphs=options.cuda_graphs,
     )
     logger.info(
         "loaded %s from %s in %.2fs (placement %s)",
