@@ -24,7 +24,7 @@ from .decode_runner import DecodeRunner
 from .errors import EngineError
 from .experts import ExpertStore
 from .generate import GenerationResult, SamplingParams, TokenEvent, stream_tokens
-from .int8 import check_quant_options
+from .int8 import DenseQuantPart, ExpertQuant
 from .kv import DEFAULT_BLOCK_SIZE, BlockPool, bytes_per_block
 from .loading.assemble import assemble
 from .loading.hub import resolve_model
@@ -68,8 +68,8 @@ class Engine:
         on_kv_resize: Callable[[int], None] | None = None,
         on_forward: Callable[[str, int, int], None] | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
-        expert_quant: str = "auto",
-        dense_quant: Sequence[str] = (),
+        expert_quant: ExpertQuant = "auto",
+        dense_quant: Sequence[DenseQuantPart] = (),
         generation_eos: int | Sequence[int] | None = None,
         cuda_graphs: bool = True,
     ) -> None:
@@ -80,8 +80,10 @@ class Engine:
         self._own_experts = experts  # closed by `close` even while a wrapper is in use
         # Told of every forward pass before it runs (`SessionHost.on_forward`: the routing recorder).
         self.on_forward = on_forward
-        # What `from_pretrained` was asked to hold in int8 (`int8.py`); recorded, not applied here.
-        self.expert_quant, self.dense_quant = check_quant_options(expert_quant, dense_quant)
+        # What `from_pretrained` was asked to hold in int8 (`int8.py`); recorded, not applied here
+        # (checked by `EngineOptions`; dense parts sorted so the fingerprint tag is canonical).
+        self.expert_quant = expert_quant
+        self.dense_quant: tuple[DenseQuantPart, ...] = tuple(sorted(set(dense_quant)))
         self.hf_config = hf_config
         self.dtype, self.device = dtype, torch.device(device)
         self.memory = memory or MemoryBudget()
@@ -135,8 +137,8 @@ class Engine:
         dtype: torch.dtype | str = torch.float32,
         memory: MemoryBudget | dict[str, Any] | None = None,
         placement: Placement = "auto",
-        expert_quant: str = "auto",
-        dense_quant: Sequence[str] = (),
+        expert_quant: ExpertQuant = "auto",
+        dense_quant: Sequence[DenseQuantPart] = (),
         quant: str | None = None,
         cache_dir: str | Path | None = None,
         progress: bool = True,

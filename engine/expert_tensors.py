@@ -19,7 +19,7 @@ from .codecs import MXFP4_BLOCK, EncodedTensor, decode
 from .errors import FTWFormatError
 from .experts import ExpertKey
 from .ftw.layout import TensorInfo
-from .int8 import quantize
+from .int8 import ExpertQuant, quantize
 
 _WEIGHTS = ("gate_up", "gate", "up", "down")
 _KNOWN = {*_WEIGHTS, "gate_up_bias", "down_bias"} | {f"{n}_scale" for n in _WEIGHTS}
@@ -53,7 +53,7 @@ def canonical_expert(
     return out
 
 
-def kept_forms(codecs: Mapping[str, str], expert_quant: str) -> dict[str, str]:
+def kept_forms(codecs: Mapping[str, str], expert_quant: ExpertQuant) -> dict[str, str]:
     """The weight projections of a block (projection name -> stored codec) held compact under
     `expert_quant` (`int8.EXPERT_QUANTS`), each with its form: "int8" (stored int8, or any codec
     under "int8") or "mxfp4" (stored MXFP4 under "compact"). A split gate/up is joined: both in
@@ -77,7 +77,7 @@ def kept_forms(codecs: Mapping[str, str], expert_quant: str) -> dict[str, str]:
 def expert_tensors(
     encs: Mapping[str, EncodedTensor],
     dtype: torch.dtype,
-    expert_quant: str,
+    expert_quant: ExpertQuant,
     *,
     path: str = "",
     key: ExpertKey | None = None,
@@ -104,7 +104,7 @@ def expert_tensors(
     return canonical_expert(tensors, path=path, key=key)
 
 
-def kept_bytes(tensors: Mapping[str, TensorInfo], expert_quant: str, dtype: torch.dtype) -> int:
+def kept_bytes(tensors: Mapping[str, TensorInfo], expert_quant: ExpertQuant, dtype: torch.dtype) -> int:
     """Bytes of one expert block (its manifest `tensors`) held as `expert_tensors` holds it: int8
     weights with their fp32 row scales, MXFP4 blocks with their E8M0 scales, the other projections
     in `dtype`."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable
+from typing import Literal, cast, get_args
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,8 @@ KERNEL_K_MULTIPLE = 16
 DEQUANT_BLOCK = 1 << 21
 """Elements of weight dequantized at once on the prefill path (8 MiB fp32: stays in L3)."""
 
-EXPERT_QUANTS = ("auto", "int8", "compact", "none")
+ExpertQuant = Literal["auto", "int8", "compact", "none"]
+EXPERT_QUANTS: tuple[ExpertQuant, ...] = get_args(ExpertQuant)
 """`Engine.from_pretrained(expert_quant=...)` values:
 ``auto`` keep projections stored as int8 (FTW ``int8`` codec) in int8 and decode every other
 codec to the engine dtype (an HF checkpoint or an fp32/bf16 FTW file runs exactly as before);
@@ -60,27 +62,34 @@ codec to the engine dtype (an HF checkpoint or an fp32/bf16 FTW file runs exactl
 ``compact`` as ``auto``, and also keep projections stored as MXFP4 in their 4-bit form
 (`mxfp4.py`: a GEMV kernel on CUDA, a transient decode elsewhere);
 ``none`` decode every stored codec, int8 included, to the engine dtype (the pre-int8 behaviour)."""
-DENSE_QUANTS = ("attention", "lm_head")
+DenseQuantPart = Literal["attention", "lm_head"]
+DENSE_QUANTS: tuple[DenseQuantPart, ...] = get_args(DenseQuantPart)
 """`Engine.from_pretrained(dense_quant=...)` parts: attention projections (q/k/v/o, MLA's
 q/q_a/q_b/kv_a/o; not MLA's kv_b, whose weight is used directly) and the output head."""
 
 
-def check_quant_options(expert_quant: str, dense_quant: Iterable[str]) -> tuple[str, tuple[str, ...]]:
-    """Validate the engine's quantization options; returns them normalised (dense parts sorted).
+def check_expert_quant(value: object, error: type[Exception] = EngineError) -> ExpertQuant:
+    """`value` as an `ExpertQuant`, or `error` (EngineError; `EngineOptions` passes ValueError)
+    naming it and the accepted values. Checked where a value enters: `EngineOptions`, and the
+    public entry points built without options (`load_ftw`, `TieredExpertProvider`); the layers
+    below take the typed value as given."""
+    if value not in EXPERT_QUANTS:
+        raise error(f"unknown expert_quant {value!r}; expected one of {', '.join(EXPERT_QUANTS)}")
+    return cast(ExpertQuant, value)
 
-    Raises EngineError naming the bad value and the accepted ones.
-    """
-    if expert_quant not in EXPERT_QUANTS:
-        raise EngineError(
-            f"unknown expert_quant {expert_quant!r}; expected one of {', '.join(EXPERT_QUANTS)}"
-        )
-    if isinstance(dense_quant, str):
-        raise EngineError(f"dense_quant must be a sequence of part names, got the string {dense_quant!r}")
-    parts = tuple(sorted(set(dense_quant)))
-    unknown = [p for p in parts if p not in DENSE_QUANTS]
+
+def check_dense_quant(
+    parts: Iterable[str] | None, error: type[Exception] = EngineError
+) -> tuple[DenseQuantPart, ...]:
+    """`parts` as sorted, distinct `DenseQuantPart` names, or `error` naming the bad ones (or a
+    string given for the sequence). Checked once, by `EngineOptions`."""
+    if isinstance(parts, str):
+        raise error(f"dense_quant must be a sequence of part names, got the string {parts!r}")
+    names = tuple(sorted(set(parts or ())))
+    unknown = [p for p in names if p not in DENSE_QUANTS]
     if unknown:
-        raise EngineError(f"unknown dense_quant parts {unknown}; expected a subset of {list(DENSE_QUANTS)}")
-    return expert_quant, parts
+        raise error(f"unknown dense_quant parts {unknown}; expected a subset of {list(DENSE_QUANTS)}")
+    return cast(tuple[DenseQuantPart, ...], names)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,14 +285,15 @@ _ATTENTION_PROJECTIONS = (
 )
 
 
-def quantize_dense(model: nn.Module, parts: Iterable[str]) -> list[str]:
+def quantize_dense(model: nn.Module, parts: Iterable[DenseQuantPart]) -> list[str]:
     """Replace the float linear layers of ``parts`` (`DENSE_QUANTS`) in a loaded `MoETransformer`
     by `Int8Linear` layers, freeing their float weights. Returns the replaced module names.
 
     ``lm_head`` on a model with tied embeddings adds an int8 copy of the embedding as the head
-    (the float embedding stays for the lookup).
+    (the float embedding stays for the lookup). ``parts`` are taken as given (`EngineOptions`
+    checks them: `check_dense_quant`).
     """
-    _, parts = check_quant_options("auto", parts)
+    parts = tuple(parts)
     replaced: list[str] = []
     if "attention" in parts:
         for i, layer in enumerate(model.layers):  # type: ignore[attr-defined]

@@ -24,6 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import EngineError
+from .int8 import DenseQuantPart, ExpertQuant, check_dense_quant, check_expert_quant
 from .memory import MemoryBudget
 
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -84,8 +85,8 @@ class EngineOptions(BaseModel):
     dtype: torch.dtype = torch.float32
     memory: MemoryBudget | None = None
     placement: Placement = "auto"
-    expert_quant: str = "auto"
-    dense_quant: tuple[str, ...] = ()
+    expert_quant: ExpertQuant = "auto"
+    dense_quant: tuple[DenseQuantPart, ...] = ()
     quant: str | None = None
     cache_dir: Path | None = None
     progress: bool = True
@@ -113,12 +114,18 @@ class EngineOptions(BaseModel):
             raise ValueError(f"must be one of {', '.join(DTYPES)}, got {value!r}")
         return DTYPES[name]
 
+    # The one check of the quant options on the options path (the loaders below take the typed
+    # values as given); a before-validator so the message names the accepted values as the
+    # public entry points built without options do (`int8.check_expert_quant`).
+    @field_validator("expert_quant", mode="before")
+    @classmethod
+    def _expert_quant(cls, value: Any) -> ExpertQuant:
+        return check_expert_quant(value, ValueError)
+
     @field_validator("dense_quant", mode="before")
     @classmethod
-    def _dense_quant(cls, value: Any) -> tuple[str, ...]:
-        if isinstance(value, str):
-            raise ValueError(f"dense_quant must be a sequence of part names, got the string {value!r}")
-        return tuple(value or ())
+    def _dense_quant(cls, value: Any) -> tuple[DenseQuantPart, ...]:
+        return check_dense_quant(value, ValueError)
 
     @classmethod
     def parse(cls, **options: Any) -> EngineOptions:

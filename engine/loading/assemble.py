@@ -30,7 +30,7 @@ from transformers import PretrainedConfig
 
 from ..errors import CheckpointError, EngineError
 from ..experts import ExpertStore, InMemoryExpertProvider
-from ..int8 import check_quant_options, quantize_dense
+from ..int8 import DenseQuantPart, ExpertQuant, quantize_dense
 from ..memory import MemoryBudget, TieredExpertProvider
 from ..memory.budget import free_host_bytes
 from ..moe import MoEBlock
@@ -78,8 +78,8 @@ class LoadedModel:
     placement: PlacementChoice
     on_kv_resize: Callable[[int], None] | None
     on_forward: Callable[[str, int, int], None] | None
-    expert_quant: str
-    dense_quant: Sequence[str]
+    expert_quant: ExpertQuant
+    dense_quant: Sequence[DenseQuantPart]
     generation_eos: int | list[int] | None
     cuda_graphs: bool
 
@@ -104,7 +104,7 @@ def assemble(path: str | Path, options: EngineOptions, open_model: OpenForCalibr
     device = check_device(options.device)
     dev = str(device)
     dtype = options.dtype
-    expert_quant, dense_quant = check_quant_options(options.expert_quant, options.dense_quant)
+    expert_quant, dense_quant = options.expert_quant, options.dense_quant  # checked by EngineOptions
     if is_gguf_path(path):  # llama.cpp weights: converted once into the FTW cache, then an FTW file
         path = _converted_gguf(path, options)
     ftw_path: Path | None = None

@@ -29,7 +29,7 @@ from ..checkpoint import config_from_dict
 from ..dense import load_dense_weights
 from ..errors import CheckpointError, FTWFormatError
 from ..ftw.reader import FTWFile
-from ..int8 import check_quant_options
+from ..int8 import ExpertQuant, check_expert_quant
 from ..spec import ModelSpec
 from ..tokenizer_files import TOKENIZER_MARKERS
 from ..transformer import MoETransformer
@@ -52,7 +52,11 @@ class LoadedFTW:
 
 
 def load_ftw(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", expert_quant: str = "auto"
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    expert_quant: ExpertQuant = "auto",
 ) -> LoadedFTW:
     """Open `path` and build spec, model (dense weights assigned), lazy experts and tokenizer.
 
@@ -65,7 +69,7 @@ def load_ftw(
     unknown model_type. On error the file is closed and nothing is returned half-loaded.
     """
     path = Path(path)
-    check_quant_options(expert_quant, ())
+    expert_quant = check_expert_quant(expert_quant)  # a public entry point: checked before reading
     if not path.exists():
         raise CheckpointError(f"FTW file {path} does not exist")
     if not path.is_file():

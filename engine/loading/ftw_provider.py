@@ -31,7 +31,7 @@ from .. import routed
 from ..expert_tensors import expert_tensors, kept_bytes
 from ..experts import SCALES, ExpertKey, ExpertStore, ExpertWeights
 from ..ftw.reader import FTWFile
-from ..int8 import check_quant_options
+from ..int8 import ExpertQuant
 from ..spec import MoESpec
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,8 @@ class FTWExpertProvider(ExpertStore):
             close it).
         dtype: floating dtype of the decoded weights (the engine's compute dtype).
         device: where decoded experts live ("cpu" or "cuda[:N]").
-        expert_quant: ``"auto"`` | ``"int8"`` | ``"none"`` (module doc); EngineError otherwise.
+        expert_quant: an `int8.ExpertQuant` (module doc), taken as given: `load_ftw` and
+            `EngineOptions` check it.
 
     Counters (cumulative, thread-safe):
         experts_loaded: number of distinct experts read and decoded so far.
@@ -58,12 +59,12 @@ class FTWExpertProvider(ExpertStore):
         ftw: FTWFile,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
-        expert_quant: str = "auto",
+        expert_quant: ExpertQuant = "auto",
     ) -> None:
         self.ftw = ftw
         self.dtype = dtype
         self.device = torch.device(device)
-        self.expert_quant, _ = check_quant_options(expert_quant, ())
+        self.expert_quant = expert_quant  # checked by its callers (`load_ftw`, `EngineOptions`)
         self.experts_loaded = 0
         self.bytes_read = 0
         self._experts: dict[ExpertKey, ExpertWeights] = {}

@@ -31,6 +31,7 @@ import torch
 from ..expert_tensors import kept_forms
 from ..experts import ExpertKey, ExpertWeights
 from ..ftw import FTWFile
+from ..int8 import ExpertQuant
 from .oracle import BandwidthOracle
 from .prefetch import SKIPPED
 from .stats import PhaseTimer
@@ -78,7 +79,7 @@ class TierMover:
         protected: Callable[[Any], bool] | None = None,
         timer: Any = None,
         codecs: dict[ExpertKey, str] | None = None,
-        expert_quant: str = "none",
+        expert_quant: ExpertQuant = "none",
         tier1_quant: str | None = None,
     ) -> None:
         self.ftw, self.dtype, self.reader = ftw, dtype, reader

@@ -62,7 +62,7 @@ from ..errors import EngineError, MemoryBudgetError
 from ..expert_tensors import kept_bytes
 from ..experts import ExpertKey, ExpertStore, ExpertWeights
 from ..ftw import FTWFile
-from ..int8 import check_quant_options
+from ..int8 import ExpertQuant, check_expert_quant
 from ..routed import expert_forward
 from ..spec import MoESpec
 from .budget import MemoryBudget, format_size
@@ -127,11 +127,11 @@ class TieredExpertProvider(ExpertStore):
         placement: str = "qstar",
         direct_io: bool = True,
         prefetch_depth: int = 3,
-        expert_quant: str = "auto",
+        expert_quant: ExpertQuant = "auto",
     ) -> None:
         if placement not in ("qstar", "stream"):
             raise ValueError(f"placement must be 'qstar' or 'stream', got {placement!r}")
-        self.expert_quant, _ = check_quant_options(expert_quant, ())
+        self.expert_quant = check_expert_quant(expert_quant)  # a public entry point (built directly)
         self.ftw = ftw if isinstance(ftw, FTWFile) else FTWFile(Path(ftw))
         self.budget, self.dtype, self.device = budget, dtype, torch.device(device)
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()

@@ -11,6 +11,7 @@ import torch
 from ..expert_tensors import expert_tensors
 from ..experts import PROJECTIONS, ExpertKey, ExpertWeights
 from ..ftw import FTWFile
+from ..int8 import ExpertQuant
 
 
 def codec_name(ftw: FTWFile, key: ExpertKey) -> str:
@@ -18,7 +19,7 @@ def codec_name(ftw: FTWFile, key: ExpertKey) -> str:
 
 
 def decode_block(
-    ftw: FTWFile, key: ExpertKey, stored: Any, dtype: torch.dtype, expert_quant: str = "none"
+    ftw: FTWFile, key: ExpertKey, stored: Any, dtype: torch.dtype, expert_quant: ExpertQuant = "none"
 ) -> ExpertWeights:
     """Verified stored bytes of `key` -> its canonical weights: int8 projections kept per
     `expert_quant` (`ftw.provider.expert_tensors`), the rest in `dtype`; views into `stored` where
@@ -28,7 +29,7 @@ def decode_block(
 
 
 def decode_raw(
-    ftw: FTWFile, key: ExpertKey, raw: torch.Tensor, dtype: torch.dtype, expert_quant: str = "none"
+    ftw: FTWFile, key: ExpertKey, raw: torch.Tensor, dtype: torch.dtype, expert_quant: ExpertQuant = "none"
 ) -> ExpertWeights:
     """A block's raw bytes in a uint8 tensor (pinned host or device) -> its canonical weights as
     `decode_block` gives them, decoded where the bytes are."""
