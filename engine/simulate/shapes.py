@@ -40,6 +40,7 @@ from typing import Any
 from ..codecs import CODECS, get_codec
 from ..errors import EngineError
 from ..ftw.layout import ALIGNMENT, BLOCK_HEADER_SIZE, PART_ALIGN
+from ..loading.convert import QUANT_CODECS
 from ..routing_trace import RoutingRecord, RoutingTraceError
 from ..spec import AttentionSpec, ModelSpec, MoESpec
 from .builtin_models import BUILTIN_CONFIGS
@@ -57,17 +58,9 @@ __all__ = [
     "trace_footprint",
 ]
 
-CODEC_ALIASES: dict[str, str] = {
-    "fp32": "fp32",
-    "bf16": "bf16",
-    "fp8": "fp8_e4m3",
-    "int8": "int8",
-    "mxfp4": "mxfp4",
-    "int8_b32": "int8_b32",
-    "uint4_b32": "uint4_b32",
-}
-"""``freetoken convert --quant`` names -> FTW codec names (the same table as
-`loading.convert.QUANT_CODECS`; codec names themselves are accepted too)."""
+CODEC_ALIASES: dict[str, str] = QUANT_CODECS
+"""``freetoken convert --quant`` names -> FTW codec names (`loading.convert.QUANT_CODECS`; codec
+names themselves are accepted too)."""
 FALLBACK_CODEC = "bf16"
 """Codec a weight is counted in when the requested one cannot represent it (as convert does)."""
 
