@@ -189,9 +189,12 @@ def test_pregating_beats_frequency_baseline_on_non_uniform_routing(tiny_checkpoi
     folder = tiny_checkpoint("mixtral")
     ftw = tmp_path / "mixtral.ftw"
     convert_checkpoint(folder, ftw, quant="fp32", progress=False)
-    eng = Engine.from_pretrained(
-        ftw, memory=MemoryBudget(), placement="qstar", tiering=TieringOptions(prefetch_thread=False)
-    )
+    tiering = TieringOptions(prefetch_thread=False)
+    with Engine.from_pretrained(ftw, memory=MemoryBudget(), placement="qstar", tiering=tiering) as probe:
+        expert_bytes = sum(probe.experts.fast_bytes.values())
+    # Tier 1 holds 60% of the experts (pre-gating is pointless, and skipped, once it holds them all).
+    budget = MemoryBudget(fast_bytes=int(0.6 * expert_bytes), host_bytes=2 * expert_bytes)
+    eng = Engine.from_pretrained(ftw, memory=budget, placement="qstar", tiering=tiering)
     tp = eng.experts
     _plant_router_bias(eng, hot=(0, 1), scale=2.0)
     routed: Counter[tuple[int, int]] = Counter()
@@ -216,3 +219,24 @@ def test_pregating_beats_frequency_baseline_on_non_uniform_routing(tiny_checkpoi
     assert p["used"] > 200
     assert p["recall"] > p["baseline_recall"] + 0.1
     assert p["precision"] > p["baseline_precision"] + 0.1
+
+
+def test_no_pregating_once_tier_1_holds_every_expert(tiny_checkpoint, tmp_path):
+    """With a budget that holds every expert, once they are all in tier 1 there is nothing to
+    prefetch nor to keep from eviction: decode steps run no router predictions (they cost ~1 ms a
+    token on bench/tiered_decode.py's CPU model), and the tokens stay the resident engine's."""
+    folder = tiny_checkpoint("mixtral")
+    ftw = tmp_path / "mixtral.ftw"
+    convert_checkpoint(folder, ftw, quant="fp32", progress=False)
+    tiering = TieringOptions(prefetch_thread=False)
+    prompt = list(range(3, 40))
+    with Engine.from_pretrained(ftw, memory=MemoryBudget(), placement="qstar", tiering=tiering) as eng:
+        tp = eng.experts
+        for e in tp.stored_bytes:  # warm: every expert into tier 1
+            tp.get(*e)
+        assert len(tp.fast) == len(tp.stored_bytes)
+        before = tp.stats()["phase_calls"].get("predict", 0)
+        tiered = eng.generate(prompt, max_new_tokens=12, stop_token_ids=()).token_ids
+        assert tp.stats()["phase_calls"].get("predict", 0) == before
+    with Engine.from_pretrained(folder) as resident:
+        assert tiered == resident.generate(prompt, max_new_tokens=12, stop_token_ids=()).token_ids

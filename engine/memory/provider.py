@@ -277,7 +277,9 @@ class TieredExpertProvider(ExpertStore):
             self._timer.poll()
         used = sorted(set(expert_ids.reshape(-1).tolist()))
         self._note_routing(layer, used)
-        if self.prefetcher is not None:
+        # Every expert in tier 1 (a budget that holds them all): nothing to prefetch or to keep
+        # from eviction, so no pre-gating (its router runs cost ~1 ms a token on a small CPU model).
+        if self.prefetcher is not None and len(self.fast) < len(self.stored_bytes):
             with self._lock:
                 for done in [lay for lay in self._soon if lay <= layer or layer == self.layers[0]]:
                     del self._soon[done]
