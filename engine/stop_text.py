@@ -1,8 +1,9 @@
 """Stop strings in streamed text: where one first occurs, and how much of the text's end to hold
 back because it may still become one.
 
-One implementation for every streamer: the engine's `stream_tokens`, the LangChain turn and the
-OpenAI server's completion (which also holds back a tool-call marker the same way).
+One implementation for every streamer: the engine's `stream_tokens`, the SDK's turn decoder
+(`GenerateRequest.stop`) and the integrations' chat turn (which holds back a tool-call marker the
+same way).
 """
 
 from __future__ import annotations

@@ -106,8 +106,7 @@ class TurnDecoder:
                     self.m.position,
                     e,
                 )
-                yield from self._flush()
-                yield from self._text("", end=True)
+                yield from self._flush(end=True)
                 yield GenEvent("done", finish_reason="memory")
         except _StopStringHit:  # the text before it was delivered; the tokens stay in the context
             yield GenEvent("done", finish_reason="stop")
@@ -124,8 +123,7 @@ class TurnDecoder:
             if forced:
                 token = forced.pop(0)
             elif self.free_used >= self.req.max_new_tokens or m.position + 2 > m.max_context:
-                yield from self._flush()
-                yield from self._text("", end=True)
+                yield from self._flush(end=True)
                 yield from self._end("length", stop_token=False)
                 return
             else:
@@ -133,8 +131,7 @@ class TurnDecoder:
                 self.free_used += 1
             if token in m.stop_ids:
                 m.append_pending(token)
-                yield from self._flush()
-                yield from self._text("", end=True)
+                yield from self._flush(end=True)
                 yield GenEvent("done", finish_reason="stop")
                 return
             self.detok.push(token)
@@ -260,16 +257,20 @@ class TurnDecoder:
             self.emitted = len(text) - hold
             yield from self._text(delta)
 
-    def _flush(self) -> Iterator[GenEvent]:
+    def _flush(self, *, end: bool = False) -> Iterator[GenEvent]:
+        """Emit the text decoded so far, the incomplete end included. `end`: the turn's free text
+        ends here (the turn ends): what stop strings held back is delivered too (`_text`)."""
         self.detok.flush()
         if self.think is not None and self.think.phase == "inside":  # the turn ended in the block
             yield from self._reasoning_upto(self.detok.text, len(self.detok.text))
-            return
-        self._skip_answer_start()
-        if len(self.detok.text) > self.emitted:
-            delta = self.detok.text[self.emitted :]
-            self.emitted = len(self.detok.text)
-            yield from self._text(delta)
+        else:
+            self._skip_answer_start()
+            if len(self.detok.text) > self.emitted:
+                delta = self.detok.text[self.emitted :]
+                self.emitted = len(self.detok.text)
+                yield from self._text(delta)
+        if end:
+            yield from self._text("", end=True)
 
     def _text(self, delta: str, *, end: bool = False) -> Iterator[GenEvent]:
         """Yield `delta` of the turn's text: while stop strings apply (free text before the first

@@ -166,7 +166,7 @@ def run_chat_turn(
             yield from calls.feed(full)
     finally:
         events.close()
-    completion = max(0, backend.position - len(ids))
+    completion = max(0, backend.position - len(ids))  # the decoding is over: final
     if finish == "cancelled":
         yield Finished(finish, len(ids), completion, cached, reason)
         return
@@ -183,7 +183,7 @@ def run_chat_turn(
         finish = "tool_calls"
     if reuse and record and cache is not None:
         record_context(backend, cache, tenant)
-    yield Finished(finish, len(ids), max(0, backend.position - len(ids)), cached, reason)
+    yield Finished(finish, len(ids), completion, cached, reason)
 
 
 def _events(backend: FreeTokenModel, request: ChatTurnRequest, tools_on: bool) -> Iterator[GenEvent]:

@@ -4,7 +4,7 @@ events the HTTP side turns into a response or SSE chunks.
 
 `run_completion` yields `ContentDelta`s as text is decoded, a `ToolCallDone` as each call's closing
 marker is decoded (malformed calls are dropped with a warning), then one `Finished` with the finish
-reason and usage. It runs on the engine worker's thread; between two events it checks
+reason and usage. It runs on the engine's step worker; between two events it checks
 `cancelled()` and stops (finish_reason "cancelled") when the client left.
 """
 
