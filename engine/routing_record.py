@@ -8,16 +8,19 @@ engine hands `RoutingRecorder.begin_step` to its sessions as `SessionHost.on_for
 order their sessions first run a pass (a fork is a new sequence, continuing at its fork position).
 
 Lines are buffered in memory and written in whole lines (flushed every `FLUSH_LINES` lines, on
-`close`, and at interpreter exit for an engine never closed). The recorder owns the store it wraps:
-`close` flushes the trace, then closes the inner store.
+`close`, and at interpreter exit for an engine never closed). A write that fails (a full disk) is
+cut back to the last whole line and ends the recording, logged once; the engine goes on. The
+recorder owns the store it wraps: `close` flushes the trace, then closes the inner store.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import weakref
 from pathlib import Path
-from typing import IO
+from typing import BinaryIO
 
 import torch
 
@@ -43,22 +46,38 @@ def check_trace_path(path: str | Path) -> Path:
     return path
 
 
-def _open_trace(path: Path) -> IO[str]:
+def _open_trace(path: Path) -> BinaryIO:
     try:
-        return path.open("w", encoding="utf-8")
+        return path.open("wb", buffering=0)
     except OSError as e:
         raise EngineError(f"cannot write routing trace {path}: {e.strerror or e}") from None
 
 
-def _write_lines(handle: IO[str], lines: list[str]) -> None:
-    """Write the buffered `lines` (each ending in a newline) in one piece and empty the buffer."""
+def _write_lines(handle: BinaryIO, lines: list[str]) -> None:
+    """Write the buffered `lines` (each ending in a newline) and empty the buffer. A write that
+    fails (a full disk, a lost mount) is cut back to the last whole line and ends the recording,
+    logged once: the trace stays a valid prefix of the run, and the engine goes on."""
     if lines and not handle.closed:
-        handle.write("".join(lines))
-        handle.flush()
+        data = "".join(lines).encode()
+        good = handle.tell()
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[handle.write(view) or 0 :]
+        except OSError as e:
+            logger.error(
+                "routing trace %s: cannot write (%s): recording stopped, the trace ends at its last "
+                "whole line",
+                handle.name,
+                e.strerror or e,
+            )
+            with contextlib.suppress(OSError):
+                os.ftruncate(handle.fileno(), good)
+            handle.close()
     lines.clear()
 
 
-def _finish(handle: IO[str], lines: list[str]) -> None:
+def _finish(handle: BinaryIO, lines: list[str]) -> None:
     """Write what is buffered and close the file (the recorder's `close`, or interpreter exit)."""
     try:
         _write_lines(handle, lines)
@@ -101,8 +120,8 @@ class RoutingRecorder(DelegatingStore):
             if not self._warned:  # a forward pass no session announced: nothing to attribute it to
                 logger.warning("routing trace %s: a pass outside a session step is not recorded", self.path)
                 self._warned = True
-        elif not self._finalizer.alive:
-            pass  # closed: the engine must not be used any more, and nothing more is written
+        elif not self._finalizer.alive or self._handle.closed:
+            pass  # closed (the engine must not be used any more), or a write failed: nothing more
         else:
             phase = "prefill" if rows > 1 else "decode"
             ids, ws = expert_ids.tolist(), weights.float().tolist()

@@ -273,3 +273,45 @@ def test_the_langchain_model_passes_the_option(tmp_path):
 
     llm = ChatFreeToken(model="m", record_routing=str(tmp_path / "t.jsonl"))
     assert llm.engine_options().record_routing == tmp_path / "t.jsonl"
+
+
+_FULL_DISK = """
+import resource, signal, sys
+from freetoken_agents.engine import Engine
+from freetoken_agents.engine import routing_record
+folder, trace, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
+routing_record.FLUSH_LINES = 40  # write often, so some writes succeed before the disk is full
+with Engine.from_pretrained(folder) as plain:
+    want = plain.generate(list(range(3, 20)), max_new_tokens=24, stop_token_ids=()).token_ids
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # the disk is full past `limit` bytes
+with Engine.from_pretrained(folder, record_routing=trace) as engine:
+    got = engine.generate(list(range(3, 20)), max_new_tokens=24, stop_token_ids=()).token_ids
+assert got == want, (got, want)
+print("ok")
+"""
+
+
+def test_a_full_disk_mid_trace_stops_recording_and_keeps_a_valid_trace(tiny_checkpoint, tmp_path):
+    """A write that fails partway (the disk fills: here RLIMIT_FSIZE) is cut back to the last whole
+    line and ends the recording with one logged error; generation goes on, unchanged. Before, the
+    OSError escaped from the MoE layer and killed the generation, and the trace ended mid-line."""
+    import os
+    import subprocess
+    import sys
+
+    trace = tmp_path / "trace.jsonl"
+    limit = 6000  # a few flushes fit, then a write is cut short
+    run = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(tiny_checkpoint(ARCH)), str(trace), str(limit)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
+    assert "recording stopped, the trace ends at its last whole line" in run.stderr
+    data = trace.read_bytes()
+    assert 0 < len(data) <= limit and data.endswith(b"\n")
+    records = list(read_trace(trace))  # every line whole and valid
+    assert records and records[0].seq == 0 and records[0].token == 0
