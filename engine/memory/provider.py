@@ -68,7 +68,8 @@ from ..spec import MoESpec
 from .budget import MemoryBudget, format_size
 from .moves import TierMover
 from .oracle import BandwidthOracle, Clock
-from .policy import AlwaysStreamPolicy, ComputeCostModel, ExpertCase, Placement, QStarPolicy
+from .planner import ExpertPlanner
+from .policy import AlwaysStreamPolicy, ComputeCostModel, Placement, QStarPolicy
 from .prefetch import Prefetcher
 from .routing import RoutingFrequency
 from .stats import PhaseTimer
@@ -141,7 +142,7 @@ class TieredExpertProvider(ExpertStore):
                 f"experts decoded to {dtype} or, with expert_quant='compact', as stored (int8 blocks are "
                 "computed in int8 when q* runs them on the CPU); use 'auto' or 'compact'"
             )
-        self.clock, self.hot_every, self.placement = clock, hot_every, placement
+        self.clock, self.placement = clock, placement
         keys = self.ftw.expert_keys()
         self.stored_bytes = {k: self.ftw.expert_info(*k).stored_length for k in keys}
         # Tier 1 keeps projections compact as the resident engine does; on the GPU only with
@@ -161,9 +162,6 @@ class TieredExpertProvider(ExpertStore):
         self.kv_bytes = self.spare_bytes = 0
         self.exclusive = placement == "qstar"
         self._prefetch_wanted = prefetch
-        # Experts needed soon (this layer's, the predictions for the next ones): evicted last, so
-        # a prefetch never pushes out what the next layers are about to use.
-        self._soon: dict[int, set[int]] = {}
         self.storage_link = BandwidthOracle("storage->host", clock=clock, prior_bps=1e9)
         self.fast_link = BandwidthOracle("host->fast", clock=clock, prior_bps=1e10)
         # The transfer alone is timed (not queueing or checksums).
@@ -203,7 +201,8 @@ class TieredExpertProvider(ExpertStore):
             # the least recently used: replaying the offload bench model's routing, 7.8 instead
             # of 8.9 disk reads per decode token (bench/eviction.py).
             rank=self.routing.of if self.exclusive else None,
-            protected=self._needed_soon if prefetch else None,
+            # Needed soon (this layer's, the predictions for the next ones): evicted last.
+            protected=(lambda key: self.planner.needed_soon(key)) if prefetch else None,
             timer=self._timer,
             codecs=self.codec,
             expert_quant=self.expert_quant,
@@ -211,6 +210,21 @@ class TieredExpertProvider(ExpertStore):
         )
         self.fast, self.host = self.moves.fast, self.moves.host
         self._lock = self.moves.lock
+        self.planner = ExpertPlanner(
+            fast=self.fast,
+            host=self.host,
+            policy=self.policy,
+            routing=self.routing,
+            layers=self.layers,
+            stored_bytes=self.stored_bytes,
+            fast_bytes=self.fast_bytes,
+            codecs=self.codec,
+            link_bytes=self.moves.link_bytes,
+            moves_up=self.moves.moves_up,
+            device=self.device.type,
+            lock=self._lock,
+            hot_every=hot_every,
+        )
         self._apply_fast_budget()
         # Two loader threads: one verifies (and on CUDA copies into pinned memory) the block it
         # read while the other reads the next; the reader keeps reads one at a time.
@@ -219,7 +233,6 @@ class TieredExpertProvider(ExpertStore):
         )
         self.prefetch_depth = 1 if self.cuda else max(1, prefetch_depth)
         self.routers: dict[int, torch.nn.Module] = dict(routers or {})
-        self.steps = 0
         self._hooks: list[Any] = [h for module in attention for h in self.phases.hook(module, "attention")]
 
     # ---- budget ---------------------------------------------------------------------------
@@ -276,14 +289,11 @@ class TieredExpertProvider(ExpertStore):
         if self._timer is not None:
             self._timer.poll()
         used = sorted(set(expert_ids.reshape(-1).tolist()))
-        self._note_routing(layer, used)
+        self.planner.note_routing(layer, used)
         # Every expert in tier 1 (a budget that holds them all): nothing to prefetch or to keep
         # from eviction, so no pre-gating (its router runs cost ~1 ms a token on a small CPU model).
         if self.prefetcher is not None and len(self.fast) < len(self.stored_bytes):
-            with self._lock:
-                for done in [lay for lay in self._soon if lay <= layer or layer == self.layers[0]]:
-                    del self._soon[done]
-                self._soon[layer] = set(used)
+            self.planner.begin_layer(layer, used)
             self.prefetcher.begin_layer(layer, used)
             self._prefetch_next(layer, hidden)
         if hidden.shape[0] == 1:
@@ -330,7 +340,9 @@ class TieredExpertProvider(ExpertStore):
         if self.prefetcher is not None:
             with self.phases.time("wait_prefetch"):
                 staged = self.prefetcher.take(key)
-        place = self.policy.decide(key, self._case(key, x, w is not None, staged is not None))
+        place = self.planner.decide(
+            key, t, staged=staged is not None, activation_bytes=2 * x.numel() * x.element_size()
+        )
         if place is Placement.HOST:
             return self._host_compute(key, x, spec, staged)
         return self._fast_compute(self.moves.promote(key, staged), x, spec)
@@ -362,59 +374,12 @@ class TieredExpertProvider(ExpertStore):
         self.policy.compute.observe("cpu-host", self.codec[key], x.shape[0], time.perf_counter() - t0)
         return y
 
-    def _case(self, key: ExpertKey, x: torch.Tensor, resident: bool, staged: bool) -> ExpertCase:
-        with self._lock:
-            in_host = key in self.host
-            hc = self.host.counters
-            host_miss = hc.misses / (hc.hits + hc.misses) if hc.hits + hc.misses else 1.0
-            victims = self.fast.victims_for(self.fast_bytes[key], key) if not resident else []
-        return ExpertCase(
-            tokens=x.shape[0],
-            codec=self.codec[key],
-            resident=resident,
-            in_host=in_host or staged,
-            stored_bytes=self.stored_bytes[key],
-            link_bytes=self.moves.link_bytes(key),
-            decode_s=self._decode_s(key),
-            fast_bytes=self.fast_bytes[key],
-            activation_bytes=2 * x.numel() * x.element_size(),
-            prefetched_s=float("inf") if staged and self.cuda else 0.0,
-            frequency=self.routing.of(key),
-            victims=[(self._reload_s(v, host_miss), self.routing.of(v)) for v in victims],
-            host_miss=host_miss,
-            can_stream=self.fast.fits(self.fast_bytes[key], key),
-            free_room=self.fast.has_room(self.fast_bytes[key], key),
-        )
-
-    def _decode_s(self, key: ExpertKey) -> float:
-        """CUDA: measured seconds the GPU takes to decode `key`'s compact bytes (0 until measured,
-        and for blocks that arrive in the compute dtype: their decode is a view)."""
-        if not self.cuda or key in self.moves.moves_up:
-            return 0.0
-        return self.policy.compute.measured(self.device.type, f"decode/{self.codec[key]}", 1) or 0.0
-
-    def _reload_s(self, key: ExpertKey, host_miss: float) -> float:
-        """Predicted seconds to bring `key` back into tier 1 after an eviction."""
-        copy = self.fast_link.seconds_for(self.moves.link_bytes(key)) + self._decode_s(key)
-        return copy + host_miss * self.storage_link.seconds_for(self.stored_bytes[key])
-
-    # ---- routing statistics, hot set, prefetch --------------------------------------------
-    def _note_routing(self, layer: int, used: list[int]) -> None:
-        self.routing.note(layer, used)
-        if layer == self.layers[0]:
-            self.steps += 1
-            if self.steps % self.hot_every == 0:
-                with self._lock:
-                    self.fast.set_hot(self.routing.hottest())
-
+    # ---- prefetch ---------------------------------------------------------------------------
     def _prefetch_load(self, key: ExpertKey) -> Any:
         wanted = self.prefetcher.wanted if self.prefetcher is not None else None
         return self.moves.prefetch_load(
             key, stage=bool(self.spare_bytes), still_wanted=(lambda: wanted(key)) if wanted else None
         )
-
-    def _needed_soon(self, key: Any) -> bool:
-        return key[1] in self._soon.get(key[0], ())
 
     def _in_ram(self, key: ExpertKey) -> bool:
         """Whether a prefetch of `key` has nothing to do (CUDA: staged copies come from tier 2)."""
@@ -434,8 +399,7 @@ class TieredExpertProvider(ExpertStore):
                 pred = self.prefetcher.predict(
                     nxt, hidden, router, self.top_k[nxt], self.routing.by_layer[nxt], score=d == 0
                 )
-            with self._lock:
-                self._soon[nxt] = set(pred)
+            self.planner.expect(nxt, pred)
             self.prefetcher.issue(nxt, pred, skip=self._in_ram)
 
     def keys(self) -> list[ExpertKey]:
@@ -489,7 +453,7 @@ class TieredExpertProvider(ExpertStore):
                 "spare_bytes": self.spare_bytes,
                 "min_working_set": self.min_working_set,
             },
-            "steps": self.steps,
+            "steps": self.planner.steps,
         }
 
     def close(self) -> None:

@@ -1,0 +1,144 @@
+"""`ExpertPlanner`: the tiered memory's decisions for a routed layer, apart from moving bytes.
+
+Per step of a MoE layer it
+- notes the routing (decayed frequency per expert; every `hot_every` steps the pinned hot set of
+  tier 1 is re-evaluated from it),
+- keeps which experts are needed soon: this layer's and the predictions for the coming ones
+  (both tiers evict them last, so a prefetch never pushes out what the next layers use),
+- for each routed expert not in tier 1, prices the case q* sees (`ExpertCase`: in tier 2 or not,
+  prefetched or not, the victims a STREAM would evict and what keeping them is worth) and asks
+  the policy for a `Placement`.
+
+It never moves a byte. The live `TieredExpertProvider` carries its decisions out with `TierMover`
+(real reads, decodes and copies); the simulator (`engine.simulate.replay`) with a virtual mover
+on a virtual clock. Both hold the same tier classes, the same policy and this planner, so on the
+same routing and the same measured costs they take the same decisions.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+from ..experts import ExpertKey
+from .policy import ExpertCase, Placement, QStarPolicy
+from .routing import RoutingFrequency
+from .tiers import FastTier, HostTier
+
+
+class ExpertPlanner:
+    """Decides where each routed expert computes, against the state of `fast` and `host`.
+
+    Args:
+        fast, host: tier 1 and tier 2 (what they hold; their `victims_for`, `fits`, `has_room`).
+        policy: q* (or the always-stream baseline); its oracles price the links.
+        routing: the decayed routing frequency shared with the tiers' eviction order.
+        layers: the MoE layers in order (the first one counts the steps).
+        stored_bytes, fast_bytes, codecs: per expert, its block size, tier-1 size and codec name.
+        link_bytes: what a STREAM of an expert moves host -> fast.
+        moves_up: CUDA, experts whose bytes move up whole (no device decode to price).
+        device: the compute device type ("cpu" or "cuda"): the name compute is measured under.
+        lock: the lock the tiers are changed under (loader threads insert into tier 2).
+    """
+
+    def __init__(
+        self,
+        *,
+        fast: FastTier[Any],
+        host: HostTier[Any],
+        policy: QStarPolicy,
+        routing: RoutingFrequency,
+        layers: Sequence[int],
+        stored_bytes: Mapping[ExpertKey, int],
+        fast_bytes: Mapping[ExpertKey, int],
+        codecs: Mapping[ExpertKey, str],
+        link_bytes: Callable[[ExpertKey], int],
+        moves_up: Collection[ExpertKey] = (),
+        device: str = "cpu",
+        lock: threading.RLock | None = None,
+        hot_every: int = 16,
+    ) -> None:
+        self.fast, self.host, self.policy, self.routing = fast, host, policy, routing
+        self.layers = list(layers)
+        self.stored_bytes, self.fast_bytes, self.codecs = stored_bytes, fast_bytes, codecs
+        self.link_bytes, self.moves_up = link_bytes, moves_up
+        self.device, self.cuda = device, device == "cuda"
+        self.lock = lock or threading.RLock()
+        self.hot_every = hot_every
+        self.steps = 0
+        # MoE layer -> experts needed soon (its routed ones once it runs, predictions before).
+        self.soon: dict[int, set[int]] = {}
+
+    # ---- per step of a layer ----------------------------------------------------------------
+    def note_routing(self, layer: int, used: Sequence[int]) -> None:
+        """`layer` routes to `used` this step: count it; re-evaluate the hot set every
+        `hot_every` steps (a step begins at the first MoE layer)."""
+        self.routing.note(layer, used)
+        if layer == self.layers[0]:
+            self.steps += 1
+            if self.steps % self.hot_every == 0:
+                with self.lock:
+                    self.fast.set_hot(self.routing.hottest())
+
+    def begin_layer(self, layer: int, used: Sequence[int]) -> None:
+        """`layer` runs with `used`: they are needed now; the layers already run (all of them when
+        a new step begins) are not needed any more."""
+        with self.lock:
+            for done in [lay for lay in self.soon if lay <= layer or layer == self.layers[0]]:
+                del self.soon[done]
+            self.soon[layer] = set(used)
+
+    def expect(self, layer: int, experts: Sequence[int]) -> None:
+        """The prediction for a coming `layer`: its experts are needed soon."""
+        with self.lock:
+            self.soon[layer] = set(experts)
+
+    def needed_soon(self, key: ExpertKey) -> bool:
+        """Whether `key` is this layer's or predicted for a coming one (the tiers' `protected`)."""
+        return key[1] in self.soon.get(key[0], ())
+
+    def decide(self, key: ExpertKey, tokens: int, *, staged: bool, activation_bytes: int = 0) -> Placement:
+        """The placement of `key`, not in tier 1, for `tokens` tokens (`staged`: a prefetch
+        brought it; `activation_bytes`: what HOST compute moves)."""
+        case = self.case(key, tokens, staged=staged, activation_bytes=activation_bytes)
+        return self.policy.decide(key, case)
+
+    # ---- pricing ----------------------------------------------------------------------------
+    def case(self, key: ExpertKey, tokens: int, *, staged: bool, activation_bytes: int = 0) -> ExpertCase:
+        """What q* needs to know about `key` now (`ExpertCase`)."""
+        with self.lock:
+            resident = key in self.fast
+            in_host = key in self.host
+            hc = self.host.counters
+            host_miss = hc.misses / (hc.hits + hc.misses) if hc.hits + hc.misses else 1.0
+            victims = self.fast.victims_for(self.fast_bytes[key], key) if not resident else []
+        return ExpertCase(
+            tokens=tokens,
+            codec=self.codecs[key],
+            resident=resident,
+            in_host=in_host or staged,
+            stored_bytes=self.stored_bytes[key],
+            link_bytes=self.link_bytes(key),
+            decode_s=self.decode_s(key),
+            fast_bytes=self.fast_bytes[key],
+            activation_bytes=activation_bytes,
+            prefetched_s=float("inf") if staged and self.cuda else 0.0,
+            frequency=self.routing.of(key),
+            victims=[(self.reload_s(v, host_miss), self.routing.of(v)) for v in victims],
+            host_miss=host_miss,
+            can_stream=self.fast.fits(self.fast_bytes[key], key),
+            free_room=self.fast.has_room(self.fast_bytes[key], key),
+        )
+
+    def decode_s(self, key: ExpertKey) -> float:
+        """CUDA: measured seconds the device takes to decode `key`'s compact bytes (0 until
+        measured, and for blocks that arrive in the compute dtype: their decode is a view)."""
+        if not self.cuda or key in self.moves_up:
+            return 0.0
+        return self.policy.compute.measured(self.device, f"decode/{self.codecs[key]}", 1) or 0.0
+
+    def reload_s(self, key: ExpertKey, host_miss: float) -> float:
+        """Predicted seconds to bring `key` back into tier 1 after an eviction."""
+        copy = self.policy.host_fast.seconds_for(self.link_bytes(key)) + self.decode_s(key)
+        return copy + host_miss * self.policy.storage.seconds_for(self.stored_bytes[key])
