@@ -250,6 +250,11 @@ def frequency_misses(
 def belady_misses(steps: Sequence[Sequence[int]], capacity: int) -> int:
     """Misses of Belady's offline optimum: evict the entry whose next use is farthest (never used
     again: farthest of all; ties: the lower key)."""
+    return sum(len(missing) for missing in belady_missing(steps, capacity))
+
+
+def belady_missing(steps: Sequence[Sequence[int]], capacity: int) -> list[list[int]]:
+    """The keys each step misses under Belady's offline optimum (`belady_misses`)."""
     never = len(steps)
     next_use: list[list[int]] = [[] for _ in steps]
     seen: dict[int, int] = {}
@@ -259,7 +264,7 @@ def belady_misses(steps: Sequence[Sequence[int]], capacity: int) -> int:
             seen[k] = i
     due: dict[int, int] = {}  # cached key -> the step of its next use
     heap: list[tuple[int, int]] = []  # (-next use, key), stale entries skipped
-    misses = 0
+    out: list[list[int]] = []
     for i, keys in enumerate(steps):
         missing = [k for k in keys if k not in due]
         # Own hits are due now (step i), every other entry later: they are never the farthest.
@@ -272,8 +277,8 @@ def belady_misses(steps: Sequence[Sequence[int]], capacity: int) -> int:
         for k, nxt in zip(keys, next_use[i], strict=True):
             due[k] = nxt
             heapq.heappush(heap, (-nxt, k))
-        misses += len(missing)
-    return misses
+        out.append(missing)
+    return out
 
 
 def _share(part: float, whole: float) -> float:

@@ -1,0 +1,158 @@
+"""The baselines a replay compares q* with, on the same steps, machine and timeline rules.
+
+- `static`: llama.cpp's ``--n-cpu-moe`` / ``-ot`` split. A profiling pass over the first
+  `profile_fraction` of the decode tokens counts each (layer, expert)'s uses; the most used fill
+  tier 1 and stay there, the rest are computed on the CPU from RAM (the next most used that fit
+  tier 2), or from the disk (read at each use: they do not fit RAM). Nothing moves while decoding.
+- `stream`: no cache. Every routed expert is copied into tier 1 for its use (tier 2 an LRU of its
+  budget, tier 3 read on a miss), no CPU compute.
+- `belady`: tier 1 as one cache of every layer's experts run by the offline optimum (evict the
+  expert whose next use is farthest), every miss streamed, no CPU compute.
+The streaming baselines get a perfect one-layer-ahead prefetch: a layer's copies may start when
+the layer before it starts. (The per-layer LRU of mixtral-offloading, "layer-lru", runs through the
+engine's own tiers: `replay.TieredReplay(placement="layer-lru")`.)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from ..memory.tiers import HostTier
+from .machine import ExpertCosts, Timeline
+from .replay import Step, Tally
+from .stats import belady_missing
+
+
+def layer_steps(steps: Sequence[Step], layers: Sequence[int]) -> list[list[int]]:
+    """Every (step, layer)'s routed experts as integer keys (layer position x 2**20 + expert), in
+    replay order: the input of `stats.belady_missing`."""
+    return [
+        [pos << 20 | e for e in sorted(step.layers.get(layer, {}))]
+        for step in steps
+        for pos, layer in enumerate(layers)
+    ]
+
+
+class _Streamer:
+    """Copies experts into tier 1 over the link, tier 2 an LRU of `host_bytes` before the disk."""
+
+    def __init__(self, costs: ExpertCosts, timeline: Timeline, host_bytes: int | None) -> None:
+        self.costs, self.timeline = costs, timeline
+        self.host: HostTier[bool] = HostTier(host_bytes)
+        self.bytes: Counter[str] = Counter()
+        self.host_misses = 0
+
+    def bring(self, key: tuple[int, int], issue: float) -> float:
+        """Copy `key` into tier 1, starting no earlier than `issue`; when it is there."""
+        c = self.costs
+        ready = issue
+        if self.host.get(key) is None:
+            self.host_misses += 1
+            self.bytes["storage->host"] += c.stored_bytes
+            ready = self.timeline.run("disk", issue, c.disk_s)
+            self.host.put(key, True, c.stored_bytes)
+        self.bytes["host->fast"] += c.stored_bytes
+        ready = self.timeline.run("link", ready, c.link_s)
+        return self.timeline.run("device", ready, c.decode_s) if c.decode_s else ready
+
+
+def replay_streaming(
+    steps: Sequence[Step],
+    layers: Sequence[int],
+    costs: ExpertCosts,
+    *,
+    fast_bytes: int,
+    host_bytes: int | None,
+    num_experts: int,
+    cached: bool,
+) -> Tally:
+    """`stream` (cached False) or `belady` (cached True: tier 1 holds fast_bytes of experts)."""
+    timeline = Timeline(costs.device)
+    streamer = _Streamer(costs, timeline, host_bytes)
+    for key in ((layer, e) for layer in layers for e in range(num_experts)):  # warm RAM, as q*'s
+        if not streamer.host.has_room(costs.stored_bytes, key):
+            break
+        streamer.host.put(key, True, costs.stored_bytes)
+    capacity = fast_bytes // costs.fast_bytes
+    keyed = layer_steps(steps, layers)
+    missing = belady_missing(keyed, capacity) if cached else keyed
+    tally, now, prev_start, i = Tally(), 0.0, 0.0, 0
+    for step in steps:
+        start_step, host_misses, moved = now, streamer.host_misses, Counter(streamer.bytes)
+        misses = 0
+        for layer in layers:
+            routed = step.layers.get(layer, {})
+            miss = {k & 0xFFFFF for k in missing[i]}
+            i += 1
+            hidden = timeline.run("device", now, costs.dense_s(step.tokens))
+            ends = [hidden]
+            for e in sorted(routed):
+                ready = streamer.bring((layer, e), prev_start) if e in miss else 0.0
+                s = costs.fast_compute_s(routed[e])
+                ends.append(timeline.run("device", max(hidden, ready), s))
+            misses += len(miss)
+            prev_start, now = now, max(ends)
+        if step.phase == "decode":
+            tally.tokens += step.tokens
+            tally.seconds += now - start_step
+            tally.fast_misses += misses
+            tally.host_misses += streamer.host_misses - host_misses
+            tally.bytes.update(streamer.bytes - moved)
+    return tally
+
+
+def replay_static(
+    steps: Sequence[Step],
+    layers: Sequence[int],
+    costs: ExpertCosts,
+    *,
+    fast_bytes: int,
+    host_bytes: int | None,
+    num_experts: int,
+    profile_fraction: float = 0.25,
+) -> Tally:
+    """llama.cpp's static split (module docstring)."""
+    decode = [s for s in steps if s.phase == "decode"]
+    uses: Counter[tuple[int, int]] = Counter()
+    for step in decode[: max(1, int(len(decode) * profile_fraction))]:
+        for layer, routed in step.layers.items():
+            uses.update({(layer, e): n for e, n in routed.items()})
+    # Most used first; experts the profiling pass never saw after them, in (layer, expert) order.
+    keys = [(layer, e) for layer in layers for e in range(num_experts)]
+    ranked = sorted(keys, key=lambda k: (-uses[k], k))
+    n_fast = fast_bytes // costs.fast_bytes
+    n_host = len(ranked) if host_bytes is None else host_bytes // costs.stored_bytes
+    resident = set(ranked[:n_fast])
+    in_ram = resident | set(ranked[n_fast : n_fast + n_host])
+    timeline = Timeline(costs.device)
+    tally, now = Tally(), 0.0
+    for step in steps:
+        start_step = now
+        for layer in layers:
+            routed = step.layers.get(layer, {})
+            hidden = timeline.run("device", now, costs.dense_s(step.tokens))
+            ends = [hidden]
+            for e in sorted(routed):
+                t = routed[e]
+                if (layer, e) in resident:
+                    ends.append(timeline.run("device", hidden, costs.fast_compute_s(t)))
+                    continue
+                ready, from_disk = hidden, (layer, e) not in in_ram
+                if costs.device == "cuda":  # hidden states device -> host and back (latency-bound)
+                    ready = hidden + costs.activation_s * t
+                if from_disk and step.phase == "decode":
+                    tally.host_misses += 1
+                    tally.bytes["storage->host"] += costs.stored_bytes
+                if from_disk:
+                    ready = timeline.run("disk", ready, costs.disk_s)
+                if step.phase == "decode":
+                    tally.fast_misses += 1
+                    tally.cpu_experts += 1
+                    tally.bytes["activations"] += costs.activation_bytes * t if costs.device == "cuda" else 0
+                ends.append(timeline.run("cpu", ready, costs.host_compute_s(t)))
+            now = max(ends)
+        if step.phase == "decode":
+            tally.tokens += step.tokens
+            tally.seconds += now - start_step
+    return tally

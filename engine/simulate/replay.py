@@ -1,0 +1,384 @@
+"""Replay a routing trace through the engine's own tiered memory on a modelled machine.
+
+`replay_tiered(steps, shape, profile, ...)` runs the decisions of `TieredExpertProvider` without
+weights: the same tier classes (`FastTier` with its pinned hot set, or `LayerLRUTier` for the
+"layer-lru" baseline; one `HostTier` for all layers ranked by `RoutingFrequency`), the same
+`ExpertPlanner` and policy (`QStarPolicy`, or `AlwaysStreamPolicy` for "layer-lru"), the same
+`BandwidthOracle`s and `ComputeCostModel` (fed the modelled transfers and compute on a virtual
+clock, so q* learns the machine as it would live) and the same `Prefetcher`. What the live
+provider's `TierMover` does with bytes, `VirtualMover` does with time on a `machine.Timeline`.
+
+Pre-gating has no router to run in a replay: an oracle predictor stands in for it. For each of
+the next `prefetch_depth` layers it predicts the experts the trace really routes there, each kept
+with probability `recall` (seeded), the rest of its top-k filled with the layer's most frequent
+experts, as the live predictor fills with its priors.
+
+A step is one decode token, or one sequence's prefill records together (each layer then runs
+once with every expert its tokens route to, with their token counts, as the live engine does).
+Figures count decode steps only.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import EngineError
+from ..experts import ExpertKey
+from ..memory.oracle import BandwidthOracle, ManualClock
+from ..memory.planner import ExpertPlanner
+from ..memory.policy import AlwaysStreamPolicy, ComputeCostModel, Placement, QStarPolicy
+from ..memory.prefetch import Prefetcher
+from ..memory.routing import RoutingFrequency
+from ..memory.tiers import FastTier, HostTier, LayerLRUTier
+from ..routing_trace import RoutingRecord
+from .machine import ExpertCosts, Timeline, moves_whole
+from .profiles import HardwareProfile
+from .shapes import ModelShape
+
+
+class SimulationError(EngineError, ValueError):
+    """A replay that cannot run (a budget below one layer's working set, an unknown policy)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the engine: `phase`, and per MoE layer expert -> tokens routed to it."""
+
+    phase: str
+    tokens: int
+    layers: dict[int, dict[int, int]]
+
+
+def group_steps(records: Sequence[RoutingRecord]) -> list[Step]:
+    """The records as engine steps: each decode token alone, a sequence's prefill records together."""
+    steps: list[Step] = []
+    tokens: list[set[int]] = []
+    key: tuple[Any, ...] | None = None
+    for r in records:
+        k = (r.seq, "prefill") if r.phase == "prefill" else (r.seq, r.token, "decode")
+        if k != key:
+            steps.append(Step(r.phase, 0, {}))
+            tokens.append(set())
+            key = k
+        routed = steps[-1].layers.setdefault(r.layer, {})
+        for e in r.experts:
+            routed[e] = routed.get(e, 0) + 1
+        tokens[-1].add(r.token)
+    return [Step(s.phase, len(t), s.layers) for s, t in zip(steps, tokens, strict=True)]
+
+
+@dataclass
+class Tally:
+    """What the decode steps of a replay did (totals; `PolicyResult` divides by tokens)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    fast_misses: int = 0
+    host_misses: int = 0
+    cpu_experts: int = 0
+    bytes: Counter[str] = field(default_factory=Counter)
+    decisions: Counter[str] = field(default_factory=Counter)
+
+
+class VirtualMover:
+    """`TierMover`'s bookkeeping without bytes: reads, copies and decodes take time on `timeline`
+    and are recorded by the same oracles; tiers change exactly as the live mover changes them."""
+
+    def __init__(
+        self,
+        fast: FastTier[Any],
+        host: HostTier[Any],
+        costs: ExpertCosts,
+        timeline: Timeline,
+        links: tuple[BandwidthOracle, BandwidthOracle],
+        clock: ManualClock,
+        *,
+        moves_up: set[ExpertKey],
+        exclusive: bool,
+    ) -> None:
+        self.fast, self.host, self.costs, self.timeline = fast, host, costs, timeline
+        self.exclusive = exclusive
+        self.storage_link, self.fast_link = links
+        self.clock, self.moves_up = clock, moves_up
+        self.bytes: Counter[str] = Counter()
+        self.now = 0.0  # when the running layer started (reads it issues start then)
+
+    def _record(self, oracle: BandwidthOracle, nbytes: int, seconds: float) -> None:
+        self.clock.now = max(self.clock.now, self.now)
+        oracle.record(nbytes, seconds)
+
+    def read(self, at: float) -> float:
+        """Tier 3 -> tier 2: one block read; returns when it is in RAM."""
+        c = self.costs
+        self.bytes["storage->host"] += c.stored_bytes
+        self._record(self.storage_link, c.stored_bytes, c.disk_s)
+        return self.timeline.run("disk", at, c.disk_s)
+
+    def host_value(self, key: ExpertKey, at: float, *, keep: bool = True) -> float:
+        """When `key`'s tier-2 bytes are ready (a counted hit or miss; read and kept on a miss)."""
+        if self.host.get(key) is not None:
+            return at
+        ready = self.read(at)
+        if keep:
+            self.host.put(key, True, self.costs.stored_bytes)
+        return ready
+
+    def promote(self, key: ExpertKey, at: float, staged: float | None) -> float:
+        """Bring `key` into tier 1 (from a prefetch that arrived at `staged`, tier 2 or tier 3);
+        returns when it is ready there."""
+        c = self.costs
+        moves_up = key in self.moves_up
+        if staged is not None and c.device == "cuda":
+            ready = staged  # the prefetch already copied it into the spare buffer
+        else:
+            # As the live mover: CUDA keeps what does not move up, a CPU what is not exclusive.
+            keep = not moves_up if c.device == "cuda" else not self.exclusive
+            host_ready = staged if staged is not None else self.host_value(key, at, keep=keep)
+            ready = self.timeline.run("link", host_ready, c.link_s)
+            self.bytes["host->fast"] += c.stored_bytes
+            self._record(self.fast_link, c.stored_bytes, c.link_s)
+        if moves_up:
+            self.host.pop(key)
+        elif key not in self.host:  # a decoded copy: the compact bytes stay in tier 2
+            self.host.put(key, True, c.stored_bytes)
+        self.fast.put(key, True, c.fast_bytes)  # evictions: `on_fast_evict`
+        return ready
+
+    def on_fast_evict(self, key: ExpertKey, _value: Any) -> None:
+        """An expert whose bytes moved up goes back to tier 2 (CUDA: copied back over the link)."""
+        if key not in self.moves_up:
+            return
+        if self.costs.device == "cuda":
+            self.bytes["fast->host"] += self.costs.stored_bytes
+        self.host.put(key, True, self.costs.stored_bytes)
+
+    def prefetch_load(self, key: ExpertKey, *, stage: bool) -> float | None:
+        """A prefetch: read `key` into tier 2 if absent; on CUDA with `stage` also copy it into the
+        spare buffer. Returns when it is where a `take` finds it (CUDA without `stage`: None, a
+        demand promote copies it from tier 2)."""
+        c = self.costs
+        ready = self.now
+        if self.host.peek(key) is None:
+            ready = self.read(self.now)
+            if not (key in self.moves_up and key in self.fast):
+                self.host.put(key, True, c.stored_bytes)
+        if stage and c.device == "cuda":
+            self.bytes["host->fast"] += c.stored_bytes
+            self._record(self.fast_link, c.stored_bytes, c.link_s)
+            return self.timeline.run("link", ready, c.link_s)
+        return None if c.device == "cuda" else ready
+
+    def warm_host(self, keys: Sequence[ExpertKey]) -> None:
+        """Fill tier 2 with `keys` in order while they fit: the RAM of a machine that has run the
+        model for a while (a replay measures the steady state, not the first disk reads)."""
+        for key in keys:
+            if not self.host.has_room(self.costs.stored_bytes, key):
+                return
+            self.host.put(key, True, self.costs.stored_bytes)
+
+
+class TieredReplay:
+    """The live provider's per-layer loop over `steps`, on the modelled machine (module docstring).
+
+    `placement`: "qstar" or "layer-lru" (the live "stream" placement: per-layer LRU, always
+    stream, no CPU compute, tiers not exclusive). `fast_bytes`: tier 1's room for experts;
+    `host_bytes`: tier 2's (None: unbounded). `warm_host`: tier 2 starts full (the steady state;
+    False: empty, as a freshly loaded engine). `policy` and `costs` replace the ones the profile
+    gives (tests: a live run's frozen costs and its experts' sizes)."""
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        profile: HardwareProfile,
+        *,
+        codec: str,
+        fast_bytes: int,
+        host_bytes: int | None,
+        placement: str = "qstar",
+        prefetch_depth: int = 3,
+        recall: float = 0.8,
+        seed: int = 0,
+        hot_every: int = 16,
+        decay: float = 0.9,
+        policy: QStarPolicy | None = None,
+        costs: ExpertCosts | None = None,
+        warm_host: bool = True,
+    ) -> None:
+        if placement not in ("qstar", "layer-lru"):
+            raise SimulationError(f"placement must be 'qstar' or 'layer-lru', got {placement!r}")
+        self.shape, self.profile, self.placement = shape, profile, placement
+        self.costs = c = costs or ExpertCosts.of(shape, profile, codec)
+        self.layers = list(shape.moe_layers)
+        self.top_k = shape.top_k
+        keys = [(lay, e) for lay in self.layers for e in range(shape.num_experts)]
+        self.clock = ManualClock()
+        self.timeline = Timeline(profile.device)
+        exclusive = placement == "qstar"
+        self.routing = RoutingFrequency(self.layers, decay)
+        dev = profile.device
+        storage = BandwidthOracle("storage->host", clock=self.clock, prior_bps=1e9)
+        fast_link = BandwidthOracle("host->fast", clock=self.clock, prior_bps=1e10)
+        acts = BandwidthOracle("activations", clock=self.clock, prior_bps=1e10) if dev == "cuda" else None
+        policy_cls = QStarPolicy if exclusive else AlwaysStreamPolicy
+        self.policy = policy or policy_cls(
+            storage, fast_link, acts, ComputeCostModel(), fast_device=dev, host_device="cpu-host"
+        )
+        storage, fast_link = self.policy.storage, self.policy.host_fast
+        min_ws = c.fast_bytes * self.top_k * (1 if exclusive else len(self.layers))
+        if fast_bytes < min_ws:
+            raise SimulationError(
+                f"fast memory of {fast_bytes} bytes cannot hold the minimum expert working set of "
+                f"{min_ws} bytes ({'one layer' if exclusive else 'every layer'}'s top-{self.top_k})"
+            )
+        # CUDA prefetch stages into the spare half of a double buffer, taken from tier 1.
+        self.spare = min_ws if dev == "cuda" and fast_bytes - min_ws >= min_ws else 0
+        protected = self._needed_soon
+        if exclusive:
+            fast: FastTier[Any] = FastTier(None, protected=protected)
+        else:
+            fast = LayerLRUTier(None, len(self.layers), protected=protected)
+        host: HostTier[Any] = HostTier(
+            host_bytes, rank=self.routing.of if exclusive else None, protected=protected
+        )
+        moves_up = {k for k in keys if exclusive and moves_whole(c.codec, dev)}
+        self.mover = VirtualMover(
+            fast,
+            host,
+            c,
+            self.timeline,
+            (storage, fast_link),
+            self.clock,
+            moves_up=moves_up,
+            exclusive=exclusive,
+        )
+        fast.on_evict = self.mover.on_fast_evict
+        fast.resize(fast_bytes - self.spare)
+        if warm_host:
+            self.mover.warm_host(keys)
+        self.fast, self.host = fast, host
+        self.planner = ExpertPlanner(
+            fast=fast,
+            host=host,
+            policy=self.policy,
+            routing=self.routing,
+            layers=self.layers,
+            stored_bytes=dict.fromkeys(keys, c.stored_bytes),
+            fast_bytes=dict.fromkeys(keys, c.fast_bytes),
+            codecs=dict.fromkeys(keys, c.codec),
+            link_bytes=lambda _k: c.stored_bytes,
+            moves_up=moves_up,
+            device=dev,
+            hot_every=hot_every,
+        )
+        self.prefetcher = Prefetcher(self._prefetch_load, use_thread=False) if prefetch_depth else None
+        self.prefetch_depth = 1 if dev == "cuda" else max(0, prefetch_depth)
+        self.recall = recall
+        self.rng = random.Random(seed)
+        self.now = 0.0
+
+    def _needed_soon(self, key: Any) -> bool:
+        return self.planner.needed_soon(key)
+
+    def _prefetch_load(self, key: ExpertKey) -> float:
+        return self.mover.prefetch_load(key, stage=bool(self.spare))
+
+    def _in_ram(self, key: ExpertKey) -> bool:
+        return key in self.fast or (self.costs.device != "cuda" and key in self.host)
+
+    def _predict(self, layer: int, truth: dict[int, int], tokens: int) -> list[int]:
+        """The oracle predictor: the truly routed experts kept with probability `recall`, then the
+        layer's most frequent others, up to top-k (decode) or twice that (prefill)."""
+        limit = self.top_k * (1 if tokens == 1 else 2)
+        pred = [e for e in sorted(truth, key=lambda e: -truth[e]) if self.rng.random() < self.recall]
+        counts = self.routing.by_layer[layer]
+        for e in sorted(counts, key=lambda e: -counts[e]):
+            if len(pred) >= limit:
+                break
+            if e not in pred:
+                pred.append(e)
+        return pred[:limit]
+
+    # ---- the per-layer loop -----------------------------------------------------------------
+    def run(self, steps: Sequence[Step]) -> Tally:
+        """Replay `steps`; the tally of the decode steps."""
+        tally = Tally()
+        for step in steps:
+            decode = step.phase == "decode"
+            before = (self.now, Counter(self.mover.bytes), Counter(self.policy.decisions))
+            host_misses = self.host.counters.misses
+            fast_misses = self._run_step(step)
+            if not decode:
+                continue
+            tally.tokens += step.tokens
+            tally.seconds += self.now - before[0]
+            tally.fast_misses += fast_misses
+            tally.host_misses += self.host.counters.misses - host_misses
+            tally.bytes.update(self.mover.bytes - before[1])
+            delta = self.policy.decisions - before[2]
+            tally.decisions.update(delta)
+            tally.cpu_experts += delta[Placement.HOST.value]
+        return tally
+
+    def _run_step(self, step: Step) -> int:
+        c, t = self.costs, step.tokens
+        misses = 0
+        for pos, layer in enumerate(self.layers):
+            routed = step.layers.get(layer, {})
+            used = sorted(routed)
+            start = self.mover.now = self.clock.now = self.now
+            hidden = self.timeline.run("device", start, c.dense_s(t))
+            self.planner.note_routing(layer, used)
+            if self.prefetcher is not None and len(self.fast) < len(self.planner.stored_bytes):
+                self.planner.begin_layer(layer, used)
+                self.prefetcher.begin_layer(layer, used)
+                for nxt in self.layers[pos + 1 : pos + 1 + self.prefetch_depth]:
+                    pred = self._predict(nxt, step.layers.get(nxt, {}), t)
+                    self.planner.expect(nxt, pred)
+                    self.prefetcher.issue(nxt, pred, skip=self._in_ram)
+            ends = [hidden]
+            resident = self.fast.get_all([(layer, e) for e in used]) if t == 1 else None
+            if resident is not None:
+                self.policy.count_resident(len(used), 1)
+                for e in used:
+                    ends.append(self._fast_compute(hidden, 0.0, routed[e]))
+            else:
+                for e in used:
+                    end, missed = self._expert(layer, e, routed[e], start, hidden)
+                    ends.append(end)
+                    misses += missed
+            self.now = max(ends)
+        return misses
+
+    def _fast_compute(self, hidden: float, ready: float, tokens: int) -> float:
+        s = self.costs.fast_compute_s(tokens)
+        self.policy.compute.observe(self.costs.device, "decoded", tokens, s)
+        return self.timeline.run("device", max(hidden, ready), s)
+
+    def _expert(self, layer: int, e: int, tokens: int, start: float, hidden: float) -> tuple[float, int]:
+        """One routed expert as `TieredExpertProvider._compute` runs it: (when it ends, 1 if it
+        missed tier 1)."""
+        key, c = (layer, e), self.costs
+        if self.fast.get(key) is not None:
+            self.policy.count_resident(1, tokens)
+            return self._fast_compute(hidden, 0.0, tokens), 0
+        staged = self.prefetcher.take(key) if self.prefetcher is not None else None
+        act = 2 * tokens * self.shape.hidden * 2
+        place = self.planner.decide(key, tokens, staged=staged is not None, activation_bytes=act)
+        if place is Placement.HOST:
+            cuda_or_not_staged = c.device == "cuda" or staged is None
+            ready = self.mover.host_value(key, start) if cuda_or_not_staged else staged
+            if c.device == "cuda":  # hidden states device -> host and back: tiny, latency-bound
+                self.mover.bytes["activations"] += act
+                hidden += c.activation_s * tokens
+            s = c.host_compute_s(tokens)
+            self.policy.compute.observe("cpu-host", c.codec, tokens, s)
+            return self.timeline.run("cpu", max(ready, hidden), s), 1
+        ready = self.mover.promote(key, start, staged)
+        if c.decode_s and key not in self.mover.moves_up:
+            self.policy.compute.observe(c.device, f"decode/{c.codec}", 1, c.decode_s)
+            ready = self.timeline.run("device", ready, c.decode_s)
+        return self._fast_compute(hidden, ready, tokens), 1

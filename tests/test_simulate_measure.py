@@ -1,0 +1,50 @@
+"""`measure_profile`: this machine measured as a `HardwareProfile` (quick sizes: seconds)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken_agents.engine.simulate.measure import measure_profile
+from freetoken_agents.engine.simulate.profiles import HardwareProfile, load_profile
+
+
+def _check_figures(p: HardwareProfile) -> None:
+    for f in fields(p):
+        v = getattr(p, f.name)
+        if not isinstance(v, str):
+            assert math.isfinite(v) and v > 0, (f.name, v)
+
+
+def test_quick_profile_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU branch, GPU or not
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    p = measure_profile("here", quick=True, scratch_dir=scratch)
+    assert p.name == "here" and p.device == "cpu"
+    _check_figures(p)
+    # The device is the host (profiles' module docstring).
+    assert p.device_mem_gbps == p.host_mem_gbps == p.link_gbps
+    assert p.device_mem_bytes == p.host_mem_bytes
+    assert p.device_bf16_tflops == p.device_lowp_tflops == pytest.approx(p.cpu_gflops / 1000)
+    assert p.link_latency_us >= 0.1
+    assert list(scratch.iterdir()) == []  # the scratch file (and its folder) is gone
+
+    path = tmp_path / "here.toml"
+    path.write_text(p.to_toml(), encoding="utf-8")
+    assert load_profile(path) == p
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_quick_profile_on_cuda(tmp_path: Path) -> None:
+    p = measure_profile(quick=True, scratch_dir=tmp_path)
+    assert p.name == "this-machine" and p.device == "cuda"
+    _check_figures(p)
+    assert p.device_mem_bytes == torch.cuda.get_device_properties(0).total_memory
+    assert p.device_lowp_tflops == pytest.approx(2 * p.device_bf16_tflops)
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,181 @@
+"""The replay takes the live tiered memory's decisions: on the same routing and the same measured
+costs, `TieredReplay` (virtual bytes, virtual clock) and `TieredExpertProvider` (a real FTW file,
+real reads and decodes) place every expert alike, step by step; `simulate` refuses what it cannot
+replay in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken_agents.engine import Engine
+from freetoken_agents.engine.loading.convert import convert_checkpoint
+from freetoken_agents.engine.memory import (
+    BandwidthOracle,
+    ComputeCostModel,
+    MemoryBudget,
+    Placement,
+    QStarPolicy,
+    TieredExpertProvider,
+)
+from freetoken_agents.engine.routing_trace import RoutingRecord, RoutingTraceError
+from freetoken_agents.engine.simulate.machine import ExpertCosts
+from freetoken_agents.engine.simulate.profiles import load_profile
+from freetoken_agents.engine.simulate.replay import SimulationError, TieredReplay, group_steps
+from freetoken_agents.engine.simulate.shapes import shape_for, shape_from_spec
+from freetoken_agents.engine.simulate.simulator import POLICIES, simulate
+from freetoken_agents.engine.simulate.synthetic import MIXTRAL_8X7B, preset_trace, synthetic_trace
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class FrozenOracle(BandwidthOracle):
+    """A link whose estimate never moves: the live run's timings do not change its prices."""
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        pass
+
+
+class FrozenCompute(ComputeCostModel):
+    def observe(self, device: str, codec: str, tokens: int, seconds: float) -> None:
+        pass
+
+
+class RecordingPolicy(QStarPolicy):
+    """q* that logs each decision it takes, in order."""
+
+    def __init__(self) -> None:
+        compute = FrozenCompute()
+        compute.set("cpu", "decoded", 1, 50e-6)
+        compute.set("cpu-host", "fp32", 1, 200e-6)
+        super().__init__(
+            FrozenOracle("storage->host", prior_bps=1e9),
+            FrozenOracle("host->fast", prior_bps=1e10),
+            None,
+            compute,
+            fast_device="cpu",
+            host_device="cpu-host",
+        )
+        self.log: list[tuple[tuple[int, int], str]] = []
+
+    def decide(self, key, case):
+        place = super().decide(key, case)
+        self.log.append((key, place.value))
+        return place
+
+
+@pytest.fixture(scope="module")
+def tiny_ftw(tiny_checkpoint, tmp_path_factory) -> Path:
+    ftw = tmp_path_factory.mktemp("replay") / "mixtral.ftw"
+    convert_checkpoint(tiny_checkpoint("mixtral"), ftw, quant="fp32", progress=False)
+    return ftw
+
+
+def test_the_replay_takes_the_live_runs_decisions_on_the_same_routing(tiny_ftw: Path) -> None:
+    resident = Engine.from_pretrained(tiny_ftw)
+    spec = resident.spec
+    moe_layers = spec.moe_layers()
+    moe = spec.layers[moe_layers[0]].moe
+    shape = shape_from_spec(spec)
+    records = [
+        dataclasses.replace(r, layer=moe_layers[r.layer])
+        for r in synthetic_trace(
+            layers=len(moe_layers),
+            num_experts=moe.num_experts,
+            top_k=moe.top_k,
+            tokens=48,
+            reuse=0.4,
+            skew=0.8,
+            cross_layer=0.0,
+            seed=3,
+        )
+    ]
+    live_policy = RecordingPolicy()
+    probe = TieredExpertProvider(tiny_ftw, MemoryBudget(), top_k=moe.top_k, prefetch=False)
+    key = probe.keys()[0]
+    stored, fast = probe.stored_bytes[key], probe.fast_bytes[key]
+    probe.close()
+    budget = 5 * fast  # 5 of the model's experts: contested, so q* has choices to make
+    live = TieredExpertProvider(
+        tiny_ftw,
+        MemoryBudget(fast_bytes=budget),
+        top_k=moe.top_k,
+        prefetch=False,
+        policy=live_policy,
+        hot_every=4,
+    )
+    gen = torch.Generator().manual_seed(0)
+    for r in records:
+        hidden = torch.randn(1, spec.hidden_size, generator=gen)
+        ids = torch.tensor([list(r.experts)])
+        weights = torch.tensor([list(r.weights)])
+        live.run(r.layer, hidden, ids, weights, spec.layers[r.layer].moe)
+    live.close()
+
+    replay_policy = RecordingPolicy()
+    costs = dataclasses.replace(
+        ExpertCosts.of(shape, load_profile("cpu-ddr5"), "fp32"), stored_bytes=stored, fast_bytes=fast
+    )
+    replay = TieredReplay(
+        shape,
+        load_profile("cpu-ddr5"),
+        codec="fp32",
+        fast_bytes=budget,
+        host_bytes=None,
+        prefetch_depth=0,
+        hot_every=4,
+        policy=replay_policy,
+        costs=costs,
+        warm_host=False,
+    )
+    replay.run(group_steps(records))
+
+    placements = {p for _, p in live_policy.log}
+    assert {Placement.STREAM.value, Placement.HOST.value} <= placements  # a test with choices in it
+    assert replay_policy.log == live_policy.log
+    assert replay_policy.decisions == live_policy.decisions  # the residents counted alike too
+    assert replay.fast.keys() == live.fast.keys()
+    assert replay.host.keys() == live.host.keys()
+
+
+def test_simulate_reports_every_policy_and_a_bound_above_them() -> None:
+    shape = shape_for("mixtral-8x7b")
+    records = preset_trace(MIXTRAL_8X7B, tokens=24, seed=1)
+    budget = shape.total_expert_bytes("mxfp4") // 2
+    report = simulate(records, shape, load_profile("rtx4090-pcie4"), fast_bytes=budget, codec="mxfp4")
+    assert [r.policy for r in report.results] == list(POLICIES)
+    assert report.decode_tokens == 24 and report.simulated
+    for r in report.results:
+        assert 0 < r.tokens_per_s <= report.bound.tokens_per_s
+        assert 0 <= r.misses_per_token["fast"] <= shape.top_k * len(shape.moe_layers)
+    assert report.result("stream").misses_per_token["fast"] == shape.top_k * len(shape.moe_layers)
+    assert report.result("belady").misses_per_token["fast"] == report.bound.misses_per_token["fast"]
+    assert report.result("static").cpu_experts_per_token == report.result("static").misses_per_token["fast"]
+    assert report.result("layer-lru").cpu_experts_per_token == 0
+
+
+def test_a_trace_of_another_model_is_refused_in_one_line() -> None:
+    records = preset_trace(MIXTRAL_8X7B, tokens=2, seed=0)
+    with pytest.raises(RoutingTraceError, match=r"^routing trace does not fit qwen3-30b-a3b: [^\n]*$"):
+        simulate(records, shape_for("qwen3-30b-a3b"), load_profile("rtx4090-pcie4"), fast_bytes=10**12)
+
+
+def test_a_budget_below_one_layers_experts_and_an_unknown_policy_are_refused() -> None:
+    shape = shape_for("mixtral-8x7b")
+    records = preset_trace(MIXTRAL_8X7B, tokens=2, seed=0)
+    with pytest.raises(SimulationError, match="cannot hold one layer's top-2 experts"):
+        simulate(records, shape, load_profile("rtx4090-pcie4"), fast_bytes=1000)
+    with pytest.raises(SimulationError, match="unknown policies"):
+        simulate(records, shape, load_profile("rtx4090-pcie4"), fast_bytes=10**12, policies=["lru"])
+
+
+def test_prefill_records_of_a_sequence_are_one_step() -> None:
+    records = [
+        RoutingRecord(0, t, 0, (t % 2, 2), (0.5, 0.5), "prefill") for t in range(3)
+    ] + [RoutingRecord(0, 3, 0, (1, 2), (0.5, 0.5), "decode")]
+    steps = group_steps(records)
+    assert [(s.phase, s.tokens) for s in steps] == [("prefill", 3), ("decode", 1)]
+    assert steps[0].layers == {0: {0: 2, 2: 3, 1: 1}}
