@@ -173,9 +173,9 @@ def test_a_budget_below_one_layers_experts_and_an_unknown_policy_are_refused() -
 
 
 def test_prefill_records_of_a_sequence_are_one_step() -> None:
-    records = [
-        RoutingRecord(0, t, 0, (t % 2, 2), (0.5, 0.5), "prefill") for t in range(3)
-    ] + [RoutingRecord(0, 3, 0, (1, 2), (0.5, 0.5), "decode")]
+    records = [RoutingRecord(0, t, 0, (t % 2, 2), (0.5, 0.5), "prefill") for t in range(3)] + [
+        RoutingRecord(0, 3, 0, (1, 2), (0.5, 0.5), "decode")
+    ]
     steps = group_steps(records)
     assert [(s.phase, s.tokens) for s in steps] == [("prefill", 3), ("decode", 1)]
     assert steps[0].layers == {0: {0: 2, 2: 3, 1: 1}}
