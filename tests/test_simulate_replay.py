@@ -53,7 +53,7 @@ class RecordingPolicy(QStarPolicy):
         compute.set("cpu-host", "fp32", 1, 200e-6)
         super().__init__(
             FrozenOracle("storage->host", prior_bps=1e9),
-            FrozenOracle("host->fast", prior_bps=1e10),
+            FrozenOracle("host->fast", prior_bps=1e8),
             None,
             compute,
             fast_device="cpu",

@@ -254,6 +254,11 @@ class TierMover:
             self.fast.put(key, w, self.fast_bytes[key])  # evictions: `demote`
         return w
 
+    def use_staged(self, key: ExpertKey, staged: Any) -> ExpertWeights:
+        """CUDA: the weights of a prefetch's staged copy, for one computation (not kept in tier 1:
+        q*'s STAGED placement, which evicts nothing)."""
+        return self._device_decode(key, self.copies.ready(*staged))
+
     def prefetch_load(
         self, key: ExpertKey, *, stage: bool, still_wanted: Callable[[], bool] | None = None
     ) -> Any:

@@ -7,7 +7,11 @@ Per step of a MoE layer it
   (both tiers evict them last, so a prefetch never pushes out what the next layers use),
 - for each routed expert not in tier 1, prices the case q* sees (`ExpertCase`: in tier 2 or not,
   prefetched or not, the victims a STREAM would evict and what keeping them is worth) and asks
-  the policy for a `Placement`.
+  the policy for a `Placement`;
+- on CUDA, where copies and host computations run beside the device, keeps when the link and the
+  CPU will be free (each copy and host computation it decides or stages adds its predicted
+  seconds), so q* spreads a layer's misses over both, and a prefetch stages a copy only when the
+  link can land it before the CPU could have computed the expert.
 
 It never moves a byte. The live `TieredExpertProvider` carries its decisions out with `TierMover`
 (real reads, decodes and copies); the simulator (`engine.simulate.replay`) with a virtual mover
@@ -18,10 +22,12 @@ same routing and the same measured costs they take the same decisions.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from ..experts import ExpertKey
+from .oracle import Clock
 from .policy import ExpertCase, Placement, QStarPolicy
 from .routing import RoutingFrequency
 from .tiers import FastTier, HostTier
@@ -40,6 +46,7 @@ class ExpertPlanner:
         moves_up: CUDA, experts whose bytes move up whole (no device decode to price).
         device: the compute device type ("cpu" or "cuda"): the name compute is measured under.
         lock: the lock the tiers are changed under (loader threads insert into tier 2).
+        clock: seconds, monotonic (the replay's virtual clock).
     """
 
     def __init__(
@@ -58,6 +65,7 @@ class ExpertPlanner:
         device: str = "cpu",
         lock: threading.RLock | None = None,
         hot_every: int = 16,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.fast, self.host, self.policy, self.routing = fast, host, policy, routing
         self.layers = list(layers)
@@ -69,12 +77,22 @@ class ExpertPlanner:
         self.steps = 0
         # MoE layer -> experts needed soon (its routed ones once it runs, predictions before).
         self.soon: dict[int, set[int]] = {}
+        self.clock = clock
+        self.link_free_at = self.host_free_at = 0.0  # CUDA: when the link / the CPU is free
+        self.arrives: dict[ExpertKey, float] = {}  # CUDA: when a staged copy lands
+        self.layer_s = 0.0  # EMA of the time from one MoE layer's start to the next one's
+        self._last_start: float | None = None
 
     # ---- per step of a layer ----------------------------------------------------------------
     def note_routing(self, layer: int, used: Sequence[int]) -> None:
         """`layer` routes to `used` this step: count it; re-evaluate the hot set every
         `hot_every` steps (a step begins at the first MoE layer)."""
         self.routing.note(layer, used)
+        now = self.clock()
+        if self._last_start is not None and now > self._last_start:
+            gap = now - self._last_start
+            self.layer_s = gap if not self.layer_s else 0.9 * self.layer_s + 0.1 * gap
+        self._last_start = now
         if layer == self.layers[0]:
             self.steps += 1
             if self.steps % self.hot_every == 0:
@@ -100,9 +118,37 @@ class ExpertPlanner:
 
     def decide(self, key: ExpertKey, tokens: int, *, staged: bool, activation_bytes: int = 0) -> Placement:
         """The placement of `key`, not in tier 1, for `tokens` tokens (`staged`: a prefetch
-        brought it; `activation_bytes`: what HOST compute moves)."""
+        brought it; `activation_bytes`: what HOST compute moves). On CUDA the copy or the host
+        computation it decides keeps the link or the CPU busy for the next decisions."""
         case = self.case(key, tokens, staged=staged, activation_bytes=activation_bytes)
-        return self.policy.decide(key, case)
+        place = self.policy.decide(key, case)
+        if self.cuda:
+            with self.lock:
+                self._book(key, place, staged, tokens, self.clock())
+        return place
+
+    def _book(self, key: ExpertKey, place: Placement, staged: bool, tokens: int, now: float) -> None:
+        """The link or the CPU is busy with what was just decided for `key` (CUDA)."""
+        self.arrives.pop(key, None)
+        if place is Placement.STREAM and not staged:
+            self.link_free_at = max(now, self.link_free_at) + self.copy_s(key)
+        elif place is Placement.HOST:
+            compute = self.policy.compute.estimate(self.policy.host_device, self.codecs[key], tokens)
+            self.host_free_at = max(now, self.host_free_at) + compute
+
+    def should_stage(self, key: ExpertKey, layers_ahead: int) -> bool:
+        """CUDA prefetch: whether to copy `key`, predicted for the layer `layers_ahead` from the
+        running one, into the staging buffer now: the link lands it before that layer's CPU could
+        have computed it (counting the copies already on the link). Staged: the link is booked."""
+        now = self.clock()
+        compute = self.policy.compute.estimate(self.policy.host_device, self.codecs[key], 1)
+        with self.lock:  # a loader thread asks while the compute thread decides
+            lands = max(now, self.link_free_at) + self.copy_s(key)
+            if lands > now + layers_ahead * self.layer_s + compute:
+                return False
+            self.link_free_at = lands
+            self.arrives[key] = lands
+        return True
 
     # ---- pricing ----------------------------------------------------------------------------
     def case(self, key: ExpertKey, tokens: int, *, staged: bool, activation_bytes: int = 0) -> ExpertCase:
@@ -113,6 +159,8 @@ class ExpertPlanner:
             hc = self.host.counters
             host_miss = hc.misses / (hc.hits + hc.misses) if hc.hits + hc.misses else 1.0
             victims = self.fast.victims_for(self.fast_bytes[key], key) if not resident else []
+        now = self.clock() if self.cuda else 0.0
+        on_device = staged and self.cuda
         return ExpertCase(
             tokens=tokens,
             codec=self.codecs[key],
@@ -129,6 +177,10 @@ class ExpertPlanner:
             host_miss=host_miss,
             can_stream=self.fast.fits(self.fast_bytes[key], key),
             free_room=self.fast.has_room(self.fast_bytes[key], key),
+            staged=on_device,
+            staged_wait_s=max(0.0, self.arrives.get(key, now) - now) if on_device else 0.0,
+            link_wait_s=max(0.0, self.link_free_at - now) if self.cuda else 0.0,
+            host_wait_s=max(0.0, self.host_free_at - now) if self.cuda else 0.0,
         )
 
     def decode_s(self, key: ExpertKey) -> float:
@@ -138,7 +190,10 @@ class ExpertPlanner:
             return 0.0
         return self.policy.compute.measured(self.device, f"decode/{self.codecs[key]}", 1) or 0.0
 
+    def copy_s(self, key: ExpertKey) -> float:
+        """Predicted seconds of one copy of `key` into tier 1 (link and device decode)."""
+        return self.policy.host_fast.seconds_for(self.link_bytes(key)) + self.decode_s(key)
+
     def reload_s(self, key: ExpertKey, host_miss: float) -> float:
         """Predicted seconds to bring `key` back into tier 1 after an eviction."""
-        copy = self.policy.host_fast.seconds_for(self.link_bytes(key)) + self.decode_s(key)
-        return copy + host_miss * self.policy.storage.seconds_for(self.stored_bytes[key])
+        return self.copy_s(key) + host_miss * self.policy.storage.seconds_for(self.stored_bytes[key])

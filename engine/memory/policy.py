@@ -3,9 +3,16 @@
 Costs in seconds for one expert and T tokens routed to it (DESIGN.md section 5):
 
     t_resident = t_compute(fast, T)
-    t_stream   = t_fetch + link bytes / bw(host->fast) + t_decode(fast) - overlap + t_compute(fast, T)
-                 + loss - gain
-    t_host     = t_fetch + t_compute(host, T) + activation bytes / bw(activations)
+    t_stream   = t_fetch + wait(link) + link bytes / bw(host->fast) + t_decode(fast) - overlap
+                 + t_compute(fast, T) + loss - gain
+    t_staged   = wait(staged copy) + t_compute(fast, T)                  (CUDA, a prefetched copy)
+    t_host     = t_fetch + wait(cpu) + t_compute(host, T) + activation bytes / bw(activations)
+
+The waits (CUDA only, where the link and the CPU work in parallel with the device) are how long
+the link and the CPU are still busy with the copies and host computations already decided or
+staged (`ExpertPlanner` keeps them): a layer's misses are spread over both instead of queueing on
+the one that is cheaper for a single expert. A STAGED expert is computed from the prefetch's copy
+in the staging buffer and not kept, so it evicts nothing; a STREAM of it keeps it (loss - gain).
 
 `t_fetch` = stored bytes / bw(storage->host) when the block is not in tier 2 (else 0); link bytes
 are what the copy moves (CUDA: the compact raw bytes, which the GPU then decodes in t_decode,
@@ -45,6 +52,7 @@ class Placement(str, Enum):
 
     RESIDENT = "resident"  # weights in tier 1: compute there
     STREAM = "stream"  # copy tier 2/3 -> tier 1 (cached there), compute there
+    STAGED = "staged"  # compute from a prefetch's staged copy on the device, not kept in tier 1
     HOST = "host"  # compute where the weights are (host), move only activations
 
 
@@ -108,6 +116,9 @@ class ExpertCase:
     `activation_bytes`: bytes of its input + output activations (HOST moves them);
     `prefetched_s`: seconds of copy a prefetch already hid (0 if none); `victims`: reload times
     (s) and decayed frequencies of what a STREAM would evict; `frequency`: its own.
+    CUDA, where the link and the CPU work beside each other: `staged` (a prefetch copied it into
+    the staging buffer on the device; `staged_wait_s` until that copy lands), `link_wait_s` (until
+    the link is free for a new copy) and `host_wait_s` (until the CPU is free for its compute).
     """
 
     tokens: int
@@ -125,6 +136,10 @@ class ExpertCase:
     can_stream: bool = True
     free_room: bool = False  # tier 1 can take it without evicting anything
     host_miss: float = 0.0  # measured probability that an expert not in tier 1 misses tier 2
+    staged: bool = False
+    staged_wait_s: float = 0.0
+    link_wait_s: float = 0.0
+    host_wait_s: float = 0.0
 
 
 class QStarPolicy:
@@ -162,19 +177,23 @@ class QStarPolicy:
             moved = case.stored_bytes if case.link_bytes is None else case.link_bytes
             full_copy = self.host_fast.seconds_for(moved) + case.decode_s
             copy = max(0.0, full_copy - case.prefetched_s)
+            wait = case.staged_wait_s if case.staged else (case.link_wait_s if copy > 0 else 0.0)
             saving = max(
                 0.0,
                 self.compute.estimate(self.host_device, case.codec, 1)
                 - self.compute.estimate(self.fast_device, "decoded", 1),
             )
             reload = full_copy + case.host_miss * self.storage.seconds_for(case.stored_bytes)
-            gain = case.frequency * (saving + reload)
-            loss = sum(vf * (saving + vr) for vr, vf in case.victims)
-            out[Placement.STREAM] = fetch + copy + t_fast + loss - gain
+            gain = case.frequency * min(saving, reload)
+            loss = sum(vf * min(saving, vr) for vr, vf in case.victims)
+            out[Placement.STREAM] = fetch + wait + copy + t_fast + loss - gain
+        if case.staged:  # use the staged copy and let it go: nothing evicted, nothing gained
+            out[Placement.STAGED] = case.staged_wait_s + t_fast
         act = 0.0
         if self.activations is not None and case.activation_bytes:
             act = self.activations.seconds_for(case.activation_bytes)
-        out[Placement.HOST] = fetch + self.compute.estimate(self.host_device, case.codec, case.tokens) + act
+        compute = self.compute.estimate(self.host_device, case.codec, case.tokens)
+        out[Placement.HOST] = fetch + case.host_wait_s + compute + act
         return out
 
     def count_resident(self, experts: int, tokens: int) -> None:
@@ -185,9 +204,9 @@ class QStarPolicy:
         self.decisions_by_phase[f"{phase}/{Placement.RESIDENT.value}"] += experts
 
     def decide(self, key: tuple[int, int], case: ExpertCase) -> Placement:
-        """The cheapest placement (ties: RESIDENT, then STREAM); counted and logged at debug."""
+        """The cheapest placement (ties: RESIDENT, STREAM, STAGED, HOST); counted and logged at debug."""
         costs = self.costs(case)
-        order = (Placement.RESIDENT, Placement.STREAM, Placement.HOST)
+        order = (Placement.RESIDENT, Placement.STREAM, Placement.STAGED, Placement.HOST)
         if case.free_room and Placement.STREAM in costs:
             # Free fast memory is never better left empty: fill it (this also seeds the
             # fast-compute measurements the later, contested decisions need).

@@ -30,8 +30,10 @@ Placements (per expert per step, `QStarPolicy`):
 decoded copies in tier 1 (`LayerLRUTier` + `AlwaysStreamPolicy`), tier 2 independent of it.
 
 Prefetch (`Prefetcher`): pre-gating predicts the next `prefetch_depth` layers' experts while a
-layer computes; loader threads read them into tier 2 (CPU) or stages them in the spare half of a
-double buffer on the device (CUDA), so disk reads overlap compute. The experts predicted for the
+layer computes; loader threads read them into tier 2 (CPU) or, on CUDA, also copy them into staging
+room on the device when the link can land them in time (`ExpertPlanner.should_stage`), so disk
+reads and copies overlap compute; q* then keeps a staged expert (STREAM) or computes it once from
+its staged copy (STAGED, evicting nothing). The experts predicted for the
 coming layers are "needed soon": the tiers evict them last, so a prefetch never pushes out what
 the next layers are about to use.
 
@@ -93,8 +95,8 @@ class TieredExpertProvider(ExpertStore):
         routers: MoE layer index -> its router module (pre-gating; none: frequency priors only).
         attention: modules whose forward time `stats()` reports as the "attention" phase.
         prefetch: pre-gating prefetch on; `prefetch_thread` False loads inline (deterministic
-            tests); `prefetch_depth`: how many MoE layers ahead (CUDA: 1, the spare buffer holds
-            one layer).
+            tests); `prefetch_depth`: how many MoE layers ahead (CUDA: the staging room is this
+            many layers' top-k experts, taken from tier 1).
         hot_every: re-evaluate the pinned hot set every this many steps; `decay`: per-step decay
             of routing frequencies.
         placement: "qstar" (cost model, shared fast LRU + pinned hot set, exclusive RAM tiers) or
@@ -224,14 +226,17 @@ class TieredExpertProvider(ExpertStore):
             device=self.device.type,
             lock=self._lock,
             hot_every=hot_every,
+            clock=clock,
         )
+        # CUDA: the staging buffer holds copies for the next `prefetch_depth` layers.
+        self.prefetch_depth = max(1, prefetch_depth)
+        self._ahead: dict[int, int] = {}  # layer -> how many layers ahead its prefetch was issued
         self._apply_fast_budget()
         # Two loader threads: one verifies (and on CUDA copies into pinned memory) the block it
         # read while the other reads the next; the reader keeps reads one at a time.
         self.prefetcher = (
             Prefetcher(self._prefetch_load, use_thread=prefetch_thread, loaders=2) if prefetch else None
         )
-        self.prefetch_depth = 1 if self.cuda else max(1, prefetch_depth)
         self.routers: dict[int, torch.nn.Module] = dict(routers or {})
         self._hooks: list[Any] = [h for module in attention for h in self.phases.hook(module, "attention")]
 
@@ -239,7 +244,7 @@ class TieredExpertProvider(ExpertStore):
     def _apply_fast_budget(self) -> None:
         total = self.budget.fast_bytes
         if total is None:
-            self.spare_bytes = self.min_working_set if self._prefetch_wanted and self.cuda else 0
+            self.spare_bytes = self._staging_bytes()
             self.fast.resize(None)
             return
         avail = total - self.kv_bytes
@@ -256,11 +261,15 @@ class TieredExpertProvider(ExpertStore):
         # Prefetch staging (the spare half of the double buffer) goes first under pressure. On a
         # CPU-only machine prefetch reads ahead into tier 2 only: HOST computes straight from the
         # stored bytes, so decoded staging copies would only take room from tier 1.
-        wanted = self.min_working_set if self._prefetch_wanted and self.cuda else 0
+        wanted = self._staging_bytes()
         self.spare_bytes = wanted if avail - wanted >= self.min_working_set else 0
         evicted = self.fast.resize(avail - self.spare_bytes)  # `moves` demotes or spills them
         if evicted:
             logger.debug("fast tier shrank to %d bytes: evicted %s", avail - self.spare_bytes, evicted)
+
+    def _staging_bytes(self) -> int:
+        """CUDA prefetch staging: room for one layer's top-k experts per layer of prefetch depth."""
+        return self.prefetch_depth * self.min_working_set if self._prefetch_wanted and self.cuda else 0
 
     def on_kv_resize(self, kv_bytes: int) -> None:
         """BlockPool.on_resize: KV now needs `kv_bytes` of fast memory; resize the expert tier."""
@@ -345,6 +354,8 @@ class TieredExpertProvider(ExpertStore):
         )
         if place is Placement.HOST:
             return self._host_compute(key, x, spec, staged)
+        if place is Placement.STAGED:  # computed from the prefetch's copy, not kept in tier 1
+            return self._fast_compute(self.moves.use_staged(key, staged), x, spec)
         return self._fast_compute(self.moves.promote(key, staged), x, spec)
 
     def _fast_compute(self, w: ExpertWeights, x: torch.Tensor, spec: MoESpec) -> torch.Tensor:
@@ -377,9 +388,10 @@ class TieredExpertProvider(ExpertStore):
     # ---- prefetch ---------------------------------------------------------------------------
     def _prefetch_load(self, key: ExpertKey) -> Any:
         wanted = self.prefetcher.wanted if self.prefetcher is not None else None
-        return self.moves.prefetch_load(
-            key, stage=bool(self.spare_bytes), still_wanted=(lambda: wanted(key)) if wanted else None
-        )
+        # CUDA: a copy is staged only when the link can land it in time (`should_stage`).
+        stage = bool(self.spare_bytes) and self.planner.should_stage(key, self._ahead.get(key[0], 1))
+        still_wanted = (lambda: wanted(key)) if wanted else None
+        return self.moves.prefetch_load(key, stage=stage, still_wanted=still_wanted)
 
     def _in_ram(self, key: ExpertKey) -> bool:
         """Whether a prefetch of `key` has nothing to do (CUDA: staged copies come from tier 2)."""
@@ -394,6 +406,7 @@ class TieredExpertProvider(ExpertStore):
         biggest = max(self.fast_bytes.values())
         self.prefetcher.max_inflight = max(1, self.spare_bytes // biggest) if self.spare_bytes else 8
         for d, nxt in enumerate(self.layers[pos + 1 : pos + 1 + self.prefetch_depth]):
+            self._ahead[nxt] = d + 1
             with self.phases.time("predict"):
                 router = self.routers.get(nxt)
                 pred = self.prefetcher.predict(

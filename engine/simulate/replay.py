@@ -234,8 +234,10 @@ class TieredReplay:
                 f"fast memory of {fast_bytes} bytes cannot hold the minimum expert working set of "
                 f"{min_ws} bytes ({'one layer' if exclusive else 'every layer'}'s top-{self.top_k})"
             )
-        # CUDA prefetch stages into the spare half of a double buffer, taken from tier 1.
-        self.spare = min_ws if dev == "cuda" and fast_bytes - min_ws >= min_ws else 0
+        # CUDA prefetch stages copies for the next `prefetch_depth` layers, room taken from tier 1.
+        depth = max(0, prefetch_depth)
+        wanted = depth * min_ws if dev == "cuda" else 0
+        self.spare = wanted if fast_bytes - wanted >= min_ws else 0
         protected = self._needed_soon
         if exclusive:
             fast: FastTier[Any] = FastTier(None, protected=protected)
@@ -273,18 +275,21 @@ class TieredReplay:
             moves_up=moves_up,
             device=dev,
             hot_every=hot_every,
+            clock=self.clock,
         )
         self.prefetcher = Prefetcher(self._prefetch_load, use_thread=False) if prefetch_depth else None
-        self.prefetch_depth = 1 if dev == "cuda" else max(0, prefetch_depth)
+        self.prefetch_depth = depth
         self.recall = recall
         self.rng = random.Random(seed)
         self.now = 0.0
+        self._ahead: dict[int, int] = {}  # layer -> how many layers ahead its prefetch was issued
 
     def _needed_soon(self, key: Any) -> bool:
         return self.planner.needed_soon(key)
 
-    def _prefetch_load(self, key: ExpertKey) -> float:
-        return self.mover.prefetch_load(key, stage=bool(self.spare))
+    def _prefetch_load(self, key: ExpertKey) -> float | None:
+        stage = bool(self.spare) and self.planner.should_stage(key, self._ahead[key[0]])
+        return self.mover.prefetch_load(key, stage=stage)
 
     def _in_ram(self, key: ExpertKey) -> bool:
         return key in self.fast or (self.costs.device != "cuda" and key in self.host)
@@ -335,7 +340,8 @@ class TieredReplay:
             if self.prefetcher is not None and len(self.fast) < len(self.planner.stored_bytes):
                 self.planner.begin_layer(layer, used)
                 self.prefetcher.begin_layer(layer, used)
-                for nxt in self.layers[pos + 1 : pos + 1 + self.prefetch_depth]:
+                for ahead, nxt in enumerate(self.layers[pos + 1 : pos + 1 + self.prefetch_depth], 1):
+                    self._ahead[nxt] = ahead
                     pred = self._predict(nxt, step.layers.get(nxt, {}), t)
                     self.planner.expect(nxt, pred)
                     self.prefetcher.issue(nxt, pred, skip=self._in_ram)
@@ -377,6 +383,8 @@ class TieredReplay:
             s = c.host_compute_s(tokens)
             self.policy.compute.observe("cpu-host", c.codec, tokens, s)
             return self.timeline.run("cpu", max(ready, hidden), s), 1
+        if place is Placement.STAGED:  # the staged copy, used and let go
+            return self._fast_compute(hidden, staged or 0.0, tokens), 1
         ready = self.mover.promote(key, start, staged)
         if c.decode_s and key not in self.mover.moves_up:
             self.policy.compute.observe(c.device, f"decode/{c.codec}", 1, c.decode_s)

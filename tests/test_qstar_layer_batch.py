@@ -1,0 +1,142 @@
+"""q* on a GPU machine, where the link and the CPU work beside the device: a layer's misses are
+spread over both (each decision sees what the link and the CPU are already busy with), a
+prefetched copy is computed once without evicting anything (STAGED), a copy is staged only when it
+lands in time, and residency is worth what a later miss would cost, not a copy plus a compute."""
+
+from __future__ import annotations
+
+from freetoken_agents.engine.memory import (
+    BandwidthOracle,
+    ComputeCostModel,
+    ExpertCase,
+    FastTier,
+    HostTier,
+    ManualClock,
+    Placement,
+    QStarPolicy,
+)
+from freetoken_agents.engine.memory.planner import ExpertPlanner
+from freetoken_agents.engine.memory.routing import RoutingFrequency
+
+MB = 10**6
+COPY_S = 4e-3  # 100 MB over a 25 GB/s link
+HOST_S = 1.4e-3  # computing it on the CPU
+FAST_S = 0.1e-3  # computing it on the GPU
+
+
+def _policy() -> QStarPolicy:
+    compute = ComputeCostModel()
+    compute.set("cuda", "decoded", 1, FAST_S)
+    compute.set("cpu-host", "mxfp4", 1, HOST_S)
+    return QStarPolicy(
+        BandwidthOracle("storage->host", prior_bps=5e9),
+        BandwidthOracle("host->fast", prior_bps=100 * MB / COPY_S),
+        BandwidthOracle("activations", prior_bps=25e9),
+        compute,
+        fast_device="cuda",
+        host_device="cpu-host",
+    )
+
+
+def _case(**kw) -> ExpertCase:
+    base = dict(
+        tokens=1,
+        codec="mxfp4",
+        resident=False,
+        in_host=True,
+        stored_bytes=100 * MB,
+        fast_bytes=100 * MB,
+        activation_bytes=16_384,
+    )
+    base.update(kw)
+    return ExpertCase(**base)
+
+
+def test_a_hot_experts_residency_is_worth_a_host_compute_not_a_copy_plus_a_compute() -> None:
+    """Used ~2 more times soon, it saves at most the cheaper of computing it on the CPU and copying
+    it back each time (1.3 ms), not both (5.3 ms): streaming it (4 ms now) is not worth it."""
+    p = _policy()
+    assert p.decide((0, 1), _case(frequency=2.0)) is Placement.HOST
+    assert p.decide((0, 2), _case(frequency=8.0)) is Placement.STREAM  # used often enough: keep it
+
+
+def test_a_staged_copy_is_computed_once_when_keeping_it_would_evict_a_hotter_expert() -> None:
+    p = _policy()
+    hot_victim = [(COPY_S, 5.0)]
+    assert (
+        p.decide((0, 1), _case(staged=True, prefetched_s=float("inf"), victims=hot_victim))
+        is Placement.STAGED
+    )
+    # Without a staged copy the same expert is computed on the CPU.
+    assert p.decide((0, 2), _case(victims=hot_victim)) is Placement.HOST
+    # A staged copy still on the link: waiting for it costs more than the CPU's compute.
+    late = _case(staged=True, prefetched_s=float("inf"), victims=hot_victim, staged_wait_s=3e-3)
+    assert p.decide((0, 3), late) is Placement.HOST
+
+
+def test_the_busy_link_and_the_busy_cpu_are_priced() -> None:
+    p = _policy()
+    assert p.decide((0, 1), _case(frequency=8.0)) is Placement.STREAM
+    assert p.decide((0, 2), _case(frequency=8.0, link_wait_s=8e-3)) is Placement.HOST
+    assert p.decide((0, 3), _case(host_wait_s=5e-3)) is Placement.STREAM
+
+
+def _planner(clock: ManualClock, capacity_experts: int = 4) -> ExpertPlanner:
+    fast: FastTier[bool] = FastTier(capacity_experts * 100 * MB)
+    host: HostTier[bool] = HostTier(None)
+    keys = [(0, e) for e in range(8)] + [(1, e) for e in range(8)]
+    for k in keys:
+        host.put(k, True, 100 * MB)
+    for e in range(capacity_experts):  # tier 1 full of equally warm experts of layer 1
+        fast.put((1, e), True, 100 * MB)
+    routing = RoutingFrequency([0, 1])
+    routing.note(1, list(range(capacity_experts)))
+    return ExpertPlanner(
+        fast=fast,
+        host=host,
+        policy=_policy(),
+        routing=routing,
+        layers=[0, 1],
+        stored_bytes=dict.fromkeys(keys, 100 * MB),
+        fast_bytes=dict.fromkeys(keys, 100 * MB),
+        codecs=dict.fromkeys(keys, "mxfp4"),
+        link_bytes=lambda _k: 100 * MB,
+        device="cuda",
+        clock=clock,
+    )
+
+
+def test_a_layers_misses_are_spread_over_the_cpu_and_the_link() -> None:
+    """Eight misses in one prefill layer: one at a time each is cheaper on the CPU, but the CPU's
+    queue grows with every one given to it, so some go to the idle link."""
+    clock = ManualClock(10.0)
+    planner = _planner(clock)
+    planner.note_routing(0, list(range(8)))
+    places = [planner.decide((0, e), 1, staged=False).value for e in range(8)]
+    assert places[0] == "host" and places[1] == "host"  # 1.4 ms, then 2.8 ms < a 4 ms copy
+    assert "stream" in places and "host" in places
+    assert planner.link_free_at > clock.now and planner.host_free_at > clock.now
+
+
+def test_a_copy_is_staged_only_when_it_lands_before_the_cpu_could_have_computed_it() -> None:
+    clock = ManualClock(10.0)
+    planner = _planner(clock)
+    planner.layer_s = 1e-3  # a layer takes 1 ms
+    # 3 layers ahead: lands at 4 ms, before 3 ms + the CPU's 1.4 ms.
+    assert planner.should_stage((0, 5), layers_ahead=3)
+    assert planner.arrives[(0, 5)] == clock.now + COPY_S
+    # The link is now busy until +4 ms: the next copy would land at +8 ms, too late for 3 ahead.
+    assert not planner.should_stage((0, 6), layers_ahead=3)
+    clock.advance(4e-3)
+    assert planner.should_stage((0, 6), layers_ahead=3)
+
+
+def test_the_staged_wait_is_how_long_until_the_copy_lands() -> None:
+    clock = ManualClock(10.0)
+    planner = _planner(clock)
+    planner.layer_s = 2e-3
+    assert planner.should_stage((0, 5), layers_ahead=2)
+    case = planner.case((0, 5), 1, staged=True)
+    assert case.staged and abs(case.staged_wait_s - COPY_S) < 1e-12
+    clock.advance(COPY_S)
+    assert planner.case((0, 5), 1, staged=True).staged_wait_s == 0.0
