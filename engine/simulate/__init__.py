@@ -6,4 +6,9 @@ and policy on a modelled machine (issue 33).
 - `profiles`: hardware profiles (links, memory, compute), built in or from a TOML file.
 - `synthetic`: routing traces with set temporal reuse, popularity skew and cross-layer correlation.
 - `stats`: what a trace's routing looks like (reuse, skew, misses of cache policies).
+- `machine`: what one routed expert costs on a profile, and the timeline of device/cpu/link/disk.
+- `replay`: the engine's own tiers, planner, q* and prefetcher driven over a trace on that machine.
+- `baselines`: llama.cpp's static split, streaming without a cache, Belady-cached streaming.
+- `simulator`: `simulate()`, every policy and the bound in one `SimulationReport`.
+- `measure`: this machine measured as a profile (`freetoken simulate --profile-here`).
 """

@@ -33,21 +33,24 @@ POLICIES = ("qstar", "layer-lru", "static", "stream", "belady")
 
 @dataclass(frozen=True)
 class PolicyResult:
-    """One policy's predicted figures over the decode steps (per token)."""
+    """One policy's predicted figures over the decode steps (per token). A policy that cannot run
+    at this budget (layer-lru needs every layer's top-k in tier 1) has `infeasible`, the reason,
+    and no figures (`tokens_per_s` None)."""
 
     policy: str
-    tokens_per_s: float
+    tokens_per_s: float | None
     misses_per_token: dict[str, float]
     bytes_per_token: dict[str, float]
     cpu_experts_per_token: float
     decisions: dict[str, int]
+    infeasible: str | None = None
 
     @classmethod
     def of(cls, policy: str, tally: Tally) -> PolicyResult:
         n = max(1, tally.tokens)
         return cls(
             policy=policy,
-            tokens_per_s=tally.tokens / tally.seconds if tally.seconds else float("inf"),
+            tokens_per_s=tally.tokens / tally.seconds if tally.seconds else None,
             misses_per_token={"fast": tally.fast_misses / n, "host": tally.host_misses / n},
             bytes_per_token={link: b / n for link, b in sorted(tally.bytes.items())},
             cpu_experts_per_token=tally.cpu_experts / n,
@@ -74,7 +77,8 @@ class SimulationReport:
     codec: str
     fast_bytes: int
     host_bytes: int | None
-    expert_bytes: int
+    expert_bytes: int  # one expert's stored bytes in the codec
+    total_expert_bytes: int  # every routed expert's, in the codec
     decode_tokens: int
     results: list[PolicyResult]
     bound: Bound
@@ -122,12 +126,13 @@ def bound(
         tokens += step.tokens if decode else 0
     # Tier 2 starts warm (as in the replays): the first `host_cap` distinct reads are free.
     warm = min(host_cap, n_keys)
-    fast, disk = misses * per_miss, max(0, host_misses - warm) * costs.disk_s
+    host_misses = max(0, host_misses - warm)
+    fast, disk = misses * per_miss, host_misses * costs.disk_s
     limits = {"device": device, "misses": fast, "disk": disk}
     worst = max(limits, key=lambda k: limits[k])
     n = max(1, tokens)
     return Bound(
-        tokens_per_s=tokens / limits[worst] if limits[worst] else float("inf"),
+        tokens_per_s=tokens / limits[worst] if limits[worst] else 0.0,
         misses_per_token={"fast": misses / n, "host": host_misses / n},
         limited_by=worst,
     )
@@ -166,16 +171,20 @@ def simulate(
     results = []
     for policy in policies:
         if policy in ("qstar", "layer-lru"):
-            replay = TieredReplay(
-                shape,
-                profile,
-                codec=codec,
-                fast_bytes=fast_bytes,
-                host_bytes=host_bytes,
-                placement=policy,
-                recall=recall,
-                seed=seed,
-            )
+            try:
+                replay = TieredReplay(
+                    shape,
+                    profile,
+                    codec=codec,
+                    fast_bytes=fast_bytes,
+                    host_bytes=host_bytes,
+                    placement=policy,
+                    recall=recall,
+                    seed=seed,
+                )
+            except SimulationError as e:
+                results.append(PolicyResult(policy, None, {}, {}, 0.0, {}, infeasible=str(e)))
+                continue
             tally = replay.run(steps)
         elif policy == "static":
             tally = replay_static(
@@ -204,6 +213,7 @@ def simulate(
         fast_bytes=fast_bytes,
         host_bytes=host_bytes,
         expert_bytes=costs.stored_bytes,
+        total_expert_bytes=shape.total_expert_bytes(codec),
         decode_tokens=sum(s.tokens for s in steps if s.phase == "decode"),
         results=results,
         bound=bound(steps, layers, costs, fast_bytes=fast_bytes, host_bytes=host_bytes),

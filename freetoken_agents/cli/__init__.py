@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from ..recipes._common import ERRORS as RECIPE_ERRORS
 from ..recipes._common import one_line, positive_int
-from . import bench, chat, demo, ftw, generate, recipe, serve
+from . import bench, chat, demo, ftw, generate, recipe, serve, simulate
 from .common import CLIError
 
 __all__ = ["CLIError", "build_parser", "main"]
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_COMMANDS = [demo, chat, recipe, generate, ftw, bench, serve]
+_COMMANDS = [demo, chat, recipe, generate, ftw, bench, serve, simulate]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,281 @@
+"""`freetoken simulate`: a routing trace replayed under every expert policy on a modelled machine
+(issue 33), or `--profile-here` to measure this machine into a hardware profile TOML.
+
+Every figure is SIMULATED (`engine.simulate.simulator.simulate`): predicted, never measured."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..engine.errors import MemoryBudgetError
+from ..engine.memory.budget import format_size, parse_size
+from ..engine.routing_trace import read_trace
+from ..engine.simulate.profiles import load_profile
+from ..engine.simulate.replay import SimulationError
+from ..engine.simulate.shapes import CODEC_ALIASES, shape_for
+from ..engine.simulate.simulator import POLICIES, SimulationReport, simulate
+from .argtypes import probability
+from .common import CLIError, show_progress, write
+
+PLOT_HINT = "pip install 'freetoken-agents[plot]'"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A memory budget as given: a share of the expert bytes (`fraction`) or a size in bytes."""
+
+    value: float
+    fraction: bool
+
+    def nbytes(self, total: int) -> int:
+        return int(self.value * total) if self.fraction else int(self.value)
+
+
+def budget(text: str) -> Budget:
+    """argparse type: a size ("12GB", "512MiB") or a fraction of the expert bytes (0 < x <= 1)."""
+    try:
+        number = float(text)
+    except ValueError:
+        number = None
+    if number is not None and number <= 1.0:
+        if not number > 0:
+            raise argparse.ArgumentTypeError(f"a fraction of the expert bytes must be in (0, 1], got {text}")
+        return Budget(number, True)
+    if number is not None and number != int(number):
+        raise argparse.ArgumentTypeError(f"expected a fraction <= 1 or a size (e.g. 12GB), got {text!r}")
+    try:
+        size = parse_size(text.strip(), "size")
+    except MemoryBudgetError:
+        raise argparse.ArgumentTypeError(
+            f"expected a size (12GB, 512MiB), a fraction of the expert bytes (0.5) or LO:HI:N, got {text!r}"
+        ) from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be more than 0 bytes, got {text!r}")
+    return Budget(size, False)
+
+
+def budgets(text: str) -> list[Budget]:
+    """argparse type for --fast-mem: one `budget`, or a sweep LO:HI:N of N fractions from LO to HI."""
+    if ":" not in text:
+        return [budget(text)]
+    parts = text.split(":")
+    try:
+        lo, hi, n = float(parts[0]), float(parts[1]), int(parts[2])
+        if len(parts) != 3:
+            raise ValueError
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"a sweep is LO:HI:N (e.g. 0.1:0.9:9), got {text!r}") from None
+    if not (0 < lo <= hi <= 1 and n >= 1) or (n == 1 and lo != hi):
+        raise argparse.ArgumentTypeError(
+            f"a sweep needs fractions 0 < LO <= HI <= 1 and N >= 1 (N = 1 only with LO = HI), got {text!r}"
+        )
+    return [Budget(lo + (hi - lo) * i / (n - 1) if n > 1 else lo, True) for i in range(n)]
+
+
+def policies(text: str) -> tuple[str, ...]:
+    """argparse type: a comma-separated list of `POLICIES`."""
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [p for p in names if p not in POLICIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    return names
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="predict decode speed of every expert policy from a routing trace (simulated)",
+        description="Replay a routing trace under every expert policy on a modelled machine and print "
+        "the SIMULATED decode tok/s, misses and traffic per token, and the bound no policy can beat. "
+        "Or measure this machine into a hardware profile with --profile-here.",
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--trace", metavar="PATH", help="routing trace (JSON lines)")
+    mode.add_argument(
+        "--profile-here", action="store_true", help="measure this machine and print its profile TOML"
+    )
+    p.add_argument("--model", metavar="SHAPE", help="built-in model name or a config.json path")
+    p.add_argument("--hardware", metavar="PROFILE", help="built-in hardware profile or a TOML file")
+    p.add_argument(
+        "--fast-mem",
+        type=budgets,
+        metavar="SIZE",
+        help="tier-1 budget for experts: a size (12GB), a fraction of the expert bytes (0.5), "
+        "or a sweep of fractions LO:HI:N (0.1:0.9:9)",
+    )
+    p.add_argument(
+        "--host-mem", type=budget, metavar="SIZE", help="tier-2 budget, size or fraction (default: unbounded)"
+    )
+    codecs = ", ".join(CODEC_ALIASES)
+    p.add_argument(
+        "--codec", choices=CODEC_ALIASES, default="bf16", metavar="CODEC", help=f"{codecs} (default: bf16)"
+    )
+    p.add_argument(
+        "--policies",
+        type=policies,
+        default=POLICIES,
+        metavar="P,P",
+        help=f"policies to run, of: {', '.join(POLICIES)} (default: all)",
+    )
+    p.add_argument("--recall", type=probability, default=0.8, help="q*'s predictor recall (default: 0.8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of q*'s predictor (default: 0)")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    p.add_argument("--plot", metavar="OUT.png", help="plot tok/s and misses against the fast budget")
+    p.add_argument("--out", metavar="FILE.toml", help="--profile-here: write the profile here")
+    p.add_argument("--quick", action="store_true", help="--profile-here: small sizes (seconds)")
+    p.add_argument("--scratch-dir", metavar="DIR", help="--profile-here: where the disk test writes")
+    p.set_defaults(run=run_simulate)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    if args.profile_here:
+        return _profile_here(args)
+    if args.out or args.quick or args.scratch_dir:
+        raise CLIError("--out, --quick and --scratch-dir go with --profile-here")
+    missing = [
+        f"--{k.replace('_', '-')}" for k in ("trace", "model", "hardware", "fast_mem") if not getattr(args, k)
+    ]
+    if missing:
+        raise CLIError(f"missing {', '.join(missing)} (or use --profile-here)")
+    shape, profile = shape_for(args.model), load_profile(args.hardware)
+    records = list(read_trace(args.trace))
+    total = shape.total_expert_bytes(args.codec)
+    host = args.host_mem.nbytes(total) if args.host_mem else None
+    from tqdm.auto import tqdm
+
+    quiet = len(args.fast_mem) < 2 or not show_progress()
+    opts: dict[str, Any] = dict(host_bytes=host, codec=args.codec, policies=args.policies, seed=args.seed)
+    # A budget below one layer's top-k is refused; a policy that needs more (layer-lru: every
+    # layer's top-k) is reported infeasible at that budget by `simulate`.
+    reports, skipped, errors = [], [], []  # a sweep skips the budgets below the minimum working set
+    for b in tqdm(args.fast_mem, desc="simulate", unit="budget", file=sys.stderr, leave=False, disable=quiet):
+        try:
+            reports.append(
+                simulate(records, shape, profile, fast_bytes=b.nbytes(total), recall=args.recall, **opts)
+            )
+        except SimulationError as e:
+            skipped.append(b.nbytes(total))
+            errors.append(e)
+    if errors and (len(args.fast_mem) == 1 or not reports):
+        raise errors[0]
+    for e in errors:
+        sys.stderr.write(f"freetoken simulate: skipped a budget: {e}\n")
+    if args.json:
+        docs = [dict(r.to_dict(), fast_fraction=r.fast_bytes / total) for r in reports]
+        one = len(args.fast_mem) == 1
+        doc = docs[0] if one else {"simulated": True, "reports": docs, "skipped": skipped}
+        write(json.dumps(doc, indent=2) + "\n")
+    else:
+        write(format_reports(reports, total))
+    if args.plot:
+        plot(reports, total, args.plot)
+        if not args.json:
+            write(f"plot: {args.plot}\n")
+    return 0
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
+    return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def format_reports(reports: Sequence[SimulationReport], total: int) -> str:
+    """The plain-text tables: a SIMULATED header, then per fast budget every policy and the bound."""
+    r0 = reports[0]
+    host = "unbounded" if r0.host_bytes is None else format_size(r0.host_bytes)
+    out = [
+        f"SIMULATED figures (predicted on a modelled machine, not measured): model {r0.model}, "
+        f"hardware {r0.hardware}, codec {r0.codec}, {r0.decode_tokens} decode tokens\n",
+        f"experts: {format_size(total)} in all; host memory for experts: {host}\n",
+    ]
+    for r in reports:
+        links = sorted({link for res in r.results for link in res.bytes_per_token})
+        rows = [["policy", "tok/s", "miss/tok fast", "miss/tok host", "cpu experts/tok"]]
+        rows[0] += [f"GB/tok {link}" for link in links] + ["% of bound"]
+        for res in r.results:
+            if res.tokens_per_s is None:
+                rows.append([res.policy, "-", "-", "-", "-"] + ["-" for _ in links] + ["-"])
+                continue
+            rows.append(
+                [res.policy, f"{res.tokens_per_s:.2f}", f"{res.misses_per_token['fast']:.2f}"]
+                + [f"{res.misses_per_token['host']:.2f}", f"{res.cpu_experts_per_token:.2f}"]
+                + [f"{res.bytes_per_token.get(link, 0.0) / 1e9:.3f}" for link in links]
+                + [f"{100 * res.tokens_per_s / r.bound.tokens_per_s:.0f}%"]
+            )
+        b = r.bound
+        out.append(
+            f"\nfast memory {format_size(r.fast_bytes)} ({r.fast_bytes / total:.0%} of the expert bytes)\n"
+        )
+        out.append(_table(rows))
+        for res in r.results:
+            if res.infeasible:
+                out.append(f"{res.policy}: not run: {res.infeasible}\n")
+        out.append(
+            f"bound: {b.tokens_per_s:.2f} tok/s, limited by {b.limited_by} "
+            f"(Belady misses/token: fast {b.misses_per_token['fast']:.2f}, "
+            f"host {b.misses_per_token['host']:.2f})\n"
+        )
+    return "".join(out)
+
+
+def plot(reports: Sequence[SimulationReport], total: int, out: str) -> None:
+    """Predicted tok/s and tier-1 misses per token against the fast budget (a share of the expert
+    bytes) for every policy, the bound dashed; written to `out` with matplotlib's Agg canvas."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise CLIError(f"--plot needs matplotlib: {PLOT_HINT}") from None
+    xs = [r.fast_bytes / total for r in reports]
+    style = "o-" if len(reports) > 1 else "o"
+    fig = Figure(figsize=(11, 4.5))
+    FigureCanvasAgg(fig)
+    speed, misses = fig.subplots(1, 2)
+    for i, policy in enumerate(res.policy for res in reports[0].results):
+        ran = [(x, r.results[i]) for x, r in zip(xs, reports, strict=True) if r.results[i].tokens_per_s]
+        px = [x for x, _ in ran]
+        speed.plot(px, [res.tokens_per_s for _, res in ran], style, label=policy)
+        misses.plot(px, [res.misses_per_token["fast"] for _, res in ran], style, label=policy)
+    bounds = [r.bound.tokens_per_s for r in reports]
+    if len(reports) > 1:
+        speed.plot(xs, bounds, "k--", label="bound")
+    else:
+        speed.axhline(bounds[0], color="k", linestyle="--", label="bound")
+    speed.set(ylabel="predicted decode tok/s", ylim=(0, None))
+    misses.set(ylabel="tier-1 misses per token", ylim=(0, None))
+    for ax in (speed, misses):
+        ax.set_xlabel("fast memory (share of the expert bytes)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    r0 = reports[0]
+    fig.suptitle(f"simulated: {r0.model} on {r0.hardware}, {r0.codec} ({r0.decode_tokens} decode tokens)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def _profile_here(args: argparse.Namespace) -> int:
+    """Measure this machine (`measure_profile`) and print its TOML, or write it to --out."""
+    given = [k for k in ("trace", "model", "hardware", "fast_mem", "host_mem", "plot") if getattr(args, k)]
+    if given:
+        raise CLIError(f"--profile-here measures this machine; drop --{given[0].replace('_', '-')}")
+    from ..engine.simulate.measure import measure_profile
+
+    toml = measure_profile(quick=args.quick, scratch_dir=args.scratch_dir).to_toml()
+    if args.out is None:
+        write(toml)
+    else:
+        Path(args.out).write_text(toml, encoding="utf-8")
+        write(f"wrote the measured profile to {args.out} (use it with --hardware {args.out})\n")
+    return 0
