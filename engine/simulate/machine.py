@@ -6,13 +6,18 @@ the resources that run those steps in parallel.
   "compact") and every other codec is decoded to bf16; on a CPU int8 and MXFP4 stay compact and
   fp32/bf16 are used as stored (fp8 is decoded to bf16);
 - compute of T tokens on the device or the CPU: the larger of reading its weights once at the
-  memory bandwidth and 2 x params x T FLOPs at the processor's rate (decode is weight-read bound);
+  memory bandwidth and 2 x params x T FLOPs at the processor's rate (decode is weight-read bound),
+  plus the profile's fixed `expert_overhead_us` per expert call;
 - a disk read of its FTW block (tier 3 -> tier 2), a copy of its stored bytes over the host ->
   device link (latency included) and, on the GPU, a decode of the copied bytes at device memory
-  speed; on a CPU-only machine "the link" is the decode into tier 1 (free for a block used as
-  stored: its tier-1 form is a view);
+  speed; on a CPU-only machine "the link" is the decode into tier 1: `expert_overhead_us` of
+  bookkeeping, plus (stored + tier-1 bytes) at the copy bandwidth (`link_gbps`) when tier 1 gets a
+  copy (a decode, or non-exclusive tiers: `promote_s`), nothing more for a block used in place;
 - the activations a HOST computation moves (hidden in and out, bf16) and the dense part of one
-  MoE layer's share of the token (attention, norms, router, lm_head: `dense_bytes_per_token`).
+  MoE layer's share of the token (attention, norms, router, lm_head: `dense_bytes_per_token`, in
+  the compute dtype: bf16 on a GPU, fp32 on a CPU, where the engine keeps dense weights fp32),
+  plus `layer_overhead_us` for each transformer layer (the model's layers / its MoE layers per
+  MoE layer); a tiered step adds `tier_overhead_us` per MoE layer (`tier_overhead_s`).
 
 `Timeline` holds when each resource is next free: "device" (GPU compute), "cpu" (host compute),
 "link" (host -> device copies) and "disk". On a CPU-only profile the device, the CPU and the link
@@ -66,6 +71,10 @@ class ExpertCosts:
     device_flops: float
     host_bps: float
     host_flops: float
+    expert_overhead_s: float = 0.0
+    layer_overhead_s: float = 0.0  # per MoE layer: every transformer layer's share
+    tier_overhead_s: float = 0.0
+    copy_s: float = 0.0  # CPU: a promotion that copies the block into tier 1 (CUDA: = link_s)
 
     @classmethod
     def of(cls, shape: ModelShape, profile: HardwareProfile, codec: str) -> ExpertCosts:
@@ -78,15 +87,18 @@ class ExpertCosts:
         lowp = fast_codec in ("int8", "fp8_e4m3")
         device_flops = (profile.device_lowp_tflops if lowp else profile.device_bf16_tflops) * 1e12
         host_bps, host_flops = profile.host_mem_gbps * 1e9, profile.cpu_gflops * 1e9
+        expert_overhead = profile.expert_overhead_us * 1e-6
         if dev == "cuda":
-            link_s = profile.link_seconds(stored)
+            link_s = copy_s = profile.link_seconds(stored)
             decode_s = 0.0 if fast_codec == c else (stored + fast) / device_bps
         else:  # the "link" is the decode into tier 1: a view when the block is used as stored
-            link_s = 0.0 if moves_whole(c, dev) else (stored + fast) / host_bps
+            copy_s = expert_overhead + (stored + fast) / (profile.link_gbps * 1e9)  # read + write
+            link_s = expert_overhead if moves_whole(c, dev) else copy_s
             decode_s = 0.0
         act = 2 * shape.hidden * ACTIVATION_DTYPE_BYTES
         n_moe = max(1, len(shape.moe_layers))
-        dense_bytes = shape.dense_bytes_per_token("bf16") / n_moe
+        # The engine keeps dense weights in its compute dtype: fp32 on a CPU, bf16 on a GPU.
+        dense_bytes = shape.dense_bytes_per_token("fp32" if dev == "cpu" else "bf16") / n_moe
         dense_flops = shape.dense_flops_per_token() / n_moe
         return cls(
             device=dev,
@@ -105,17 +117,30 @@ class ExpertCosts:
             device_flops=device_flops,
             host_bps=host_bps,
             host_flops=host_flops,
+            expert_overhead_s=expert_overhead,
+            layer_overhead_s=profile.layer_overhead_us * 1e-6 * max(shape.num_layers, n_moe) / n_moe,
+            tier_overhead_s=profile.tier_overhead_us * 1e-6,
+            copy_s=copy_s,
         )
 
     def fast_compute_s(self, tokens: int) -> float:
-        return max(self.fast_bytes / self.device_bps, 2 * self.params * tokens / self.device_flops)
+        weights = max(self.fast_bytes / self.device_bps, 2 * self.params * tokens / self.device_flops)
+        return weights + self.expert_overhead_s
 
     def host_compute_s(self, tokens: int) -> float:
-        return max(self.stored_bytes / self.host_bps, 2 * self.params * tokens / self.host_flops)
+        weights = max(self.stored_bytes / self.host_bps, 2 * self.params * tokens / self.host_flops)
+        return weights + self.expert_overhead_s
+
+    def promote_s(self, moves_up: bool) -> float:
+        """Tier 2 -> tier 1 of a block that moves up (its bytes become tier 1's) or not (tier 1
+        gets its own copy); on a GPU both cross the link (`link_s`)."""
+        return self.link_s if moves_up or self.device == "cuda" else self.copy_s
 
     def dense_s(self, tokens: int) -> float:
-        """One MoE layer's share of the dense part of a step of `tokens` tokens."""
-        return max(self.dense_layer_s, self.dense_layer_flops * tokens / self.device_flops)
+        """One MoE layer's share of the dense part of a step of `tokens` tokens, its share of the
+        layers' fixed overhead included."""
+        weights = max(self.dense_layer_s, self.dense_layer_flops * tokens / self.device_flops)
+        return weights + self.layer_overhead_s
 
 
 class Timeline:

@@ -2,9 +2,28 @@
 
 Each figure, and how it is measured (rates decimal GB/s = 1e9 bytes/s, sizes bytes):
 
-- host_mem_gbps: repeated copies of a large buffer (256 MiB; quick: 32 MiB) with ``Tensor.copy_``
-  on torch's threads, fed to a `BandwidthOracle` (its outlier-robust median). A copy reads and
-  writes its size, so it counts 2x its size of memory traffic (the STREAM "copy" convention).
+- host_mem_gbps: memory read bandwidth the way decode uses it: a one-token matmul,
+  ``F.linear([1, K], [N, K])`` of fp32 weights (K = `matmul_k`, default 4096; 4 weights of 64 MiB
+  cycling, 256 MiB in all, beyond the caches; quick: 2 of 16 MiB), the weight's bytes / seconds of
+  each product fed to a `BandwidthOracle` (its outlier-robust median), on torch's threads. This is
+  what reading a routed expert's or a dense layer's weights for one token costs (a copy runs at
+  another rate). The rate depends on the row length on CPUs: on the 2-core dev machine (AMD
+  EPYC, 2 threads) K = 512 read ~10 GB/s, 1024 ~14, 4096 ~19; measure with the hidden size of the
+  model to be simulated (`matmul_k`) where it is small.
+- link_gbps of a "cpu" profile (a copy within RAM: a decode or a copy into tier 1): repeated copies
+  of a large buffer (256 MiB; quick: 32 MiB) with ``Tensor.copy_``, into an oracle; a copy reads
+  and writes its size, so it counts 2x its size of memory traffic (the STREAM "copy" convention).
+- layer_overhead_us: a synthetic decode layer on one token at hidden 64 (the engine's RMSNorm,
+  a fused qkv linear, the engine's rope, two KV-cache writes, softmax attention over 16 cached
+  positions, o-proj, residual adds, a second norm, the router: linear, softmax, top-2, the ids
+  to Python), median wall time less its weights' bytes at host_mem_gbps (>= 0.1 us): what a
+  layer costs besides its weights (op launches, Python). The engine's own layer has more Python
+  around these ops, so this is a lower bound of it.
+- expert_overhead_us: one routed expert of hidden 64, intermediate 64, fp32, on one token through
+  the engine's `expert_forward` plus the weighted accumulate (``add_``) the decode loop runs,
+  median wall time less its bytes at host_mem_gbps (>= 0.1 us).
+- tier_overhead_us: 0 (not measured): the tiered provider's per-layer bookkeeping and pre-gating
+  need a converted model and a provider to time; write it into the TOML when known.
 - disk_gbps: an FTW scratch file of expert-sized blocks (8 x 24 MiB; quick: 4 x 1 MiB), written
   with `FTWWriter` under `scratch_dir` (default: the temp dir), dropped from the page cache, read
   back block by block with the engine's `BlockReader` (O_DIRECT where the filesystem allows, else
@@ -23,7 +42,8 @@ device-to-device copies (counted 2x, as the host copy); device_mem_bytes the GPU
 device_bf16_tflops from a bf16 matmul (n = 8192; quick: 2048); device_lowp_tflops = 2 x bf16, an
 estimate (the usual fp8/int8 tensor-core ratio), not a measurement.
 Without CUDA (device "cpu") the device IS the host (see `profiles`): device memory figures are the
-host's, link_gbps is host_mem_gbps and device_*_tflops are cpu_gflops / 1000.
+host's, link_gbps the copy bandwidth and device_*_tflops are cpu_gflops / 1000. With CUDA the
+overheads are the host's (the CPU figures above), not the GPU's launches.
 """
 
 from __future__ import annotations
@@ -36,9 +56,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..codecs import encode
 from ..ftw import FTWFile, FTWWriter
@@ -56,6 +78,9 @@ MiB = 1024**2
 @dataclass(frozen=True)
 class _Sizes:
     copy_bytes: int
+    read_weights: int  # one-token matmul weights cycled (each `read_bytes`)
+    read_bytes: int
+    overhead_reps: int
     reps: int
     block_bytes: int
     blocks: int
@@ -63,17 +88,46 @@ class _Sizes:
     gpu_n: int
 
 
-_FULL = _Sizes(copy_bytes=256 * MiB, reps=10, block_bytes=24 * MiB, blocks=8, cpu_n=2048, gpu_n=8192)
-_QUICK = _Sizes(copy_bytes=32 * MiB, reps=3, block_bytes=1 * MiB, blocks=4, cpu_n=512, gpu_n=2048)
+_FULL = _Sizes(
+    copy_bytes=256 * MiB,
+    read_weights=4,
+    read_bytes=64 * MiB,
+    overhead_reps=400,
+    reps=10,
+    block_bytes=24 * MiB,
+    blocks=8,
+    cpu_n=2048,
+    gpu_n=8192,
+)
+_QUICK = _Sizes(
+    copy_bytes=32 * MiB,
+    read_weights=2,
+    read_bytes=16 * MiB,
+    overhead_reps=100,
+    reps=3,
+    block_bytes=1 * MiB,
+    blocks=4,
+    cpu_n=512,
+    gpu_n=2048,
+)
 
 
 def measure_profile(
-    name: str = "this-machine", *, quick: bool = False, scratch_dir: str | os.PathLike[str] | None = None
+    name: str = "this-machine",
+    *,
+    quick: bool = False,
+    scratch_dir: str | os.PathLike[str] | None = None,
+    matmul_k: int = 4096,
 ) -> HardwareProfile:
-    """Measure this machine (see the module docstring); `quick` uses small sizes (seconds)."""
+    """Measure this machine (see the module docstring); `quick` uses small sizes (seconds).
+    `matmul_k`: the row length K of the one-token matmul host_mem_gbps is read with."""
     sz = _QUICK if quick else _FULL
-    host_gbps = _host_mem_gbps(sz)
-    logger.info("host memory: %.1f GB/s (copy, 2x bytes)", host_gbps)
+    host_gbps = _read_gbps(sz, matmul_k)
+    logger.info("host memory: %.1f GB/s (one-token matmul reads)", host_gbps)
+    copy_gbps = _copy_gbps(sz)
+    logger.info("host copy: %.1f GB/s (2x bytes)", copy_gbps)
+    layer_us, expert_us = _overheads_us(sz.overhead_reps, host_gbps)
+    logger.info("overheads: %.1f us per layer, %.1f us per expert", layer_us, expert_us)
     disk_gbps = _disk_gbps(sz, scratch_dir)
     logger.info("disk: %.2f GB/s", disk_gbps)
     cpu_gflops = _cpu_gflops(sz.cpu_n, sz.reps)
@@ -82,6 +136,7 @@ def measure_profile(
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     host: dict[str, Any] = dict(host_mem_gbps=host_gbps, host_mem_bytes=host_bytes, disk_gbps=disk_gbps)
     host.update(cpu_gflops=cpu_gflops, cpu_cores=cores)
+    host.update(layer_overhead_us=layer_us, expert_overhead_us=expert_us, tier_overhead_us=0.0)
     if torch.cuda.is_available():
         return HardwareProfile(name=name, device="cuda", **_cuda_figures(sz), **host)
     small, dst = torch.ones(1024, dtype=torch.float32), torch.empty(1024, dtype=torch.float32)
@@ -89,7 +144,7 @@ def measure_profile(
     return HardwareProfile(
         name=name,
         device="cpu",
-        link_gbps=host_gbps,
+        link_gbps=copy_gbps,
         link_latency_us=max(latency_us, 0.1),
         device_mem_gbps=host_gbps,
         device_mem_bytes=host_bytes,
@@ -116,15 +171,91 @@ def _gbps(oracle: BandwidthOracle) -> float:
     return bps / 1e9
 
 
-def _host_mem_gbps(sz: _Sizes) -> float:
+def _copy_gbps(sz: _Sizes) -> float:
     src = torch.ones(sz.copy_bytes, dtype=torch.uint8)  # written once: every page is mapped
     dst = torch.zeros_like(src)
     dst.copy_(src)  # warm-up
-    oracle = BandwidthOracle("host memory", clock=time.perf_counter)
+    oracle = BandwidthOracle("host copy", clock=time.perf_counter)
     for _ in range(sz.reps):
         with oracle.time_transfer(2 * sz.copy_bytes):  # read + write
             dst.copy_(src)
     return _gbps(oracle)
+
+
+def _read_gbps(sz: _Sizes, k: int) -> float:
+    """Weight bytes / seconds of one-token fp32 matmuls [1, k] x [N, k] over weights cycled past
+    the caches."""
+    n = sz.read_bytes // (4 * k)
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g) for _ in range(sz.read_weights)]
+    x = torch.randn(1, k, generator=g)
+    oracle = BandwidthOracle("host memory", clock=time.perf_counter)
+    with torch.no_grad():
+        for w in weights:
+            F.linear(x, w)  # warm-up
+        for _ in range(sz.reps):
+            for w in weights:
+                with oracle.time_transfer(w.nbytes):
+                    F.linear(x, w)
+    return _gbps(oracle)
+
+
+def _overheads_us(reps: int, host_gbps: float) -> tuple[float, float]:
+    """(per layer, per expert) fixed costs in microseconds: tiny fp32 ops on one token timed, less
+    their weights' bytes at `host_gbps` (module docstring)."""
+    from ..layers import RMSNorm, apply_rope_half, rope_tables
+    from ..routed import expert_forward
+    from ..spec import MoESpec
+
+    h, heads, kv_heads, d, ctx, n_exp, inter = 64, 4, 2, 16, 16, 8, 64
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.1
+
+    norm1, norm2 = RMSNorm(h, 1e-6), RMSNorm(h, 1e-6)
+    w_qkv, w_o, w_router = rand((heads + 2 * kv_heads) * d, h), rand(h, heads * d), rand(n_exp, h)
+    k_cache, v_cache = rand(ctx + 1, kv_heads, d), rand(ctx + 1, kv_heads, d)
+    slot = torch.tensor([ctx])
+    angles = torch.arange(d // 2, dtype=torch.float32)[None, :] * 0.01
+    cos2, sin2 = rope_tables(angles.cos(), angles.sin())
+    x = rand(1, h)
+
+    def layer() -> list[list[int]]:
+        a = norm1.forward(x)
+        qkv = F.linear(a, w_qkv).view(1, heads + 2 * kv_heads, d)
+        qk = apply_rope_half(qkv[:, : heads + kv_heads], cos2, sin2)
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
+        k_cache.index_copy_(0, slot, k)
+        v_cache.index_copy_(0, slot, v)
+        keys = k_cache.transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)  # [N, S, D]
+        values = v_cache.transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+        scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * d**-0.5  # [N, 1, S]
+        attn = torch.matmul(torch.softmax(scores, dim=-1), values)  # [N, 1, D]
+        y = x + F.linear(attn.transpose(0, 1).reshape(1, heads * d), w_o)
+        b = norm2.forward(y)
+        probs = torch.softmax(F.linear(b, w_router), dim=-1)
+        top_w, top_i = torch.topk(probs, 2, dim=-1)
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return top_i.tolist() + top_w.tolist()
+
+    spec = MoESpec(num_experts=n_exp, top_k=2, intermediate_size=inter, routing="softmax_topk")
+    expert = SimpleNamespace(
+        gate_up=rand(2 * inter, h), down=rand(h, inter), gate_up_bias=None, down_bias=None,
+        gate_up_scale=None, down_scale=None,
+    )  # fmt: skip
+    acc = torch.zeros_like(x)
+
+    def one_expert() -> None:
+        acc.add_(expert_forward(expert, x, spec), alpha=0.5)
+
+    layer_bytes = 4 * (w_qkv.numel() + w_o.numel() + w_router.numel() + 2 * h + 2 * k_cache.numel())
+    expert_bytes = 4 * (expert.gate_up.numel() + expert.down.numel())
+    bps = host_gbps * 1e9
+    with torch.no_grad():
+        layer_s = _median_seconds(layer, reps) - layer_bytes / bps
+        expert_s = _median_seconds(one_expert, reps) - expert_bytes / bps
+    return max(layer_s * 1e6, 0.1), max(expert_s * 1e6, 0.1)
 
 
 def _disk_gbps(sz: _Sizes, scratch_dir: str | os.PathLike[str] | None) -> float:

@@ -20,8 +20,14 @@ a TOML file with every field (`load_profile`), for example a 4090 box with 128 G
     cpu_gflops = 1000.0          # sustained fp32 GFLOP/s, all cores
     cpu_cores = 16
 
+Three fixed costs are optional (default 0: not modelled), in microseconds: `layer_overhead_us`
+(per transformer layer per step besides reading its weights: op launches, Python around norms,
+attention, the router), `expert_overhead_us` (per routed expert call: its ops and the Python
+around them) and `tier_overhead_us` (per MoE layer of a tiered step: the tiered provider's
+bookkeeping and pre-gating). `measure_profile` measures them on the machine it runs on.
+
 For ``device = "cpu"`` the device IS the host: its memory figures are the host's, the link is a
-memory copy (host bandwidth) and its compute the CPU's; `fast` and host tiers then share one RAM.
+memory copy (copy bandwidth) and its compute the CPU's; `fast` and host tiers then share one RAM.
 """
 
 from __future__ import annotations
@@ -62,6 +68,11 @@ class HardwareProfile:
         disk_gbps: disk read bandwidth for expert-sized reads that bypass the page cache, GB/s.
         cpu_gflops: sustained fp32 GFLOP/s of the CPU, all cores.
         cpu_cores: CPU cores.
+        layer_overhead_us: fixed cost of one transformer layer in one step besides its weights
+            (op launches, Python), microseconds; optional, default 0.
+        expert_overhead_us: fixed cost of one routed expert call, microseconds; optional, default 0.
+        tier_overhead_us: fixed cost per MoE layer of a tiered step (bookkeeping, pre-gating),
+            microseconds; optional, default 0.
     """
 
     name: str
@@ -77,6 +88,9 @@ class HardwareProfile:
     disk_gbps: float
     cpu_gflops: float
     cpu_cores: int
+    layer_overhead_us: float = 0.0
+    expert_overhead_us: float = 0.0
+    tier_overhead_us: float = 0.0
 
     def __post_init__(self) -> None:
         for key, value in _validate(_as_dict(self), f"profile {self.name!r}").items():
@@ -109,7 +123,12 @@ _TYPES: dict[str, type] = {
     "disk_gbps": float,
     "cpu_gflops": float,
     "cpu_cores": int,
+    "layer_overhead_us": float,
+    "expert_overhead_us": float,
+    "tier_overhead_us": float,
 }
+_OPTIONAL: dict[str, float] = {"layer_overhead_us": 0.0, "expert_overhead_us": 0.0, "tier_overhead_us": 0.0}
+"""Keys a profile may leave out (their defaults): fixed costs, >= 0 (0: not modelled)."""
 _DEVICES = ("cuda", "cpu")
 
 
@@ -119,16 +138,17 @@ def _as_dict(p: HardwareProfile) -> dict[str, Any]:
 
 def _validate(doc: dict[str, Any], where: str) -> dict[str, Any]:
     """`doc` with int figures widened to float where a float is expected; ProfileError naming
-    `where` and the first key at fault (unknown, missing, wrong type, non-positive, bad device)."""
+    `where` and the first key at fault (unknown, missing, wrong type, non-positive, bad device).
+    Optional keys (`_OPTIONAL`) left out take their defaults and may be 0."""
     unknown = sorted(set(doc) - set(_TYPES))
     if unknown:
         raise ProfileError(f"{where}: unknown key {unknown[0]!r} (keys: {', '.join(_TYPES)})")
-    missing = [k for k in _TYPES if k not in doc]
+    missing = [k for k in _TYPES if k not in doc and k not in _OPTIONAL]
     if missing:
         raise ProfileError(f"{where}: missing key {missing[0]!r}")
     out: dict[str, Any] = {}
     for key, kind in _TYPES.items():
-        v = doc[key]
+        v = doc.get(key, _OPTIONAL.get(key))
         if kind is str:
             if not isinstance(v, str) or not v:
                 raise ProfileError(f"{where}: key {key!r} must be a non-empty string, got {v!r}")
@@ -141,7 +161,10 @@ def _validate(doc: dict[str, Any], where: str) -> dict[str, Any]:
             v = float(v)
             if not math.isfinite(v):
                 raise ProfileError(f"{where}: key {key!r} must be finite, got {v!r}")
-        if kind is not str and v <= 0:
+        if key in _OPTIONAL:
+            if v < 0:
+                raise ProfileError(f"{where}: key {key!r} must be >= 0, got {v!r}")
+        elif kind is not str and v <= 0:
             raise ProfileError(f"{where}: key {key!r} must be positive, got {v!r}")
         out[key] = v
     if out["device"] not in _DEVICES:
@@ -179,6 +202,7 @@ BUILTIN_PROFILES: dict[str, HardwareProfile] = {
         # peak), ~40% sustained in GEMV-like loops.
         cpu_gflops=1000.0,
         cpu_cores=16,
+        # layer/expert/tier overheads: left 0 (see the h200 profile for the eager engine's).
     ),
     # A desktop RTX 5090 on PCIe 5.0 x16 with dual-channel DDR5.
     "rtx5090-pcie5": HardwareProfile(
@@ -202,6 +226,7 @@ BUILTIN_PROFILES: dict[str, HardwareProfile] = {
         disk_gbps=8.0,
         cpu_gflops=1000.0,  # estimate, as rtx4090-pcie4
         cpu_cores=16,
+        # layer/expert/tier overheads: not measured, left 0 (as rtx4090-pcie4).
     ),
     # The project's H200 machine (FACTS.md, measured 2026-12-04).
     "h200": HardwareProfile(
@@ -224,6 +249,12 @@ BUILTIN_PROFILES: dict[str, HardwareProfile] = {
         # estimate: not measured; 16 server cores with AVX-512 at ~2 GHz sustained, ~40% of peak.
         cpu_gflops=800.0,
         cpu_cores=16,  # measured: FACTS.md
+        # Overheads left 0, as on the other GPU profiles, so the cards compare on what the memory
+        # policies allow. FACTS.md measured what this engine pays today when it runs eagerly (a
+        # tiered decode step does): the 4-layer Qwen3-30B-A3B shape at 120 tok/s where HBM allows
+        # ~4,000, ~2 ms per layer of Python and launches, and 8 separate bf16 expert matmuls from
+        # Python in 237 us; a TOML profile with layer_overhead_us = 1500 and expert_overhead_us =
+        # 60 predicts today's eager engine instead (issue 31 is the work that removes them).
     ),
     # A desktop with no GPU: 16 cores and dual-channel DDR5 (the device is the host).
     "cpu-ddr5": HardwareProfile(
@@ -242,13 +273,16 @@ BUILTIN_PROFILES: dict[str, HardwareProfile] = {
         disk_gbps=5.0,  # estimate, PCIe 4.0 NVMe as rtx4090-pcie4
         cpu_gflops=1000.0,  # estimate, as rtx4090-pcie4
         cpu_cores=16,
+        # layer/expert/tier overheads: not measured on such a machine, left 0; `measure_profile`
+        # (``--profile-here``) measures them on the machine it runs on.
     ),
 }
 """Built-in hardware profiles by name (sources beside each figure)."""
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
-    """A built-in profile by name, or the profile in a TOML file with every `HardwareProfile` field.
+    """A built-in profile by name, or the profile in a TOML file with every required `HardwareProfile`
+    field (the optional overheads default to 0).
 
     ProfileError (a ValueError and an EngineError), in one line naming the file and the key, for an
     unknown name, an unreadable or invalid TOML file, and an unknown, missing, mistyped or

@@ -138,9 +138,10 @@ class VirtualMover:
             # As the live mover: CUDA keeps what does not move up, a CPU what is not exclusive.
             keep = not moves_up if c.device == "cuda" else not self.exclusive
             host_ready = staged if staged is not None else self.host_value(key, at, keep=keep)
-            ready = self.timeline.run("link", host_ready, c.link_s)
+            s = c.promote_s(moves_up)  # CPU: a copy unless the block moves up
+            ready = self.timeline.run("link", host_ready, s)
             self.bytes["host->fast"] += c.stored_bytes
-            self._record(self.fast_link, c.stored_bytes, c.link_s)
+            self._record(self.fast_link, c.stored_bytes, s)
         if moves_up:
             self.host.pop(key)
         elif key not in self.host:  # a decoded copy: the compact bytes stay in tier 2
@@ -335,7 +336,7 @@ class TieredReplay:
             routed = step.layers.get(layer, {})
             used = sorted(routed)
             start = self.mover.now = self.clock.now = self.now
-            hidden = self.timeline.run("device", start, c.dense_s(t))
+            hidden = self.timeline.run("device", start, c.dense_s(t) + c.tier_overhead_s)
             self.planner.note_routing(layer, used)
             if self.prefetcher is not None and len(self.fast) < len(self.planner.stored_bytes):
                 self.planner.begin_layer(layer, used)

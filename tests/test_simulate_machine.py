@@ -1,0 +1,114 @@
+"""`machine.ExpertCosts` on hand-written profiles: the exact seconds it charges (dense part in the
+compute dtype, the fixed overheads), and profiles without the optional overhead keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from freetoken_agents.engine.simulate.machine import ExpertCosts
+from freetoken_agents.engine.simulate.profiles import HardwareProfile, ProfileError, load_profile
+from freetoken_agents.engine.simulate.shapes import ModelShape
+
+SHAPE = ModelShape(
+    name="toy",
+    model_type="mixtral",
+    num_layers=4,  # 2 of them MoE: each MoE layer carries two layers' fixed overhead
+    moe_layers=(1, 3),
+    num_experts=8,
+    top_k=2,
+    hidden=64,
+    intermediate=128,
+    gated=True,
+    expert_bias=False,
+    vocab_size=1000,
+    tie_word_embeddings=False,
+    dense_matrices=((4, 64, 64),),
+    dense_vector_elems=4 * 2 * 64,
+    fp32_elems=0,
+)
+
+REQUIRED = dict(
+    link_gbps=4.0,
+    link_latency_us=1.0,
+    device_mem_gbps=10.0,
+    device_mem_bytes=1 << 34,
+    device_bf16_tflops=1e-3,  # 1 GFLOP/s: flops never bind below
+    device_lowp_tflops=1e-3,
+    host_mem_gbps=10.0,
+    host_mem_bytes=1 << 34,
+    disk_gbps=2.0,
+    cpu_gflops=1000.0,
+    cpu_cores=2,
+)
+OVERHEADS = dict(layer_overhead_us=100.0, expert_overhead_us=20.0, tier_overhead_us=50.0)
+
+
+def _profile(device: str, **over: float) -> HardwareProfile:
+    return HardwareProfile(name=device, device=device, **{**REQUIRED, "device_bf16_tflops": 1e3, **over})  # type: ignore[arg-type]
+
+
+def test_cpu_costs_exact() -> None:
+    p = _profile("cpu", device_lowp_tflops=1e3, **OVERHEADS)
+    c = ExpertCosts.of(SHAPE, p, "fp32")
+    expert_fp32 = 3 * 64 * 128 * 4  # gate, up, down
+    assert c.fast_bytes == c.stored_bytes == expert_fp32
+    # dense in fp32 on a CPU (the engine's dtype there): per MoE layer, half the model's
+    dense = SHAPE.dense_bytes_per_token("fp32") / 2
+    assert dense > SHAPE.dense_bytes_per_token("bf16") / 2
+    assert c.dense_s(1) == pytest.approx(dense / 10e9 + 2 * 100e-6)  # 4 layers' overhead on 2
+    assert c.fast_compute_s(1) == pytest.approx(expert_fp32 / 10e9 + 20e-6)
+    assert c.host_compute_s(1) == pytest.approx(expert_fp32 / 10e9 + 20e-6)
+    assert c.tier_overhead_s == pytest.approx(50e-6)
+    # promotion: bookkeeping in place (the block moves up), a copy at the copy bandwidth otherwise
+    assert c.link_s == c.promote_s(True) == pytest.approx(20e-6)
+    assert c.promote_s(False) == pytest.approx(20e-6 + 2 * expert_fp32 / 4e9)
+    assert c.decode_s == 0.0
+    # int8 stays compact and is used in place too
+    q = ExpertCosts.of(SHAPE, p, "int8")
+    assert q.promote_s(True) == pytest.approx(20e-6)
+    assert q.fast_compute_s(1) == pytest.approx(q.fast_bytes / 10e9 + 20e-6)
+
+
+def test_cuda_dense_in_bf16_with_overheads() -> None:
+    p = _profile("cuda", **OVERHEADS)
+    c = ExpertCosts.of(SHAPE, p, "bf16")
+    dense = SHAPE.dense_bytes_per_token("bf16") / 2
+    assert c.dense_s(1) == pytest.approx(dense / 10e9 + 2 * 100e-6)
+    assert c.fast_compute_s(1) == pytest.approx(c.fast_bytes / 10e9 + 20e-6)
+    # the link is PCIe on a GPU: unchanged by the overheads, the same whether or not it moves up
+    assert c.link_s == c.promote_s(False) == pytest.approx(1e-6 + c.stored_bytes / 4e9)
+
+
+def test_overheads_default_to_zero() -> None:
+    p = _profile("cpu")
+    assert (p.layer_overhead_us, p.expert_overhead_us, p.tier_overhead_us) == (0.0, 0.0, 0.0)
+    c = ExpertCosts.of(SHAPE, p, "fp32")
+    assert c.dense_s(1) == pytest.approx(SHAPE.dense_bytes_per_token("fp32") / 2 / 10e9)
+    assert c.fast_compute_s(1) == pytest.approx(c.fast_bytes / 10e9)
+    assert c.link_s == 0.0 and c.tier_overhead_s == 0.0
+
+
+def _write(path: Path, doc: dict) -> Path:
+    path.write_text(
+        "".join(f"{k} = " + (f'"{v}"\n' if isinstance(v, str) else f"{v!r}\n") for k, v in doc.items())
+    )
+    return path
+
+
+def test_toml_without_optional_keys(tmp_path: Path) -> None:
+    p = load_profile(_write(tmp_path / "old.toml", {"name": "old", "device": "cpu", **REQUIRED}))
+    assert (p.layer_overhead_us, p.expert_overhead_us, p.tier_overhead_us) == (0.0, 0.0, 0.0)
+    full = HardwareProfile(name="new", device="cpu", **REQUIRED, **OVERHEADS)  # type: ignore[arg-type]
+    assert "tier_overhead_us = 50.0" in full.to_toml()
+    assert (
+        load_profile(_write(tmp_path / "new.toml", {"name": "new", "device": "cpu", **REQUIRED, **OVERHEADS}))
+        == full
+    )
+    f = tmp_path / "rt.toml"
+    f.write_text(full.to_toml())
+    assert load_profile(f) == full
+    bad = _write(tmp_path / "bad.toml", {"name": "b", "device": "cpu", **REQUIRED, "tier_overhead_us": -1.0})
+    with pytest.raises(ProfileError, match="key 'tier_overhead_us' must be >= 0"):
+        load_profile(bad)
