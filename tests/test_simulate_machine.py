@@ -3,6 +3,7 @@ compute dtype, the fixed overheads), and profiles without the optional overhead 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,24 @@ def test_toml_without_optional_keys(tmp_path: Path) -> None:
     bad = _write(tmp_path / "bad.toml", {"name": "b", "device": "cpu", **REQUIRED, "tier_overhead_us": -1.0})
     with pytest.raises(ProfileError, match="key 'tier_overhead_us' must be >= 0"):
         load_profile(bad)
+
+
+def test_a_tiered_replay_charges_each_tier1_miss_its_overhead() -> None:
+    """miss_overhead_us: q*'s decision and the tier moves around each expert outside tier 1."""
+    from freetoken_agents.engine.simulate.replay import TieredReplay, group_steps
+    from freetoken_agents.engine.simulate.shapes import shape_for
+    from freetoken_agents.engine.simulate.synthetic import MIXTRAL_8X7B, preset_trace
+
+    shape = shape_for("mixtral-8x7b")
+    steps = group_steps(preset_trace(MIXTRAL_8X7B, tokens=6, seed=0))
+    base = load_profile("rtx4090-pcie4")
+    costly = dataclasses.replace(base, miss_overhead_us=1000.0)
+    budget = shape.total_expert_bytes("mxfp4") // 4
+
+    def run(profile):
+        replay = TieredReplay(shape, profile, codec="mxfp4", fast_bytes=budget, host_bytes=None)
+        return replay.run(steps)
+
+    cheap, slow = run(base), run(costly)
+    assert slow.fast_misses > 0
+    assert slow.seconds > cheap.seconds + 0.5 * slow.fast_misses * 1e-3  # at least half of them serial

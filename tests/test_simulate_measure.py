@@ -16,8 +16,8 @@ from freetoken_agents.engine.simulate.profiles import HardwareProfile, load_prof
 def _check_figures(p: HardwareProfile) -> None:
     for f in fields(p):
         v = getattr(p, f.name)
-        if f.name == "tier_overhead_us":  # not measured: 0
-            assert v == 0.0
+        if f.name.endswith("_overhead_us"):  # differences of timings: >= 0 (clamped), never NaN
+            assert math.isfinite(v) and v >= 0, (f.name, v)
         elif not isinstance(v, str):
             assert math.isfinite(v) and v > 0, (f.name, v)
 
@@ -34,9 +34,7 @@ def test_quick_profile_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert p.device_mem_bytes == p.host_mem_bytes
     assert p.device_bf16_tflops == p.device_lowp_tflops == pytest.approx(p.cpu_gflops / 1000)
     assert p.link_latency_us >= 0.1
-    # the fixed costs are measured (tier_overhead_us is not: 0)
-    assert p.layer_overhead_us > 0 and p.expert_overhead_us > 0 and p.tier_overhead_us == 0.0
-    assert p.layer_overhead_us > p.expert_overhead_us  # a layer runs many more ops than an expert
+    assert p.layer_overhead_us > 0 and p.expert_overhead_us > 0  # >= 0.1 us by construction
     assert list(scratch.iterdir()) == []  # the scratch file (and its folder) is gone
 
     path = tmp_path / "here.toml"

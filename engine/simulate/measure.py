@@ -22,8 +22,16 @@ Each figure, and how it is measured (rates decimal GB/s = 1e9 bytes/s, sizes byt
 - expert_overhead_us: one routed expert of hidden 64, intermediate 64, fp32, on one token through
   the engine's `expert_forward` plus the weighted accumulate (``add_``) the decode loop runs,
   median wall time less its bytes at host_mem_gbps (>= 0.1 us).
-- tier_overhead_us: 0 (not measured): the tiered provider's per-layer bookkeeping and pre-gating
-  need a converted model and a provider to time; write it into the TOML when known.
+- tier_overhead_us: the engine's `TieredExpertProvider` over a scratch FTW file of tiny experts
+  (4 MoE layers x 8 experts, hidden 64, fp32) with routers for pre-gating, tier 1 one expert
+  short of all of them and holding the two each step routes to (pre-gating and prefetch run, as
+  whenever tier 1 cannot hold the model): its median time per MoE layer less the same steps with
+  tier 1 holding every expert (no pre-gating then): the bookkeeping and pre-gating a tiered step
+  pays per layer besides moving and computing experts.
+- miss_overhead_us: the same provider without prefetch, tier 1 room for two experts and every
+  step routed to the two tier 1 does not hold (0-1, then 2-3, ...): its time per MoE layer less
+  the same steps with every expert in tier 1, per miss: q*'s decision, the promotion (a view of
+  the stored bytes for these fp32 blocks) and the eviction it causes.
 - disk_gbps: an FTW scratch file of expert-sized blocks (8 x 24 MiB; quick: 4 x 1 MiB), written
   with `FTWWriter` under `scratch_dir` (default: the temp dir), dropped from the page cache, read
   back block by block with the engine's `BlockReader` (O_DIRECT where the filesystem allows, else
@@ -127,7 +135,14 @@ def measure_profile(
     copy_gbps = _copy_gbps(sz)
     logger.info("host copy: %.1f GB/s (2x bytes)", copy_gbps)
     layer_us, expert_us = _overheads_us(sz.overhead_reps, host_gbps)
-    logger.info("overheads: %.1f us per layer, %.1f us per expert", layer_us, expert_us)
+    tier_us, miss_us = _tiered_overheads_us(sz.overhead_reps, scratch_dir)
+    logger.info(
+        "overheads (us): %.1f per layer, %.1f per expert, %.1f per tiered layer, %.1f per tier-1 miss",
+        layer_us,
+        expert_us,
+        tier_us,
+        miss_us,
+    )
     disk_gbps = _disk_gbps(sz, scratch_dir)
     logger.info("disk: %.2f GB/s", disk_gbps)
     cpu_gflops = _cpu_gflops(sz.cpu_n, sz.reps)
@@ -136,7 +151,8 @@ def measure_profile(
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     host: dict[str, Any] = dict(host_mem_gbps=host_gbps, host_mem_bytes=host_bytes, disk_gbps=disk_gbps)
     host.update(cpu_gflops=cpu_gflops, cpu_cores=cores)
-    host.update(layer_overhead_us=layer_us, expert_overhead_us=expert_us, tier_overhead_us=0.0)
+    host.update(layer_overhead_us=layer_us, expert_overhead_us=expert_us)
+    host.update(tier_overhead_us=tier_us, miss_overhead_us=miss_us)
     if torch.cuda.is_available():
         return HardwareProfile(name=name, device="cuda", **_cuda_figures(sz), **host)
     small, dst = torch.ones(1024, dtype=torch.float32), torch.empty(1024, dtype=torch.float32)
@@ -256,6 +272,63 @@ def _overheads_us(reps: int, host_gbps: float) -> tuple[float, float]:
         layer_s = _median_seconds(layer, reps) - layer_bytes / bps
         expert_s = _median_seconds(one_expert, reps) - expert_bytes / bps
     return max(layer_s * 1e6, 0.1), max(expert_s * 1e6, 0.1)
+
+
+def _tiered_overheads_us(reps: int, scratch_dir: str | os.PathLike[str] | None) -> tuple[float, float]:
+    """(per MoE layer, per miss) fixed costs of the tiered provider in microseconds (module
+    docstring), on a scratch FTW file of tiny experts."""
+    from ..memory import MemoryBudget, TieredExpertProvider
+    from ..moe import Router
+    from ..spec import MoESpec
+
+    layers, n_exp, h, inter = 4, 8, 64, 64
+    everything = layers * n_exp
+    spec = MoESpec(num_experts=n_exp, top_k=2, intermediate_size=inter, routing="softmax_topk")
+    g = torch.Generator().manual_seed(0)
+    routers = {layer: Router(spec, h) for layer in range(layers)}
+    x = torch.randn(1, h, generator=g)
+    pairs = [torch.tensor([[0, 1]]), torch.tensor([[2, 3]])]
+    weights = torch.tensor([[0.6, 0.4]])
+    with tempfile.TemporaryDirectory(prefix="freetoken-measure-", dir=scratch_dir) as tmp:
+        path = Path(tmp) / "experts.ftw"
+        with FTWWriter(path, model_config={"model_type": "measure"}) as w:
+            for layer in range(layers):
+                for e in range(n_exp):
+                    gate_up, down = torch.randn(2 * inter, h, generator=g), torch.randn(h, inter, generator=g)
+                    w.add_expert(layer, e, {"gate_up": encode(gate_up, "fp32"), "down": encode(down, "fp32")})
+        probe = TieredExpertProvider(path, MemoryBudget(), top_k=2, prefetch=False)
+        each = max(probe.fast_bytes.values())
+        probe.close()
+
+        def per_layer_s(in_tier1: int, *, prefetch: bool, alternate: bool) -> float:
+            """Seconds per MoE layer with room for `in_tier1` experts, tier 1 holding them (or the
+            two routed), routed to experts 0-1 (and 2-3 every other step with `alternate`)."""
+            budget = MemoryBudget(fast_bytes=in_tier1 * each)
+            tp = TieredExpertProvider(
+                path, budget, top_k=2, routers=routers, prefetch=prefetch, prefetch_thread=False
+            )
+            steps = [0]
+            try:
+                for layer in range(layers):
+                    for e in range(n_exp if in_tier1 == everything else 2):
+                        tp.get(layer, e)
+
+                def step() -> None:
+                    ids = pairs[steps[0] % 2] if alternate else pairs[0]
+                    steps[0] += 1
+                    for layer in range(layers):
+                        tp.run(layer, x, ids, weights, spec)
+
+                with torch.no_grad():
+                    return _median_seconds(step, reps) / layers
+            finally:
+                tp.close()
+
+        resident = per_layer_s(everything, prefetch=True, alternate=False)  # pre-gating skipped
+        pregating = per_layer_s(everything - 1, prefetch=True, alternate=False)
+        all_hits = per_layer_s(everything, prefetch=False, alternate=True)
+        two_misses = per_layer_s(2, prefetch=False, alternate=True)  # both routed miss every step
+    return max((pregating - resident) * 1e6, 0.0), max((two_misses - all_hits) / 2 * 1e6, 0.0)
 
 
 def _disk_gbps(sz: _Sizes, scratch_dir: str | os.PathLike[str] | None) -> float:

@@ -23,8 +23,10 @@ a TOML file with every field (`load_profile`), for example a 4090 box with 128 G
 Three fixed costs are optional (default 0: not modelled), in microseconds: `layer_overhead_us`
 (per transformer layer per step besides reading its weights: op launches, Python around norms,
 attention, the router), `expert_overhead_us` (per routed expert call: its ops and the Python
-around them) and `tier_overhead_us` (per MoE layer of a tiered step: the tiered provider's
-bookkeeping and pre-gating). `measure_profile` measures them on the machine it runs on.
+around them), `tier_overhead_us` (per MoE layer of a tiered step: the tiered provider's
+bookkeeping and pre-gating) and `miss_overhead_us` (per routed expert a tiered step finds outside
+tier 1: q*'s decision, the tier moves and evictions around it). `measure_profile` measures
+them on the machine it runs on.
 
 For ``device = "cpu"`` the device IS the host: its memory figures are the host's, the link is a
 memory copy (copy bandwidth) and its compute the CPU's; `fast` and host tiers then share one RAM.
@@ -73,6 +75,8 @@ class HardwareProfile:
         expert_overhead_us: fixed cost of one routed expert call, microseconds; optional, default 0.
         tier_overhead_us: fixed cost per MoE layer of a tiered step (bookkeeping, pre-gating),
             microseconds; optional, default 0.
+        miss_overhead_us: fixed cost per routed expert a tiered step finds outside tier 1 (the
+            decision, tier moves and evictions), microseconds; optional, default 0.
     """
 
     name: str
@@ -91,6 +95,7 @@ class HardwareProfile:
     layer_overhead_us: float = 0.0
     expert_overhead_us: float = 0.0
     tier_overhead_us: float = 0.0
+    miss_overhead_us: float = 0.0
 
     def __post_init__(self) -> None:
         for key, value in _validate(_as_dict(self), f"profile {self.name!r}").items():
@@ -126,8 +131,14 @@ _TYPES: dict[str, type] = {
     "layer_overhead_us": float,
     "expert_overhead_us": float,
     "tier_overhead_us": float,
+    "miss_overhead_us": float,
 }
-_OPTIONAL: dict[str, float] = {"layer_overhead_us": 0.0, "expert_overhead_us": 0.0, "tier_overhead_us": 0.0}
+_OPTIONAL: dict[str, float] = {
+    "layer_overhead_us": 0.0,
+    "expert_overhead_us": 0.0,
+    "tier_overhead_us": 0.0,
+    "miss_overhead_us": 0.0,
+}
 """Keys a profile may leave out (their defaults): fixed costs, >= 0 (0: not modelled)."""
 _DEVICES = ("cuda", "cpu")
 

@@ -375,6 +375,8 @@ class TieredReplay:
         staged = self.prefetcher.take(key) if self.prefetcher is not None else None
         act = 2 * tokens * self.shape.hidden * 2
         place = self.planner.decide(key, tokens, staged=staged is not None, activation_bytes=act)
+        if c.miss_overhead_s:  # the decision and the tier moves, on the thread that runs the layer
+            hidden = self.timeline.run("cpu", hidden, c.miss_overhead_s)
         if place is Placement.HOST:
             cuda_or_not_staged = c.device == "cuda" or staged is None
             ready = self.mover.host_value(key, start) if cuda_or_not_staged else staged
