@@ -10,6 +10,7 @@ import pytest
 
 from freetoken_agents.cli import main
 from freetoken_agents.engine.routing_trace import write_trace
+from freetoken_agents.engine.simulate import measure
 from freetoken_agents.engine.simulate.profiles import load_profile
 from freetoken_agents.engine.simulate.simulator import POLICIES
 from freetoken_agents.engine.simulate.synthetic import MIXTRAL_8X7B, preset_trace
@@ -142,3 +143,7 @@ def test_profile_here_writes_a_profile(tmp_path: Path, capsys, monkeypatch) -> N
     assert str(out) in capsys.readouterr().out
     profile = load_profile(out)
     assert profile.device == "cpu" and profile.cpu_cores >= 1
+    calls = []
+    monkeypatch.setattr(measure, "measure_profile", lambda **kw: calls.append(kw) or profile)
+    assert main(["simulate", "--profile-here", "--model", "olmoe-1b-7b"]) == 0
+    assert calls[-1]["matmul_k"] == 2048  # OLMoE's hidden size: memory read as its decode reads it

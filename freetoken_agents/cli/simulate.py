@@ -100,7 +100,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     mode.add_argument(
         "--profile-here", action="store_true", help="measure this machine and print its profile TOML"
     )
-    p.add_argument("--model", metavar="SHAPE", help="built-in model name or a config.json path")
+    p.add_argument(
+        "--model",
+        metavar="SHAPE",
+        help="built-in model name or a config.json path (with --profile-here: measure for its shapes)",
+    )
     p.add_argument("--hardware", metavar="PROFILE", help="built-in hardware profile or a TOML file")
     p.add_argument(
         "--fast-mem",
@@ -267,12 +271,14 @@ def plot(reports: Sequence[SimulationReport], total: int, out: str) -> None:
 
 def _profile_here(args: argparse.Namespace) -> int:
     """Measure this machine (`measure_profile`) and print its TOML, or write it to --out."""
-    given = [k for k in ("trace", "model", "hardware", "fast_mem", "host_mem", "plot") if getattr(args, k)]
+    given = [k for k in ("trace", "hardware", "fast_mem", "host_mem", "plot") if getattr(args, k)]
     if given:
         raise CLIError(f"--profile-here measures this machine; drop --{given[0].replace('_', '-')}")
     from ..engine.simulate.measure import measure_profile
 
-    toml = measure_profile(quick=args.quick, scratch_dir=args.scratch_dir).to_toml()
+    # With --model, memory is read as that model's decode reads it: rows of its hidden size.
+    k = {"matmul_k": shape_for(args.model).hidden} if args.model else {}
+    toml = measure_profile(quick=args.quick, scratch_dir=args.scratch_dir, **k).to_toml()
     if args.out is None:
         write(toml)
     else:
