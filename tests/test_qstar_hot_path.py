@@ -79,6 +79,29 @@ def test_all_resident_decode_makes_no_decision(mixtral):
     eng.experts.close()  # type: ignore[attr-defined]
 
 
+def test_with_every_expert_in_tier_1_decode_prices_nothing(mixtral):
+    """Nothing can miss while tier 1 holds every expert, so a decode step leaves q*'s compute
+    model alone (no per-expert observation on the hot path); the experts are still timed."""
+    _, ftw = mixtral
+    eng = Engine.from_pretrained(
+        ftw, memory=MemoryBudget(), placement="qstar", tiering=TieringOptions(prefetch=False)
+    )
+    tp = eng.experts
+    with eng.new_session() as s:
+        s.prefill([5, 3, 8, 1])
+        s.decode(2)  # observed: tier 1 does not hold every expert yet
+        assert tp.policy.compute.snapshot()  # type: ignore[attr-defined]
+        for key in tp.keys():  # type: ignore[attr-defined]
+            tp.get(*key)  # type: ignore[attr-defined]
+        before = tp.policy.compute.snapshot()  # type: ignore[attr-defined]
+        calls = tp.stats()["phase_calls"]["experts"]  # type: ignore[attr-defined]
+        for t in range(8):
+            s.decode(t)
+    assert tp.policy.compute.snapshot() == before  # type: ignore[attr-defined]
+    assert tp.stats()["phase_calls"]["experts"] == calls + 8 * len(eng.spec.moe_layers())  # type: ignore[attr-defined]
+    tp.close()  # type: ignore[attr-defined]
+
+
 def test_decisions_are_made_for_misses_only(mixtral):
     _, ftw = mixtral
     ref = Engine.from_pretrained(ftw)

@@ -56,6 +56,10 @@ class Placement(str, Enum):
     HOST = "host"  # compute where the weights are (host), move only activations
 
 
+_RESIDENT = Placement.RESIDENT.value
+_RESIDENT_DECODE, _RESIDENT_PREFILL = f"decode/{_RESIDENT}", f"prefill/{_RESIDENT}"
+
+
 def tokens_bucket(tokens: int) -> int:
     """The power of two >= tokens (1, 2, 4, ...)."""
     return 1 << max(0, math.ceil(math.log2(max(1, tokens))))
@@ -199,9 +203,8 @@ class QStarPolicy:
     def count_resident(self, experts: int, tokens: int) -> None:
         """Record `experts` RESIDENT placements without pricing them: for an expert in tier 1
         `costs` has RESIDENT only, so `decide` would return it (the hot path skips the call)."""
-        self.decisions[Placement.RESIDENT.value] += experts
-        phase = "decode" if tokens == 1 else "prefill"
-        self.decisions_by_phase[f"{phase}/{Placement.RESIDENT.value}"] += experts
+        self.decisions[_RESIDENT] += experts
+        self.decisions_by_phase[_RESIDENT_DECODE if tokens == 1 else _RESIDENT_PREFILL] += experts
 
     def decide(self, key: tuple[int, int], case: ExpertCase) -> Placement:
         """The cheapest placement (ties: RESIDENT, STREAM, STAGED, HOST); counted and logged at debug."""

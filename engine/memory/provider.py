@@ -333,9 +333,10 @@ class TieredExpertProvider(ExpertStore):
             return y
         with self.phases.time("experts") as took:
             y = routed.run_routed(hidden, expert_ids, weights, spec, get=experts.__getitem__)
-        share = took() / len(experts)
-        for _ in experts:
-            self.policy.compute.observe(self.device.type, "decoded", 1, share)
+        if len(self.fast) < len(self.stored_bytes):  # all in tier 1: no decision to price yet
+            share = took() / len(experts)
+            for _ in experts:
+                self.policy.compute.observe(self.device.type, "decoded", 1, share)
         return y
 
     def _compute(self, layer: int, expert: int, x: torch.Tensor, spec: MoESpec) -> torch.Tensor:
