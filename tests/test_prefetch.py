@@ -192,8 +192,10 @@ def test_pregating_beats_frequency_baseline_on_non_uniform_routing(tiny_checkpoi
     tiering = TieringOptions(prefetch_thread=False)
     with Engine.from_pretrained(ftw, memory=MemoryBudget(), placement="qstar", tiering=tiering) as probe:
         expert_bytes = sum(probe.experts.fast_bytes.values())
-    # Tier 1 holds 60% of the experts (pre-gating is pointless, and skipped, once it holds them all).
-    budget = MemoryBudget(fast_bytes=int(0.6 * expert_bytes), host_bytes=2 * expert_bytes)
+    # Tier 1 holds 60% of the experts and tier 2 ~20%: the rest are read from disk, so there is
+    # something to prefetch (pre-gating is skipped while every expert is in tier 1, and on a
+    # CPU-only machine while every expert is in RAM).
+    budget = MemoryBudget(fast_bytes=int(0.6 * expert_bytes), host_bytes=int(0.2 * expert_bytes))
     eng = Engine.from_pretrained(ftw, memory=budget, placement="qstar", tiering=tiering)
     tp = eng.experts
     _plant_router_bias(eng, hot=(0, 1), scale=2.0)
@@ -240,3 +242,28 @@ def test_no_pregating_once_tier_1_holds_every_expert(tiny_checkpoint, tmp_path):
         assert tp.stats()["phase_calls"].get("predict", 0) == before
     with Engine.from_pretrained(folder) as resident:
         assert tiered == resident.generate(prompt, max_new_tokens=12, stop_token_ids=()).token_ids
+
+
+def test_no_pregating_on_a_cpu_while_every_expert_is_in_ram(tiny_checkpoint, tmp_path):
+    """CPU-only: prefetch reads tier 3 into tier 2 and nothing else, and a tier-1 miss computes
+    from the tier-2 bytes where they are, so with every expert in RAM (tier 1 or tier 2) there is
+    nothing to prefetch: no router predictions (~1 ms a token on bench/tiered_decode.py's model);
+    once tier 2 cannot hold them all, pre-gating runs again. Tokens stay the resident engine's."""
+    folder = tiny_checkpoint("mixtral")
+    ftw = tmp_path / "mixtral.ftw"
+    convert_checkpoint(folder, ftw, quant="fp32", progress=False)
+    tiering = TieringOptions(prefetch_thread=False)
+    prompt = list(range(3, 40))
+    with Engine.from_pretrained(folder) as resident:
+        want = resident.generate(prompt, max_new_tokens=12, stop_token_ids=()).token_ids
+    with Engine.from_pretrained(ftw, memory=MemoryBudget(), placement="qstar", tiering=tiering) as probe:
+        expert_bytes = sum(probe.experts.fast_bytes.values())
+    for host_share, pregates in ((2.0, False), (0.2, True)):
+        budget = MemoryBudget(fast_bytes=int(0.4 * expert_bytes), host_bytes=int(host_share * expert_bytes))
+        with Engine.from_pretrained(ftw, memory=budget, placement="qstar", tiering=tiering) as eng:
+            tp = eng.experts
+            for key in tp.stored_bytes:  # every expert read once: tier 1 full, the rest in tier 2
+                tp.get(*key)
+            before = tp.stats()["phase_calls"].get("predict", 0)
+            assert eng.generate(prompt, max_new_tokens=12, stop_token_ids=()).token_ids == want
+            assert (tp.stats()["phase_calls"].get("predict", 0) > before) is pregates, host_share

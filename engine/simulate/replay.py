@@ -292,6 +292,17 @@ class TieredReplay:
         stage = bool(self.spare) and self.planner.should_stage(key, self._ahead[key[0]])
         return self.mover.prefetch_load(key, stage=stage)
 
+    def _prefetch_has_work(self) -> bool:
+        """As `TieredExpertProvider._prefetch_has_work`: not with every expert in tier 1, nor on a
+        CPU-only machine with every expert in RAM."""
+        total = len(self.planner.stored_bytes)
+        if len(self.fast) >= total:
+            return False
+        if self.costs.device == "cuda":
+            return True
+        moved_up = sum(1 for k in self.fast.keys() if k in self.mover.moves_up)
+        return len(self.host) + moved_up < total
+
     def _in_ram(self, key: ExpertKey) -> bool:
         return key in self.fast or (self.costs.device != "cuda" and key in self.host)
 
@@ -336,9 +347,13 @@ class TieredReplay:
             routed = step.layers.get(layer, {})
             used = sorted(routed)
             start = self.mover.now = self.clock.now = self.now
-            hidden = self.timeline.run("device", start, c.dense_s(t) + c.tier_overhead_s)
+            pregating = self.prefetcher is not None and self._prefetch_has_work()
+            # tier_overhead_us is what pre-gating and its bookkeeping cost a layer (measure.py)
+            hidden = self.timeline.run(
+                "device", start, c.dense_s(t) + (c.tier_overhead_s if pregating else 0.0)
+            )
             self.planner.note_routing(layer, used)
-            if self.prefetcher is not None and len(self.fast) < len(self.planner.stored_bytes):
+            if pregating:
                 self.planner.begin_layer(layer, used)
                 self.prefetcher.begin_layer(layer, used)
                 for ahead, nxt in enumerate(self.layers[pos + 1 : pos + 1 + self.prefetch_depth], 1):
