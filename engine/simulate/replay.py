@@ -300,7 +300,8 @@ class TieredReplay:
             return False
         if self.costs.device == "cuda":
             return True
-        moved_up = sum(1 for k in self.fast.keys() if k in self.mover.moves_up)
+        # One codec for every expert: either all of them move up whole or none does.
+        moved_up = len(self.fast) if self.mover.moves_up else 0
         return len(self.host) + moved_up < total
 
     def _in_ram(self, key: ExpertKey) -> bool:
