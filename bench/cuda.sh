@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks in one go: the `cuda` tests, bench/gpu_decode.py (decode at the memory bound:
 # resident with CUDA graphs, tiered, transformers, HBM and PCIe bounds), the same tiered with
-# compact expert codecs (bf16, fp8, int8, mxfp4, mxfp4 kept 4-bit in tier 1), resident MXFP4
+# compact expert codecs (bf16, fp8, int8, mxfp4, mxfp4 kept 4-bit in tier 1), this machine's
+# simulator profile (`freetoken simulate --profile-here`), resident MXFP4
 # experts held 4-bit (--compact), then bench/offload.py with tier 1 in GPU memory.
 #   bash bench/cuda.sh [OUT_DIR]        (needs the package installed and a CUDA GPU; ~12-15 min)
 # FT_GPU_DECODE_ARGS passes options to gpu_decode.py (e.g. "--layers 4 --budgets 0.25,1.0" to halve
@@ -25,6 +26,10 @@ mkdir -p "$FT_BENCH_DIR"
 } 2>&1 | tee "$out/machine.txt"
 timeout "${FT_TEST_TIMEOUT:-300}" python3 -m pytest -q -s -m cuda -p no:cacheprovider tests/ \
     2>&1 | tee "$out/cuda_tests.log"
+# This GPU machine measured as a simulator profile (issue 33: a measured one beside the built-in
+# h200 figures; ~10 s), at Qwen3-30B-A3B's row length.
+timeout 120 python3 -m freetoken_agents.cli simulate --profile-here --model qwen3-30b-a3b \
+    --scratch-dir "$FT_BENCH_DIR" --out "$out/profile_here.toml" 2>&1 | tee "$out/profile_here.log"
 # shellcheck disable=SC2086  # FT_GPU_DECODE_ARGS is a list of options
 timeout "${FT_GPU_DECODE_TIMEOUT:-540}" python3 bench/gpu_decode.py ${FT_GPU_DECODE_ARGS:-} \
     --json "$out/gpu_decode.json" 2>&1 | tee "$out/gpu_decode.log"
