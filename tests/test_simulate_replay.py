@@ -153,6 +153,10 @@ def test_simulate_reports_every_policy_and_a_bound_above_them() -> None:
         assert 0 <= r.misses_per_token["fast"] <= shape.top_k * len(shape.moe_layers)
     assert report.result("stream").misses_per_token["fast"] == shape.top_k * len(shape.moe_layers)
     assert report.result("belady").misses_per_token["fast"] == report.bound.misses_per_token["fast"]
+    # The online bound caches with LRU: no fewer misses than Belady's, so no faster.
+    online = report.online_bound
+    assert online.misses_per_token["fast"] > report.bound.misses_per_token["fast"]
+    assert 0 < online.tokens_per_s < report.bound.tokens_per_s
     assert report.result("static").cpu_experts_per_token == report.result("static").misses_per_token["fast"]
     assert report.result("layer-lru").cpu_experts_per_token == 0
 

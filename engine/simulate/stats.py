@@ -191,8 +191,13 @@ def top_share(uses: np.ndarray, fraction: float) -> float:
 
 def lru_misses(steps: Sequence[Sequence[int]], capacity: int) -> int:
     """Misses of an LRU cache of `capacity` entries fed `steps` (each a record's distinct keys)."""
+    return sum(len(missing) for missing in lru_missing(steps, capacity))
+
+
+def lru_missing(steps: Sequence[Sequence[int]], capacity: int) -> list[list[int]]:
+    """The keys each step misses in an LRU cache of `capacity` entries (`lru_misses`)."""
     cache: OrderedDict[int, None] = OrderedDict()
-    misses = 0
+    out: list[list[int]] = []
     for keys in steps:
         missing = []
         for k in keys:
@@ -204,8 +209,8 @@ def lru_misses(steps: Sequence[Sequence[int]], capacity: int) -> int:
             cache.popitem(last=False)  # own hits were just moved to the end: never evicted
         for k in missing:
             cache[k] = None
-        misses += len(missing)
-    return misses
+        out.append(missing)
+    return out
 
 
 def frequency_misses(

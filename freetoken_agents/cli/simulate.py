@@ -231,6 +231,11 @@ def format_reports(reports: Sequence[SimulationReport], total: int) -> str:
             f"(Belady misses/token: fast {b.misses_per_token['fast']:.2f}, "
             f"host {b.misses_per_token['host']:.2f})\n"
         )
+        o = r.online_bound
+        out.append(
+            f"online bound (an LRU cache, link and CPU perfectly overlapped): {o.tokens_per_s:.2f} tok/s "
+            f"(LRU misses/token: fast {o.misses_per_token['fast']:.2f})\n"
+        )
     return "".join(out)
 
 
