@@ -80,7 +80,7 @@ class ExpertPlanner:
         self.clock = clock
         self.link_free_at = self.host_free_at = 0.0  # CUDA: when the link / the CPU is free
         self.arrives: dict[ExpertKey, float] = {}  # CUDA: when a staged copy lands
-        self.layer_s = 0.0  # EMA of the time from one MoE layer's start to the next one's
+        self.layer_s = 0.0  # CUDA: EMA of the time from one MoE layer's start to the next one's
         self._last_start: float | None = None
 
     # ---- per step of a layer ----------------------------------------------------------------
@@ -88,11 +88,12 @@ class ExpertPlanner:
         """`layer` routes to `used` this step: count it; re-evaluate the hot set every
         `hot_every` steps (a step begins at the first MoE layer)."""
         self.routing.note(layer, used)
-        now = self.clock()
-        if self._last_start is not None and now > self._last_start:
-            gap = now - self._last_start
-            self.layer_s = gap if not self.layer_s else 0.9 * self.layer_s + 0.1 * gap
-        self._last_start = now
+        if self.cuda:  # `layer_s` serves `should_stage` only
+            now = self.clock()
+            if self._last_start is not None and now > self._last_start:
+                gap = now - self._last_start
+                self.layer_s = gap if not self.layer_s else 0.9 * self.layer_s + 0.1 * gap
+            self._last_start = now
         if layer == self.layers[0]:
             self.steps += 1
             if self.steps % self.hot_every == 0:
@@ -106,6 +107,14 @@ class ExpertPlanner:
             for done in [lay for lay in self.soon if lay <= layer or layer == self.layers[0]]:
                 del self.soon[done]
             self.soon[layer] = set(used)
+
+    def prefetch_has_work(self, in_ram: int) -> bool:
+        """Whether a prefetch can bring anything closer, with `in_ram` experts in RAM (tier 1 or
+        tier 2): not with every expert in tier 1, nor on a CPU-only machine with every expert in
+        RAM (prefetch there reads tier 3 into tier 2 only, and a tier-1 miss computes from the
+        tier-2 bytes where they are)."""
+        total = len(self.stored_bytes)
+        return len(self.fast) < total and (self.cuda or in_ram < total)
 
     def expect(self, layer: int, experts: Sequence[int]) -> None:
         """The prediction for a coming `layer`: its experts are needed soon."""

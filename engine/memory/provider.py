@@ -300,8 +300,10 @@ class TieredExpertProvider(ExpertStore):
         used = sorted(set(expert_ids.reshape(-1).tolist()))
         self.planner.note_routing(layer, used)
         # Pre-gating (its router runs cost ~1 ms a token on a small CPU model) only while there is
-        # something to prefetch (`_prefetch_has_work`).
-        if self.prefetcher is not None and self._prefetch_has_work():
+        # something to prefetch. In RAM: tier 2's blocks and, with exclusive tiers, the tier-1
+        # experts whose bytes moved up (not in tier 2 any more).
+        in_ram = len(self.host) + (len(self.moves.backing) if self.exclusive else 0)
+        if self.prefetcher is not None and self.planner.prefetch_has_work(in_ram):
             self.planner.begin_layer(layer, used)
             self.prefetcher.begin_layer(layer, used)
             self._prefetch_next(layer, hidden)
@@ -314,19 +316,6 @@ class TieredExpertProvider(ExpertStore):
         return routed.run_routed(
             hidden, expert_ids, weights, spec, compute=lambda e, x: self._compute(layer, e, x, spec)
         )
-
-    def _prefetch_has_work(self) -> bool:
-        """Whether a prefetch can bring anything closer: not with every expert in tier 1, nor on
-        a CPU-only machine with every expert in RAM (prefetch there reads tier 3 into tier 2 only,
-        and a tier-1 miss computes from the tier-2 bytes where they are)."""
-        total = len(self.stored_bytes)
-        if len(self.fast) >= total:
-            return False
-        if self.cuda:
-            return True
-        # In RAM: tier 2's blocks, and with exclusive tiers the ones whose bytes moved up.
-        in_ram = len(self.host) + (len(self.moves.backing) if self.exclusive else 0)
-        return in_ram < total
 
     def _run_resident(
         self,

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from ..memory.tiers import HostTier
 from .machine import ExpertCosts, Timeline
-from .replay import Step, Tally
+from .replay import Step, Tally, warm
 from .stats import belady_missing
 
 
@@ -70,10 +70,7 @@ def replay_streaming(
     """`stream` (cached False) or `belady` (cached True: tier 1 holds fast_bytes of experts)."""
     timeline = Timeline(costs.device)
     streamer = _Streamer(costs, timeline, host_bytes)
-    for key in ((layer, e) for layer in layers for e in range(num_experts)):  # warm RAM, as q*'s
-        if not streamer.host.has_room(costs.stored_bytes, key):
-            break
-        streamer.host.put(key, True, costs.stored_bytes)
+    warm(streamer.host, ((layer, e) for layer in layers for e in range(num_experts)), costs.stored_bytes)
     capacity = fast_bytes // costs.fast_bytes
     keyed = layer_steps(steps, layers)
     missing = belady_missing(keyed, capacity) if cached else keyed

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,15 @@ class Tally:
     cpu_experts: int = 0
     bytes: Counter[str] = field(default_factory=Counter)
     decisions: Counter[str] = field(default_factory=Counter)
+
+
+def warm(host: HostTier[Any], keys: Iterable[ExpertKey], nbytes: int) -> None:
+    """Fill `host` with `keys` (each `nbytes`) in order while they fit: the RAM of a machine that
+    has run the model for a while (a replay measures the steady state, not the first disk reads)."""
+    for key in keys:
+        if not host.has_room(nbytes, key):
+            return
+        host.put(key, True, nbytes)
 
 
 class VirtualMover:
@@ -174,12 +183,8 @@ class VirtualMover:
         return None if c.device == "cuda" else ready
 
     def warm_host(self, keys: Sequence[ExpertKey]) -> None:
-        """Fill tier 2 with `keys` in order while they fit: the RAM of a machine that has run the
-        model for a while (a replay measures the steady state, not the first disk reads)."""
-        for key in keys:
-            if not self.host.has_room(self.costs.stored_bytes, key):
-                return
-            self.host.put(key, True, self.costs.stored_bytes)
+        """Tier 2 as a machine that has run the model for a while has it (`warm`)."""
+        warm(self.host, keys, self.costs.stored_bytes)
 
 
 class TieredReplay:
@@ -292,18 +297,6 @@ class TieredReplay:
         stage = bool(self.spare) and self.planner.should_stage(key, self._ahead[key[0]])
         return self.mover.prefetch_load(key, stage=stage)
 
-    def _prefetch_has_work(self) -> bool:
-        """As `TieredExpertProvider._prefetch_has_work`: not with every expert in tier 1, nor on a
-        CPU-only machine with every expert in RAM."""
-        total = len(self.planner.stored_bytes)
-        if len(self.fast) >= total:
-            return False
-        if self.costs.device == "cuda":
-            return True
-        # One codec for every expert: either all of them move up whole or none does.
-        moved_up = len(self.fast) if self.mover.moves_up else 0
-        return len(self.host) + moved_up < total
-
     def _in_ram(self, key: ExpertKey) -> bool:
         return key in self.fast or (self.costs.device != "cuda" and key in self.host)
 
@@ -348,7 +341,10 @@ class TieredReplay:
             routed = step.layers.get(layer, {})
             used = sorted(routed)
             start = self.mover.now = self.clock.now = self.now
-            pregating = self.prefetcher is not None and self._prefetch_has_work()
+            # In RAM: tier 2, and the tier-1 experts whose bytes moved up (one codec for every
+            # expert: all of them move up whole or none does).
+            in_ram = len(self.host) + (len(self.fast) if self.mover.moves_up else 0)
+            pregating = self.prefetcher is not None and self.planner.prefetch_has_work(in_ram)
             # tier_overhead_us is what pre-gating and its bookkeeping cost a layer (measure.py)
             hidden = self.timeline.run(
                 "device", start, c.dense_s(t) + (c.tier_overhead_s if pregating else 0.0)
@@ -389,7 +385,7 @@ class TieredReplay:
             self.policy.count_resident(1, tokens)
             return self._fast_compute(hidden, 0.0, tokens), 0
         staged = self.prefetcher.take(key) if self.prefetcher is not None else None
-        act = 2 * tokens * self.shape.hidden * 2
+        act = c.activation_bytes * tokens
         place = self.planner.decide(key, tokens, staged=staged is not None, activation_bytes=act)
         if c.miss_overhead_s:  # the decision and the tier moves, on the thread that runs the layer
             hidden = self.timeline.run("cpu", hidden, c.miss_overhead_s)
