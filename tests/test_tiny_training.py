@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 import warnings
 
 import pytest
@@ -209,6 +210,25 @@ def test_training_smoke_run_writes_an_ftw_the_engine_runs(tmp_path):
     out = engine.generate(ids, max_new_tokens=4)
     assert len(out.token_ids) >= 1
     assert "<|im_end|>" in engine.tokenizer.convert_ids_to_tokens(engine.default_stop_token_ids())
+
+
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
+    """A long CPU run is stopped and resumed from `out/last`: the optimizer, the schedule and the
+    place in the batch order come back, so the final weights are the same bit for bit."""
+    from safetensors.torch import load_file
+
+    kw = {"steps": 4, "dialogues": 160, "tokens_per_batch": 1024, "vocab_size": 700, "threads": 1}
+    torch.manual_seed(0)
+    train(tmp_path / "whole", save_every=2, **kw)
+    assert (tmp_path / "whole" / "last" / "progress.pt").is_file()
+    shutil.copytree(tmp_path / "whole" / "last", tmp_path / "resumed" / "last")
+    train(tmp_path / "resumed", save_every=2, resume=True, **kw)
+    whole = load_file(tmp_path / "whole" / "hf" / "model.safetensors")
+    resumed = load_file(tmp_path / "resumed" / "hf" / "model.safetensors")
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    fresh = load_file(tmp_path / "whole" / "last" / "model.safetensors")  # the step-2 weights differ
+    assert not all(torch.equal(whole[k], fresh[k]) for k in whole)
 
 
 def test_cache_argument_follows_the_transformers_release(tiny_checkpoint):

@@ -122,7 +122,12 @@ def dialogue(rng: random.Random, split: Split = "train", code_share: float = 0.4
 
 
 def build_corpus(
-    rng: random.Random, size: int, split: Split = "train", code_share: float = 0.3, world_share: float = 0.15
+    rng: random.Random,
+    size: int,
+    split: Split = "train",
+    code_share: float = 0.3,
+    world_share: float = 0.15,
+    no_call_share: float = generic.NO_CALL_SHARE,
 ) -> list[Dialogue]:
     """`size` dialogues: coding tasks (`code_share` of them), the world's four tools (`world_share`)
     and, for the rest, groups of eight generic dialogues over one random tool set each (see
@@ -137,6 +142,6 @@ def build_corpus(
         elif kind == "world":
             out.append(tool_dialogue(rng, split))
         else:
-            messages, tools = generic.dialogue_group(rng, split, size=group)
+            messages, tools = generic.dialogue_group(rng, split, size=group, no_call_share=no_call_share)
             out += [Dialogue(m, tools) for m in messages]
     return out[:size]

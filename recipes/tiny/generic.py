@@ -289,13 +289,18 @@ def call_message(calls: list[Request], content: str = "") -> dict[str, Any]:
     return {"role": "assistant", "content": content, "tool_calls": tool_calls}
 
 
-def exchange(rng: random.Random, tools: list[GenericTool], split: Split) -> list[dict[str, Any]]:
+NO_CALL_SHARE = 0.2  # exchanges answered without a call: small talk (2 in 5) or a request no tool serves
+
+
+def exchange(
+    rng: random.Random, tools: list[GenericTool], split: Split, no_call_share: float = NO_CALL_SHARE
+) -> list[dict[str, Any]]:
     """One user turn and everything after it: a direct answer, or calls, results and the answer."""
     shape = rng.random()
-    if shape < 0.08:
+    if shape < 0.4 * no_call_share:
         user, reply = rng.choice(CHITCHAT)
         return [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
-    if shape < 0.2:  # a request no offered tool can serve
+    if shape < no_call_share:  # a request no offered tool can serve
         others = [d for d in domains(split) if not any(t.name in d.names for t in tools)]
         request = make_request(rng, domain_tool(rng, rng.choice(others)), split)
         return [
@@ -324,7 +329,7 @@ def exchange(rng: random.Random, tools: list[GenericTool], split: Split) -> list
 
 
 def dialogue_group(
-    rng: random.Random, split: Split = "train", size: int = 8
+    rng: random.Random, split: Split = "train", size: int = 8, no_call_share: float = NO_CALL_SHARE
 ) -> tuple[list[list[dict]], list[dict]]:
     """`size` dialogues over one random tool set and system prompt (so training computes their shared
     system block once): (the dialogues' messages, the tool schemas)."""
@@ -333,8 +338,8 @@ def dialogue_group(
     head = [{"role": "system", "content": system}] if system else []
     groups = []
     for _ in range(size):
-        messages = head + exchange(rng, tools, split)
+        messages = head + exchange(rng, tools, split, no_call_share)
         if rng.random() < 0.15:
-            messages += exchange(rng, tools, split)
+            messages += exchange(rng, tools, split, no_call_share)
         groups.append(messages)
     return groups, [t.schema for t in tools]

@@ -35,6 +35,7 @@ import inspect
 import logging
 import math
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from tqdm.auto import tqdm
 
 from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, EngineError, check_device, render_chat
 
+from . import generic
 from .corpus import Dialogue, build_corpus
 from .warm import load_ftw
 
@@ -287,13 +289,18 @@ def train(
     device: str = "cpu",
     code_share: float = 0.3,
     world_share: float = 0.15,
+    no_call_share: float = generic.NO_CALL_SHARE,
+    resume: bool = False,
 ) -> Path:
     """Train and write `out/hf` (the checkpoint) and `out/model.ftw`; returns the FTW path.
 
     `init`: an FTW file to start from (its tokenizer and weights, see `warm.py`) instead of a new
     tokenizer and a random initialisation. `device`: where to train ("cuda": fp32 master weights,
     bf16 autocast); the corpus, the batches' order and the saved files do not depend on it.
-    `code_share`, `world_share`: the corpus mix (the rest is generic tool use, see `build_corpus`)."""
+    `code_share`, `world_share`: the corpus mix (the rest is generic tool use, see `build_corpus`);
+    `no_call_share`: the share of generic exchanges answered without a call.
+    `save_every`: also write `out/last` (weights, tokenizer, optimizer and position in the batch
+    order) every N steps; `resume`: continue from `out/last` where a run stopped (same arguments)."""
     from transformers import AutoModelForCausalLM
 
     from freetoken_agents.engine.loading.convert import convert_checkpoint
@@ -302,7 +309,11 @@ def train(
         torch.set_num_threads(threads)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    corpus = build_corpus(rng, dialogues, code_share=code_share, world_share=world_share)
+    corpus = build_corpus(
+        rng, dialogues, code_share=code_share, world_share=world_share, no_call_share=no_call_share
+    )
+    last = out / "last"
+    state = _load_progress(last) if resume else None
 
     from transformers import PreTrainedTokenizerFast
 
@@ -310,7 +321,12 @@ def train(
         tokenizer_object=_character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE
     )  # renders text before the real tokenizer exists (rendering does not depend on the vocabulary)
     rendered = [render(bootstrap, d) for d in tqdm(corpus, desc="render", leave=False)]
-    if init:
+    if state is not None:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(last)
+        model = AutoModelForCausalLM.from_pretrained(
+            last, experts_implementation="eager", attn_implementation="sdpa"
+        )
+    elif init:
         model, tokenizer = load_ftw(init, max_position_embeddings=2048)
     else:
         tokenizer = train_tokenizer([t for t, _ in rendered[:20_000]], vocab_size)
@@ -324,7 +340,7 @@ def train(
     )
 
     eos_id, pad_id = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    if not init:
+    if not init and state is None:
         model = AutoModelForCausalLM.from_config(
             model_config(len(tokenizer), eos_id, pad_id),
             experts_implementation="eager",
@@ -345,12 +361,19 @@ def train(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))
     )
     model.train()
-    step, t0, epoch = 0, time.perf_counter(), 0
-    bar = tqdm(total=steps, desc="train")
+    step, t0, epoch, skip = 0, time.perf_counter(), 0, 0
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        step, epoch, skip = state["step"], state["epoch"], state["in_epoch"]
+        logger.info("resumed %s at step %d (epoch %d)", last, step, epoch)
+    bar = tqdm(total=steps, initial=step, desc="train")
     while step < steps:
-        for micro in steps_of(
-            batches(examples, tokens_per_batch, pad_id, random.Random(seed + epoch)), tokens_per_batch
-        ):
+        order = batches(examples, tokens_per_batch, pad_id, random.Random(seed + epoch))
+        for in_epoch, micro in enumerate(steps_of(order, tokens_per_batch), start=1):
+            if in_epoch <= skip:  # done before the run was resumed
+                continue
             labelled = sum(int((y != -100).sum()) for _, _, y, _ in micro)
             loss = torch.zeros((), device=device)
             for batch in micro:
@@ -369,12 +392,12 @@ def train(
             bar.set_postfix(loss=f"{loss.item():.3f}")
             if step % 100 == 0:
                 logger.info("step %d loss %.4f (%.0f s)", step, loss.item(), time.perf_counter() - t0)
-            if save_every and step % save_every == 0 and step < steps:  # to evaluate a run in progress
-                model.save_pretrained(out / f"step-{step}")
-                tokenizer.save_pretrained(out / f"step-{step}")
+            if save_every and step % save_every == 0 and step < steps:  # to resume or evaluate a run
+                progress = {"step": step, "epoch": epoch, "in_epoch": in_epoch}
+                _save_progress(last, model, tokenizer, opt, sched, progress)
             if step >= steps:
                 break
-        epoch += 1
+        epoch, skip = epoch + 1, 0
     bar.close()
     model.eval().to("cpu")
     hf = out / "hf"
@@ -384,6 +407,33 @@ def train(
     convert_checkpoint(hf, ftw, quant=quant, progress=False)
     logger.info("trained %d steps in %.0f s -> %s", steps, time.perf_counter() - t0, ftw)
     return ftw
+
+
+def _save_progress(last: Path, model: Any, tokenizer: Any, opt: Any, sched: Any, progress: dict) -> None:
+    """Write the checkpoint a run resumes from, replacing the previous one only once complete (a run
+    killed while saving keeps the last whole checkpoint)."""
+    tmp = last.with_name(last.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": torch.get_rng_state()}
+    torch.save({**state, **progress}, tmp / "progress.pt")
+    old = last.with_name(last.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if last.exists():
+        last.rename(old)
+    tmp.rename(last)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_progress(last: Path) -> dict | None:
+    if not (last / "progress.pt").is_file():
+        old = last.with_name(last.name + ".old")  # killed between the two renames
+        if not (old / "progress.pt").is_file():
+            logger.info("no checkpoint in %s: starting from the beginning", last)
+            return None
+        old.rename(last)
+    return torch.load(last / "progress.pt", weights_only=False)
 
 
 def _character_tokenizer() -> Any:
@@ -403,7 +453,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quant", default="bf16", help="FTW expert quantization")
     p.add_argument("--init", type=Path, default=None, help="an FTW file to continue training from")
-    p.add_argument("--save-every", type=int, default=0, help="also save a checkpoint every N steps")
+    p.add_argument("--save-every", type=int, default=0, help="save OUT/last every N steps")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/last with the same arguments")
+    p.add_argument(
+        "--no-call-share",
+        type=float,
+        default=generic.NO_CALL_SHARE,
+        help="share of generic exchanges answered without a call",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (bf16 autocast on CUDA)")
     p.add_argument("--code-share", type=float, default=0.3, help="share of coding dialogues")
     p.add_argument("--world-share", type=float, default=0.15, help="share of the four world tools' dialogues")
@@ -429,6 +486,8 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         code_share=args.code_share,
         world_share=args.world_share,
+        no_call_share=args.no_call_share,
+        resume=args.resume,
     )
 
 
