@@ -26,6 +26,7 @@ from .errors import (
     UnexpectedModelBehavior,
     UnknownTool,
 )
+from .grounding import conversation_sources
 from .model import FreeTokenModel, GenerateRequest, ModelBackend, Usage
 from .openai_compat import ModelServerError, OpenAICompatibleModel
 from .retry import RetryPolicy
@@ -67,6 +68,7 @@ __all__ = [
     "UnknownTool",
     "Usage",
     "__version__",
+    "conversation_sources",
     "default_model",
     "tool",
 ]

@@ -338,7 +338,8 @@ class TurnDecoder:
         room = m.max_context - m.position - ahead - len(suffix_ids) - 1
         decode = None
         if self.req.constrain:
-            constraint = _body_constraint(m, parser.body_format, parser.body_schema(tools))
+            schema = parser.body_schema(tools)
+            constraint = _body_constraint(m, parser.body_format, schema, self.req.argument_sources)
             decode = ConstrainedDecode(
                 m, constraint, budget=limit, room=room, sampler=self.sample, tokenizer=m.tokenizer
             )
@@ -459,11 +460,14 @@ def _thinking(model: TurnModel) -> _Think | None:
     return _Think("inside") if markers.opened_by(tail) else _Think("maybe")
 
 
-def _body_constraint(model: TurnModel, body_format: str, schema: dict) -> JsonConstraint:
-    """The grammar of a call's body in the parser's `body_format` (see ToolCallParser)."""
+def _body_constraint(
+    model: TurnModel, body_format: str, schema: dict, sources: list[str] | None
+) -> JsonConstraint:
+    """The grammar of a call's body in the parser's `body_format` (see ToolCallParser); a JSON
+    body's plain string arguments grounded in `sources` when given."""
     if body_format == "xml_parameters":
         return model.grammars().xml_parameters(schema)
-    return model.grammars().json_schema(schema)
+    return model.grammars().json_schema(schema, sources)
 
 
 def _tool_name(tool: dict) -> str:

@@ -36,6 +36,7 @@ from .errors import (
     ToolCallMalformed,
     ToolRetryExhausted,
 )
+from .grounding import conversation_sources
 from .parsers import step_call_id
 from .retry import RetryPolicy
 from .sync_bridge import iterate_sync, run_sync, step_worker, turn_gate
@@ -84,6 +85,8 @@ class Agent:
     `max_call_tokens`); they override `max_new_tokens`, `temperature` and `seed`.
     `validate`: how each rollback checks its anchor, passed to `model.rollback(validate=...)`
     unchanged (the engine's modes, e.g. "signature" or "full"); None: the model's own setting.
+    `ground_arguments`: decode every plain string argument as a span of the run's user and tool
+    messages (`GenerateRequest.argument_sources`): a small model then cannot misspell what it copies.
     `max_result_chars`: what the model reads of one tool result, at most (longer ones are cut
     with a note, before tokenisation); None: `tools.default_result_chars(model.max_context)`.
     The trace keeps each result up to that cap too. `tool_timeout`: seconds a call of a tool
@@ -115,8 +118,10 @@ class Agent:
         max_result_chars: int | None = None,
         isolate_runs: bool = True,
         tool_timeout: Timeout = UNSET,
+        ground_arguments: bool = False,
     ) -> None:
         self.model, self.system_prompt = model, system_prompt
+        self.ground_arguments = ground_arguments
         self.validate = validate
         if max_result_chars is not None and max_result_chars < 1:
             raise ValueError(f"max_result_chars must be at least 1, got {max_result_chars}")
@@ -188,8 +193,14 @@ class Agent:
             return choice
         return self.tool_choice if step == 1 else "auto"
 
-    def _request(self, force: str | None, choice: ToolChoice) -> GenerateRequest:
-        settings = dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed)
+    def _request(
+        self, force: str | None, choice: ToolChoice, messages: Sequence[dict[str, Any]] = ()
+    ) -> GenerateRequest:
+        settings: dict[str, Any] = dict(
+            max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed
+        )
+        if self.ground_arguments:
+            settings["argument_sources"] = conversation_sources(messages)
         return GenerateRequest(
             tools=[] if choice == "none" else self._schemas(),
             force=force,
@@ -303,7 +314,7 @@ class Agent:
         m, turn = run.model, run.turn
         turn.start_attempt()
         head = turn.kept_text  # what the model wrote in this turn before the rollback point
-        events = m.generate(self._request(force, choice))
+        events = m.generate(self._request(force, choice, run.messages))
         parts: list[str] = []
         written, finish = 0, None
         try:

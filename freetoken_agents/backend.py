@@ -53,6 +53,10 @@ class GenerateRequest(BaseModel):
     call's arguments). Text that may still begin one is held back; when one appears, the text before
     it is delivered and the turn ends ("done", finish_reason "stop"); the tokens decoded stay in the
     context, and no end-of-turn token is appended.
+
+    `argument_sources`: grounded arguments (`grounding.py`): every plain string argument of a
+    constrained call is decoded as a span of one of these texts (the user's and the tools'
+    messages); None: the grammar alone. JSON call bodies only (Qwen3-Coder's XML bodies ignore it).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -68,6 +72,7 @@ class GenerateRequest(BaseModel):
     prefix: str = ""
     logit_bias: dict[int, float] = Field(default_factory=dict)
     stop: list[str] = Field(default_factory=list)
+    argument_sources: list[str] | None = None
 
 
 @dataclass(frozen=True)

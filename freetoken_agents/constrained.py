@@ -38,6 +38,7 @@ from freetoken_agents.engine.generate import Sampler
 
 from ._body_formats import JsonLexer, XmlParamsLexer, xml_structural_tag
 from .detokenize import IncrementalDetokenizer
+from .grounding import SpanGrounding, SpanIndex, plain_string_paths
 from .parsers.qwen3_coder import xml_parameters
 from .schema_check import check_schema
 
@@ -105,6 +106,14 @@ class _Vocab:
         self._banned_on: dict[torch.device, torch.Tensor] = {}
         self._ids: dict[bytes, int] | None = None  # piece -> a token id writing it (built on first use)
         self._prefix_closers: dict[bytes, torch.Tensor] = {}
+        self._span_index: SpanIndex | None = None
+
+    @property
+    def span_index(self) -> SpanIndex:
+        """The pieces by the string content they write (grounded arguments), built on first use."""
+        if self._span_index is None:
+            self._span_index = SpanIndex(self.pieces, self.banned_ids | self.stop_ids)
+        return self._span_index
 
     def banned_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._banned_on:
@@ -141,9 +150,10 @@ class GrammarFactory:
         self.vocab = _Vocab(self.info, tokenizer, vocab_size, stop_token_ids)
         self._cache: OrderedDict[str, Any] = OrderedDict()  # least recently used first
 
-    def json_schema(self, schema: dict[str, Any]) -> JsonConstraint:
+    def json_schema(self, schema: dict[str, Any], sources: Sequence[str] | None = None) -> JsonConstraint:
         """The constraint for `schema`; SchemaRejected (before compiling) when `check_schema`
-        refuses it: too costly to compile, or without a finite value."""
+        refuses it: too costly to compile, or without a finite value. `sources`: ground the value's
+        plain string fields in these texts (`grounding.SpanGrounding`); None: the grammar alone."""
         # Property order is part of the grammar (xgrammar emits properties in schema order), so
         # the schema is neither sorted for compiling nor for the cache key.
         check_schema(schema)  # linear, no recursion: before json.dumps meets a 10,000-deep schema
@@ -151,7 +161,10 @@ class GrammarFactory:
         compiled = self._compiled(
             key, lambda: self.compiler.compile_json_schema(key, any_whitespace=False, strict_mode=True)
         )
-        return JsonConstraint(compiled, self.vocab)
+        grounding = None
+        if sources is not None:
+            grounding = SpanGrounding(self.vocab.span_index, sources, plain_string_paths(schema))
+        return JsonConstraint(compiled, self.vocab, grounding=grounding)
 
     def xml_parameters(self, schema: dict[str, Any]) -> JsonConstraint:
         """The constraint for the body of a Qwen3-Coder call to a tool whose parameters are
@@ -193,15 +206,23 @@ class GrammarFactory:
 class JsonConstraint:
     """One value under a compiled grammar: mask logits, accept tokens, jump forward, and the cost
     (in tokens) of closing the value from the current state. `lexer` tells the closing policy
-    where the value stands (`_body_formats`): a JSON value's by default."""
+    where the value stands (`_body_formats`): a JSON value's by default. `grounding` further masks
+    the tokens of plain string fields to spans of the conversation (None: the grammar alone)."""
 
-    def __init__(self, compiled: Any, vocab: _Vocab, lexer: JsonLexer | XmlParamsLexer | None = None) -> None:
+    def __init__(
+        self,
+        compiled: Any,
+        vocab: _Vocab,
+        lexer: JsonLexer | XmlParamsLexer | None = None,
+        grounding: SpanGrounding | None = None,
+    ) -> None:
         xgr = _xgrammar()
         self._xgr = xgr
         self.vocab = vocab
         self.matcher = xgr.GrammarMatcher(compiled)
         self.bitmask = xgr.allocate_token_bitmask(1, vocab.size)
         self.lexer = lexer if lexer is not None else JsonLexer()
+        self.grounding = grounding
 
     # ---- state -----------------------------------------------------------------------------------
     @property
@@ -224,6 +245,8 @@ class JsonConstraint:
         flat[: self.vocab.size].masked_fill_(
             self.vocab.banned_on(logits.device)[: flat.numel()], float("-inf")
         )
+        if self.grounding is not None:
+            self.grounding.restrict_(logits)
         return logits
 
     def restrict_to_closing_(self, logits: torch.Tensor) -> torch.Tensor:
@@ -251,6 +274,8 @@ class JsonConstraint:
         if not self.matcher.accept_token(token_id):
             raise RuntimeError(f"grammar rejected token {token_id} it allowed")
         self.lexer.feed(self.vocab.pieces[token_id])
+        if self.grounding is not None:
+            self.grounding.feed(self.vocab.pieces[token_id])
 
     def jump_forward(self) -> list[int]:
         """Tokens the grammar allows no alternative to from here (may be empty); not accepted yet."""

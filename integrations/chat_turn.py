@@ -47,7 +47,8 @@ class ChatTurnRequest:
     json_schema: the whole reply decodes under this schema (structured output; no tool calls, no
     stop strings). stop: stop strings for the free text. max_tokens: the bound on free text;
     max_call_tokens: on each tool call's sampled tokens. json_limit: which of the two bounds a JSON
-    reply (and is named when it cannot fit).
+    reply (and is named when it cannot fit). argument_sources: ground tool-call string arguments in
+    these texts (`GenerateRequest.argument_sources`; None: the grammar alone).
     """
 
     ids: list[int]
@@ -62,6 +63,7 @@ class ChatTurnRequest:
     top_p: float | None = None
     seed: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    argument_sources: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,7 @@ def _events(backend: FreeTokenModel, request: ChatTurnRequest, tools_on: bool) -
             max_call_tokens=request.max_call_tokens,
             logit_bias=request.logit_bias,
             stop=list(request.stop),
+            argument_sources=None if request.argument_sources is None else list(request.argument_sources),
             **sampling,
         )
     )

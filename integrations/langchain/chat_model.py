@@ -22,6 +22,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field
 
+from freetoken_agents import conversation_sources
 from freetoken_agents.engine import Engine, EngineOptions, MemoryBudget, Placement
 from freetoken_agents.sync_bridge import aiterate_on, iterate_on
 
@@ -64,6 +65,10 @@ class ChatFreeToken(BaseChatModel):
     raises `freetoken_agents.TokenLimitTooSmall`."""
     stop: list[str] | None = None
     """Stop strings: the text ends before the first one (not applied inside tool calls)."""
+    ground_arguments: bool = False
+    """Decode every plain string argument of a tool call as a span of the user's and the tools'
+    messages (`freetoken_agents.GenerateRequest.argument_sources`): a small model then cannot
+    misspell what it copies."""
     streaming: bool = False
     """Use `_stream` for `invoke` (callbacks get tokens as they are decoded)."""
     seed: int | None = None
@@ -223,7 +228,8 @@ class ChatFreeToken(BaseChatModel):
         schema = None
         if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
             schema = fmt.get("schema") or (fmt.get("json_schema") or {}).get("schema")
-        ids = handle.backend.render(to_chat_dicts(messages), tools or None)
+        chat = to_chat_dicts(messages)
+        ids = handle.backend.render(chat, tools or None)
         budget = handle.engine.max_context
         if len(ids) >= budget:
             raise ContextOverflowError(
@@ -243,6 +249,7 @@ class ChatFreeToken(BaseChatModel):
             temperature=kwargs.get("temperature", self.temperature),
             seed=kwargs.get("seed", self.seed),
             reuse=self.prefix_cache,
+            argument_sources=tuple(conversation_sources(chat)) if self.ground_arguments else None,
         )
         yield from run_turn(handle, ids, opts, state)
 

@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class TurnOptions:
     """Per-call settings. force_choice: 'auto' | 'none' | 'required' | a tool name; json_schema:
-    constrain the whole turn to this JSON schema (structured output)."""
+    constrain the whole turn to this JSON schema (structured output); argument_sources: ground
+    tool-call string arguments in these texts (None: the grammar alone)."""
 
     model_name: str
     tools: list[dict[str, Any]] = field(default_factory=list)
@@ -45,6 +46,7 @@ class TurnOptions:
     temperature: float = 0.0
     seed: int | None = None
     reuse: bool = True
+    argument_sources: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -77,6 +79,7 @@ def run_turn(
         json_limit="max_call_tokens",  # the SDK's constrained decoder, as for forced calls
         temperature=opts.temperature,
         seed=opts.seed,
+        argument_sources=opts.argument_sources,
     )
     context, ok = handle.open_context(), False
     # No reply pinned: the context given back keeps it live for the conversation's next call.

@@ -13,6 +13,9 @@ Reports, through the real engine and SDK:
   first try, and after rollback-retries;
 - generic tool use: the user's own tools, from held-out domains (`evaluate_generic.py`): right tool
   and exact arguments with tool_choice auto and forced, and direct answers when no tool fits.
+
+`--ground`: every constrained call (the constrained tool calls, the agent's, the generic ones) with
+grounded arguments (`freetoken_agents/grounding.py`: string arguments are spans of the request).
 """
 
 from __future__ import annotations
@@ -65,24 +68,31 @@ class Evaluation(BaseModel):
     agent_prompts: int
     coding: CodingScore | None = None
     generic: GenericScore | None = None
+    grounded: bool = Field(default=False, description="constrained calls had grounded arguments")
     seconds: float
 
 
-def _first_turn(model: FreeTokenModel, q: ToolQuestion, constrain: bool, system: bool) -> str:
+def _first_turn(model: FreeTokenModel, q: ToolQuestion, constrain: bool, system: bool, ground: bool) -> str:
     messages = ([{"role": "system", "content": SYSTEM_PROMPT}] if system else []) + [
         {"role": "user", "content": q.question}
     ]
     model.sync(model.render(messages, TOOL_SCHEMAS))
-    request = GenerateRequest(tools=TOOL_SCHEMAS, constrain=constrain, max_new_tokens=80)
+    sources = [q.question] if ground else None
+    request = GenerateRequest(
+        tools=TOOL_SCHEMAS, constrain=constrain, max_new_tokens=80, argument_sources=sources
+    )
     return "".join(e.text for e in model.generate(request) if e.kind == "text")
 
 
-def score_tool_calls(model: FreeTokenModel, questions: list[ToolQuestion], constrain: bool) -> ToolScore:
+def score_tool_calls(
+    model: FreeTokenModel, questions: list[ToolQuestion], constrain: bool, ground: bool = False
+) -> ToolScore:
     by_name = {t.name: t for t in TOOLS}
     exact = right = valid = 0
     label = "tools (constrained)" if constrain else "tools (free)"
     for i, q in enumerate(tqdm(questions, desc=label, leave=False)):
-        parsed = model.parser.parse(_first_turn(model, q, constrain, system=i % 2 == 0), TOOL_SCHEMAS)
+        text = _first_turn(model, q, constrain, system=i % 2 == 0, ground=ground)
+        parsed = model.parser.parse(text, TOOL_SCHEMAS)
         if len(parsed.calls) != 1 or parsed.malformed or parsed.partial:
             continue
         call = parsed.calls[0]
@@ -98,9 +108,11 @@ def score_tool_calls(model: FreeTokenModel, questions: list[ToolQuestion], const
     return ToolScore(prompts=n, exact=exact / n, right_tool=right / n, valid=valid / n)
 
 
-def score_agent(model: FreeTokenModel, questions: list[ToolQuestion]) -> float:
+def score_agent(model: FreeTokenModel, questions: list[ToolQuestion], ground: bool = False) -> float:
     """Share of end-to-end Agent runs whose answer contains the tool's result."""
-    agent = Agent(model, TOOLS, system_prompt=SYSTEM_PROMPT, max_steps=3, max_new_tokens=80)
+    agent = Agent(
+        model, TOOLS, system_prompt=SYSTEM_PROMPT, max_steps=3, max_new_tokens=80, ground_arguments=ground
+    )
     good = 0
     for q in tqdm(questions, desc="agent", leave=False):
         model.reset()
@@ -141,6 +153,7 @@ def evaluate(
     generic_prompts: int = 200,
     direct_prompts: int = 60,
     seed: int = 1234,
+    ground: bool = False,
     progress: Callable[[str], None] = logger.info,
 ) -> Evaluation:
     t0 = time.perf_counter()
@@ -149,14 +162,14 @@ def evaluate(
     questions = [tool_question(rng, "heldout") for _ in range(tool_prompts)]
     free = score_tool_calls(model, questions, constrain=False)
     progress(f"tools, free: {free}")
-    constrained = score_tool_calls(model, questions, constrain=True)
+    constrained = score_tool_calls(model, questions, constrain=True, ground=ground)
     progress(f"tools, constrained: {constrained}")
-    answers = score_agent(model, questions[:agent_prompts])
+    answers = score_agent(model, questions[:agent_prompts], ground)
     progress(f"agent answers: {answers:.3f}")
     coding = score_coding(model, coding_tasks, attempts, seed) if coding_tasks else None
     if coding:
         progress(f"coding: {coding}")
-    generic = score_generic(model, generic_prompts, direct_prompts, seed) if generic_prompts else None
+    generic = score_generic(model, generic_prompts, direct_prompts, seed, ground) if generic_prompts else None
     if generic:
         progress(f"generic: {generic}")
     return Evaluation(
@@ -167,6 +180,7 @@ def evaluate(
         agent_prompts=agent_prompts,
         coding=coding,
         generic=generic,
+        grounded=ground,
         seconds=time.perf_counter() - t0,
     )
 
@@ -181,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generic-prompts", type=int, default=200, help="held-out generic tool requests")
     p.add_argument("--direct-prompts", type=int, default=60, help="requests no offered tool serves")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--ground", action="store_true", help="grounded arguments in every constrained call")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -193,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         generic_prompts=args.generic_prompts,
         direct_prompts=args.direct_prompts,
         seed=args.seed,
+        ground=args.ground,
     )
     text = json.dumps(result.model_dump(), indent=2)
     sys.stdout.write(text + "\n")

@@ -58,12 +58,15 @@ def no_fit_cases(count: int, seed: int) -> list[tuple[list[dict[str, Any]], str]
     return cases
 
 
-def _calls(model: FreeTokenModel, tools: list[dict], text: str, force: str | None, system: bool) -> list:
+def _calls(
+    model: FreeTokenModel, tools: list[dict], text: str, force: str | None, system: bool, ground: bool
+) -> list:
     messages = ([{"role": "system", "content": SYSTEM_PROMPT}] if system else []) + [
         {"role": "user", "content": text}
     ]
     model.sync(model.render(messages, tools))
-    request = GenerateRequest(tools=tools, force=force, max_new_tokens=60)
+    sources = [text] if ground else None
+    request = GenerateRequest(tools=tools, force=force, max_new_tokens=60, argument_sources=sources)
     text = "".join(e.text for e in model.generate(request) if e.kind == "text")
     parsed = model.parser.parse(text, tools)
     if parsed.malformed or parsed.partial:
@@ -71,20 +74,23 @@ def _calls(model: FreeTokenModel, tools: list[dict], text: str, force: str | Non
     return parsed.calls
 
 
-def score_generic(model: FreeTokenModel, prompts: int, direct_prompts: int, seed: int) -> GenericScore:
+def score_generic(
+    model: FreeTokenModel, prompts: int, direct_prompts: int, seed: int, ground: bool = False
+) -> GenericScore:
+    """`ground`: grounded arguments (string arguments are spans of the request)."""
     auto = right = forced = 0
     cases = heldout_cases(prompts, seed)
     for i, (tools, request) in enumerate(tqdm(cases, desc="generic tools", leave=False)):
         want = (request.tool.name, request.arguments)
-        calls = _calls(model, tools, request.text, None, system=i % 2 == 0)
+        calls = _calls(model, tools, request.text, None, system=i % 2 == 0, ground=ground)
         if len(calls) == 1 and calls[0] is not None:
             right += calls[0].name == want[0]
             auto += (calls[0].name, calls[0].arguments) == want
-        calls = _calls(model, tools, request.text, request.tool.name, system=i % 2 == 0)
+        calls = _calls(model, tools, request.text, request.tool.name, system=i % 2 == 0, ground=ground)
         forced += len(calls) == 1 and calls[0] is not None and calls[0].arguments == want[1]
     direct = 0
     for i, (tools, text) in enumerate(tqdm(no_fit_cases(direct_prompts, seed), desc="no fit", leave=False)):
-        direct += _calls(model, tools, text, None, system=i % 2 == 0) == []
+        direct += _calls(model, tools, text, None, system=i % 2 == 0, ground=ground) == []
     n = max(prompts, 1)
     return GenericScore(
         prompts=prompts,

@@ -1,0 +1,152 @@
+"""Grounded arguments (freetoken_agents/grounding.py): plain string arguments decoded as spans of the
+user's and the tools' text. The masking on a toy vocabulary, then the real embedded model through
+the SDK, the Agent and ChatFreeToken."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from freetoken_agents import Agent, FreeTokenModel, GenerateRequest, default_model, tool
+from freetoken_agents.grounding import SpanGrounding, SpanIndex, conversation_sources, plain_string_paths
+from freetoken_agents.parsers.base import name_args_schema
+
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "get_forecast",
+        "description": "The weather forecast for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer"},
+                "tags": {"type": "array", "items": {"type": "string"}},
+            },
+            "required": ["city"],
+        },
+    },
+}
+PIECES = [b"Os", b"aka", b"eke", b'aka"}', b'"', b'"}', b"O", b"sa", b"ka", b"\\u6771", "東".encode(), b"x"]
+
+
+def grounding(sources: list[str]) -> SpanGrounding:
+    return SpanGrounding(
+        SpanIndex(PIECES, skip=()), sources, plain_string_paths(name_args_schema([FORECAST]))
+    )
+
+
+def allowed(g: SpanGrounding) -> set[bytes]:
+    return {PIECES[i] for i in g.allowed()}
+
+
+def test_only_plain_string_fields_are_grounded_not_the_name_enums_or_keys():
+    paths = plain_string_paths(name_args_schema([FORECAST]))
+    assert paths == {(b"arguments", b"city"), (b"arguments", b"tags", b"*")}
+    g = grounding(["Weather in Osaka?"])
+    g.feed(b'{"name": "')
+    assert not g.grounded  # the tool's name is a const, chosen by the grammar
+    g.feed(b'get_forecast", "arguments": {"')
+    assert not g.grounded  # a key
+    g.feed(b'unit": "')
+    assert not g.grounded  # an enum
+    g.feed(b'celsius", "city": "')
+    assert g.grounded
+    g.feed(b'Osaka", "tags": ["')
+    assert g.grounded
+    g.feed(b'x"], "days": 3}}')
+    assert not g.grounded and g.stack == []
+
+
+def test_a_grounded_value_only_grows_into_a_span_of_whole_words_of_a_source():
+    g = grounding(["What is the weather like in Osaka?"])
+    g.feed(b'{"name": "get_forecast", "arguments": {"city": "')
+    assert allowed(g) == {b"Os", b"O", b'"', b'"}'}  # a word's start, or an empty value
+    g.feed(b"Os")
+    assert allowed(g) == {b"aka", b'aka"}'}  # "Oseke" is no span; "Os" is no whole word
+    g.feed(b"aka")
+    assert allowed(g) == {b'"', b'"}'}
+    logits = torch.zeros(len(PIECES))
+    g.restrict_(logits)
+    assert {PIECES[i] for i in torch.nonzero(torch.isfinite(logits)).flatten().tolist()} == allowed(g)
+
+
+def test_non_ascii_text_is_a_span_raw_or_escaped():
+    g = grounding(["Weather in 東京"])
+    g.feed(b'{"name": "get_forecast", "arguments": {"city": "')
+    assert {"東".encode(), b"\\u6771"} <= allowed(g)
+
+
+def test_where_no_span_fits_what_the_grammar_allows_the_grammar_decides_alone():
+    g = grounding(["Weather in Osaka?"])
+    g.feed(b'{"name": "get_forecast", "arguments": {"city": "')
+    logits = torch.full((len(PIECES),), float("-inf"))
+    logits[PIECES.index(b"x")] = 0.0  # the grammar allows only a token that is in no source
+    g.restrict_(logits)
+    assert torch.isfinite(logits[PIECES.index(b"x")])
+
+
+def test_conversation_sources_are_the_user_and_tool_texts():
+    messages = [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Osaka?"}]},
+        {"role": "assistant", "content": "", "tool_calls": []},
+        {"role": "tool", "content": '{"city": "Osaka"}'},
+    ]
+    assert conversation_sources(messages) == ["Weather in Osaka?", '{"city": "Osaka"}']
+
+
+# ---- the real embedded model --------------------------------------------------------------------------
+pytestmark_model = pytest.mark.usefixtures("one_thread")
+
+
+@functools.cache
+def model() -> FreeTokenModel:
+    return FreeTokenModel.from_pretrained(default_model())
+
+
+def forced_city(text: str, sources: list[str] | None) -> str:
+    m = model()
+    m.sync(m.render([{"role": "user", "content": text}], [FORECAST]))
+    request = GenerateRequest(tools=[FORECAST], force="get_forecast", argument_sources=sources)
+    out = "".join(e.text for e in m.generate(request) if e.kind == "text")
+    (call,) = m.parser.parse(out, [FORECAST]).calls
+    return call.arguments["city"]
+
+
+@pytestmark_model
+@pytest.mark.parametrize("text", ["What is the weather like in Osaka?", "Forecast for Ulaanbaatar, please."])
+def test_a_grounded_forced_call_copies_a_span_of_the_request(text: str):
+    city = forced_city(text, [text])
+    assert city and city in text
+
+
+@pytestmark_model
+def test_an_agent_grounds_its_calls_in_the_run_s_messages():
+    seen: list[str] = []
+
+    def get_forecast(city: str) -> str:
+        """The weather forecast for a city."""
+        seen.append(city)
+        return json.dumps({"city": city, "forecast": "sunny"})
+
+    agent = Agent(
+        model(), tools=[tool(get_forecast)], tool_choice="get_forecast", max_steps=2, ground_arguments=True
+    )
+    text = "What will the weather be in Oyotunji tomorrow?"
+    agent.run(text)
+    assert seen and all(city and city in text for city in seen)
+
+
+@pytestmark_model
+def test_chat_freetoken_grounds_a_forced_call_when_asked():
+    from freetoken_agents.integrations.langchain import ChatFreeToken
+
+    text = "What is the weather like in Oyotunji?"
+    llm = ChatFreeToken(model=str(default_model()), ground_arguments=True)
+    msg = llm.bind_tools([FORECAST], tool_choice="get_forecast").invoke(text)
+    assert msg.tool_calls[0]["args"]["city"] == "Oyotunji"
