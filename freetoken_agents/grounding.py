@@ -1,5 +1,6 @@
 """Grounded arguments: an opt-in constraint under which every free-text string argument of a tool
-call is a span of the conversation's text (the user's and the tools' messages).
+call is a span of the conversation's text (the user's and the tools' messages), and every number
+argument a number written there.
 
 A small model that picked the right tool still misspells what it copies ("Osaka" -> "Oseke"); a
 string value the user or a tool wrote is almost always a span of their text, so decoding only
@@ -8,7 +9,8 @@ ends (at word boundaries: an argument copies whole words). It applies inside JSO
 whose schema is a plain string (no enum, const, pattern or format: those the grammar already
 constrains), found by their key path, and never to keys or the tool's name. Where no token the
 grammar allows keeps the value a span (the value is not in the text), the step falls back to the
-grammar alone.
+grammar alone. Numbers (integer or number fields) are spans of a number in the text the same way
+("372" may give 372 or 37, never 272).
 
 Values are compared as the model writes them, JSON-escaped bytes, in both escapings (non-ASCII
 raw and as `\\uXXXX`), so an escape sequence is copied as a whole.
@@ -41,52 +43,44 @@ def conversation_sources(messages: Sequence[dict[str, Any]]) -> list[str]:
     return out
 
 
-def plain_string_paths(schema: Any) -> frozenset[Path]:
-    """Key paths (JSON-escaped keys; `*` for an array element) of the plain string values `schema`
-    allows, over every branch of anyOf / oneOf / allOf."""
-    found: set[Path] = set()
-    _walk(schema, (), found, depth=0)
-    return frozenset(found)
+def plain_paths(schema: Any) -> tuple[frozenset[Path], frozenset[Path]]:
+    """Key paths (JSON-escaped keys; `*` for an array element) of the plain string values and of
+    the number values `schema` allows, over every branch of anyOf / oneOf / allOf: (strings, numbers)."""
+    strings: set[Path] = set()
+    numbers: set[Path] = set()
+    _walk(schema, (), strings, numbers, depth=0)
+    return frozenset(strings), frozenset(numbers)
 
 
-def _walk(schema: Any, path: Path, found: set[Path], depth: int) -> None:
+def _walk(schema: Any, path: Path, strings: set[Path], numbers: set[Path], depth: int) -> None:
     if not isinstance(schema, dict) or depth > 32:
         return
     for key in ("anyOf", "oneOf", "allOf"):
         for branch in schema.get(key, []) or []:
-            _walk(branch, path, found, depth + 1)
+            _walk(branch, path, strings, numbers, depth + 1)
     types = schema.get("type")
     types = set(types) if isinstance(types, list) else {types}
-    if "string" in types and not {"enum", "const", "pattern", "format"} & schema.keys():
-        found.add(path)
+    if not {"enum", "const"} & schema.keys():
+        if "string" in types and not {"pattern", "format"} & schema.keys():
+            strings.add(path)
+        if {"integer", "number"} & types:
+            numbers.add(path)
     for name, sub in (schema.get("properties") or {}).items():
-        _walk(sub, (*path, _escaped(name)), found, depth + 1)
+        _walk(sub, (*path, _escaped(name)), strings, numbers, depth + 1)
     if isinstance(schema.get("items"), dict):
-        _walk(schema["items"], (*path, _ANY_ITEM), found, depth + 1)
+        _walk(schema["items"], (*path, _ANY_ITEM), strings, numbers, depth + 1)
 
 
 def _escaped(text: str, ascii_only: bool = False) -> bytes:
     return json.dumps(text, ensure_ascii=ascii_only)[1:-1].encode()
 
 
-class SpanIndex:
-    """The pieces of one vocabulary by the string content they write: the bytes before their first
-    unescaped quote. `continuing[c]`: pieces that write `c` and leave the string open;
-    `closing[c]`: pieces that write `c` and close it (`Osaka"}` -> `Osaka`). Built once per vocabulary."""
-
-    def __init__(self, pieces: Sequence[bytes], skip: Iterable[int]) -> None:
-        skipped = set(skip)
-        self.continuing: dict[bytes, list[int]] = {}
-        self.closing: dict[bytes, list[int]] = {}
-        for i, piece in enumerate(pieces):
-            if piece and i not in skipped:
-                content = _content(piece)
-                table = self.continuing if content == piece else self.closing
-                table.setdefault(content, []).append(i)
-        self.longest = max((len(c) for c in [*self.continuing, *self.closing]), default=0)
+_NUMBER_BYTES = frozenset(b"-+.0123456789eE")
+_DIGITS = frozenset(b"0123456789")
 
 
-def _content(piece: bytes) -> bytes:
+def _string_content(piece: bytes) -> tuple[bytes, bool]:
+    """(the bytes a piece writes inside an open string, whether it then closes the string)."""
     escaped = False
     for k, c in enumerate(piece):
         if escaped:
@@ -94,8 +88,39 @@ def _content(piece: bytes) -> bytes:
         elif c == 0x5C:
             escaped = True
         elif c == 0x22:
-            return piece[:k]
-    return piece
+            return piece[:k], True
+    return piece, False
+
+
+def _number_content(piece: bytes) -> tuple[bytes, bool]:
+    """(the bytes a piece adds to a number, whether it then ends the number)."""
+    for k, c in enumerate(piece):
+        if c not in _NUMBER_BYTES:
+            return piece[:k], True
+    return piece, False
+
+
+class _Table:
+    """Pieces by the content they write: `continuing[c]` leave the value open after `c`,
+    `closing[c]` end it after `c` (`Osaka"}` -> `Osaka`; `3}` -> `3`)."""
+
+    def __init__(self, pieces: Sequence[bytes], skipped: set[int], split: Any) -> None:
+        self.continuing: dict[bytes, list[int]] = {}
+        self.closing: dict[bytes, list[int]] = {}
+        for i, piece in enumerate(pieces):
+            if piece and i not in skipped:
+                content, closes = split(piece)
+                (self.closing if closes else self.continuing).setdefault(content, []).append(i)
+        self.longest = max((len(c) for c in [*self.continuing, *self.closing]), default=0)
+
+
+class SpanIndex:
+    """One vocabulary's pieces by what they write in a string and in a number; built once per vocabulary."""
+
+    def __init__(self, pieces: Sequence[bytes], skip: Iterable[int]) -> None:
+        skipped = set(skip)
+        self.string = _Table(pieces, skipped, _string_content)
+        self.number = _Table(pieces, skipped, _number_content)
 
 
 def _word_byte(c: int) -> bool:
@@ -103,33 +128,61 @@ def _word_byte(c: int) -> bool:
 
 
 class _Source:
-    """One source text (escaped bytes) and where a value may start and end in it: at word
-    boundaries (an argument copies whole words, "Osaka", not "saka" or "Os"), never inside a
-    UTF-8 character; every character of a non-ASCII script is a word of its own."""
+    """One source text (bytes) and where a value may start (`starts[k]`) and end (`ends[k]`) in it.
 
-    def __init__(self, text: bytes) -> None:
+    Strings: at word boundaries (an argument copies whole words, "Osaka", not "saka" or "Os"),
+    never inside a UTF-8 character; every character of a non-ASCII script is a word of its own.
+    Numbers: a whole number or its leading digits ("71" of "71.0"), a sign included."""
+
+    def __init__(self, text: bytes, number: bool = False) -> None:
         self.text = text
-        cuts = [
-            k == 0
-            or k == len(text)
-            or (not (_word_byte(text[k - 1]) and _word_byte(text[k])) and not 0x80 <= text[k] < 0xC0)
-            for k in range(len(text) + 1)
-        ]
-        self.cuts = cuts
+        positions = range(len(text) + 1)
+        if number:
+            self.starts = [_number_starts(text, k) for k in positions]
+            self.ends = [_number_ends(text, k) for k in positions]
+        else:
+            self.starts = self.ends = [_word_cut(text, k) for k in positions]
+
+
+def _word_cut(text: bytes, k: int) -> bool:
+    if k in (0, len(text)):
+        return True
+    inside_word = _word_byte(text[k - 1]) and _word_byte(text[k])
+    return not inside_word and not 0x80 <= text[k] < 0xC0  # not inside a UTF-8 character
+
+
+def _number_starts(text: bytes, k: int) -> bool:
+    n = len(text)
+    if k == n or (k > 0 and text[k - 1] in _DIGITS | {0x2E, 0x2D}):
+        return False
+    return text[k] in _DIGITS or (text[k] == 0x2D and k + 1 < n and text[k + 1] in _DIGITS)
+
+
+def _number_ends(text: bytes, k: int) -> bool:
+    return k > 0 and text[k - 1] in _DIGITS and (k == len(text) or text[k] not in _DIGITS)
 
 
 class SpanGrounding:
-    """Follows a JSON value as it is written and, inside a grounded string, masks the tokens that
-    would make it something no source contains. `feed` every accepted piece; `restrict_` the
-    (grammar-masked) logits before sampling."""
+    """Follows a JSON value as it is written and, inside a grounded string or number, masks the
+    tokens that would make it something no source contains. `feed` every accepted piece;
+    `restrict_` the (grammar-masked) logits before sampling."""
 
-    def __init__(self, index: SpanIndex, sources: Sequence[str], paths: frozenset[Path]) -> None:
-        self.index, self.paths = index, paths
+    def __init__(
+        self,
+        index: SpanIndex,
+        sources: Sequence[str],
+        string_paths: frozenset[Path],
+        number_paths: frozenset[Path] = frozenset(),
+    ) -> None:
+        self.index, self.string_paths, self.number_paths = index, string_paths, number_paths
         texts = {_escaped(s, ascii_only) for s in sources if s for ascii_only in (False, True)}
-        self.sources = [_Source(t) for t in sorted(texts)]
+        self.strings = [_Source(t) for t in sorted(texts)]
+        self.numbers = [_Source(s.encode(), number=True) for s in sources if s]
         self.stack: list[list[Any]] = []  # [kind, key, expecting a key] per open container
         self.in_string = self.escaped = self.is_key = False
+        self.expect_value = True  # a value may start here (top level, after ":", "[" or an array's ",")
         self.value = b""  # the open string's bytes as written
+        self.number: bytes | None = None  # the number being written
 
     # ---- following the value ---------------------------------------------------------------------
     def feed(self, piece: bytes) -> None:
@@ -148,53 +201,86 @@ class SpanGrounding:
                     self.stack[-1][1], self.stack[-1][2] = self.value, False
                 return
             self.value += bytes((c,))
-        elif c == 0x22:
-            top = self.stack[-1] if self.stack else None
+            return
+        if self.number is not None:
+            if c in _NUMBER_BYTES:
+                self.number += bytes((c,))
+                return
+            self.number = None
+        top = self.stack[-1] if self.stack else None
+        if c in b" \n\t\r":
+            return
+        starts_value, self.expect_value = self.expect_value, False
+        if c == 0x22:
             self.in_string, self.value = True, b""
             self.is_key = top is not None and top[0] == "object" and top[2]
+        elif c in _NUMBER_BYTES and starts_value:
+            self.number = bytes((c,))
         elif c == 0x7B:  # {
             self.stack.append(["object", b"", True])
         elif c == 0x5B:  # [
             self.stack.append(["array", _ANY_ITEM, False])
+            self.expect_value = True
         elif c in (0x7D, 0x5D):  # } ]
             if self.stack:
                 self.stack.pop()
-        elif c == 0x2C and self.stack and self.stack[-1][0] == "object":  # ,
-            self.stack[-1][2] = True
+        elif c == 0x3A:  # :
+            self.expect_value = True
+        elif c == 0x2C and top is not None:  # ,
+            if top[0] == "object":
+                top[2] = True
+            else:
+                self.expect_value = True
 
     @property
-    def grounded(self) -> bool:
-        """Inside a string value whose key path is a plain string's."""
-        if not self.in_string or self.is_key or self.escaped:
-            return False
-        return tuple(frame[1] for frame in self.stack) in self.paths
+    def _path(self) -> Path:
+        return tuple(frame[1] for frame in self.stack)
+
+    @property
+    def grounded(self) -> str | None:
+        """ "string" inside a string value whose key path is a plain string's, "number" where a
+        number value at a number's key path starts or goes on; else None."""
+        if self.in_string:
+            grounded = not self.is_key and not self.escaped and self._path in self.string_paths
+            return "string" if grounded else None
+        if (self.number is not None or self.expect_value) and self._path in self.number_paths:
+            return "number"
+        return None
 
     # ---- masking ---------------------------------------------------------------------------------
     def allowed(self) -> set[int]:
-        """Token ids that keep the open value a span of a source from a word boundary on, and close
-        it only where a word ends (an empty value may close at once)."""
-        index, value = self.index, self.value
-        ids: set[int] = set(index.closing.get(b"", ())) if not value else set()
-        for source in self.sources:
-            text, cuts = source.text, source.cuts
+        """Token ids that keep the open value a span of a source from a start on, and end it only
+        where a span may end (an empty string may close at once)."""
+        kind = self.grounded
+        if kind == "string":
+            return self._allowed(self.index.string, self.strings, self.value, empty_closes=True)
+        if kind == "number":
+            return self._allowed(self.index.number, self.numbers, self.number or b"", empty_closes=False)
+        return set()
+
+    @staticmethod
+    def _allowed(table: _Table, sources: list[_Source], value: bytes, empty_closes: bool) -> set[int]:
+        ids: set[int] = set(table.closing.get(b"", ())) if not value and empty_closes else set()
+        for source in sources:
+            text = source.text
             start = text.find(value)
             while start >= 0:
-                if cuts[start]:
+                if source.starts[start]:
                     after = start + len(value)
-                    if value and cuts[after]:
-                        ids.update(index.closing.get(b"", ()))
-                    for end in range(after + 1, min(len(text), after + index.longest) + 1):
+                    if value and source.ends[after]:
+                        ids.update(table.closing.get(b"", ()))
+                    for end in range(after + 1, min(len(text), after + table.longest) + 1):
                         written = text[after:end]
-                        ids.update(index.continuing.get(written, ()))
-                        if cuts[end]:
-                            ids.update(index.closing.get(written, ()))
+                        ids.update(table.continuing.get(written, ()))
+                        if source.ends[end]:
+                            ids.update(table.closing.get(written, ()))
                 start = text.find(value, start + 1)
         return ids
 
     def restrict_(self, logits: torch.Tensor) -> torch.Tensor:
         """Mask logits [V] (already grammar-masked) to tokens that keep a grounded value a span;
         unchanged outside one, or when no token the grammar allows would."""
-        if not self.grounded or not self.sources:
+        if self.grounded is None:
             return logits
         flat = logits.view(-1)
         keep = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from freetoken_agents import Agent, FreeTokenModel, GenerateRequest, default_model, tool
-from freetoken_agents.grounding import SpanGrounding, SpanIndex, conversation_sources, plain_string_paths
+from freetoken_agents.grounding import SpanGrounding, SpanIndex, conversation_sources, plain_paths
 from freetoken_agents.parsers.base import name_args_schema
 
 FORECAST = {
@@ -31,22 +31,24 @@ FORECAST = {
         },
     },
 }
-PIECES = [b"Os", b"aka", b"eke", b'aka"}', b'"', b'"}', b"O", b"sa", b"ka", b"\\u6771", "東".encode(), b"x"]
+PIECES = [
+    *[b"Os", b"aka", b"eke", b'aka"}', b'"', b'"}', b"O", b"sa", b"ka", b"\\u6771", "東".encode(), b"x"],
+    *[b"3", b"7", b"2", b"-", b".", b"0", b"}", b"2}", b", ", b"37"],
+]
 
 
 def grounding(sources: list[str]) -> SpanGrounding:
-    return SpanGrounding(
-        SpanIndex(PIECES, skip=()), sources, plain_string_paths(name_args_schema([FORECAST]))
-    )
+    return SpanGrounding(SpanIndex(PIECES, skip=()), sources, *plain_paths(name_args_schema([FORECAST])))
 
 
 def allowed(g: SpanGrounding) -> set[bytes]:
     return {PIECES[i] for i in g.allowed()}
 
 
-def test_only_plain_string_fields_are_grounded_not_the_name_enums_or_keys():
-    paths = plain_string_paths(name_args_schema([FORECAST]))
-    assert paths == {(b"arguments", b"city"), (b"arguments", b"tags", b"*")}
+def test_only_plain_string_and_number_fields_are_grounded_not_the_name_enums_or_keys():
+    strings, numbers = plain_paths(name_args_schema([FORECAST]))
+    assert strings == {(b"arguments", b"city"), (b"arguments", b"tags", b"*")}
+    assert numbers == {(b"arguments", b"days")}
     g = grounding(["Weather in Osaka?"])
     g.feed(b'{"name": "')
     assert not g.grounded  # the tool's name is a const, chosen by the grammar
@@ -58,7 +60,9 @@ def test_only_plain_string_fields_are_grounded_not_the_name_enums_or_keys():
     assert g.grounded
     g.feed(b'Osaka", "tags": ["')
     assert g.grounded
-    g.feed(b'x"], "days": 3}}')
+    g.feed(b'x"], "days": ')
+    assert g.grounded == "number"
+    g.feed(b"3}}")
     assert not g.grounded and g.stack == []
 
 
@@ -73,6 +77,20 @@ def test_a_grounded_value_only_grows_into_a_span_of_whole_words_of_a_source():
     logits = torch.zeros(len(PIECES))
     g.restrict_(logits)
     assert {PIECES[i] for i in torch.nonzero(torch.isfinite(logits)).flatten().tolist()} == allowed(g)
+
+
+def test_a_grounded_number_is_a_number_of_the_text_or_its_leading_digits():
+    g = grounding(["Forecast for 372 days, or -2.0?"])
+    g.feed(b'{"name": "get_forecast", "arguments": {"days": ')
+    assert allowed(g) == {b"3", b"37", b"-"}  # 372's start, -2.0's sign ("2" and "7" start no number)
+    g.feed(b"37")
+    assert allowed(g) == {b"2", b"2}"}  # 37 is no whole number: 372 it is
+    g.feed(b"2")
+    ends = {p for p in PIECES if p[0] not in b"-+.0123456789eE"}  # the grammar picks which
+    assert allowed(g) == ends  # 372 ends there
+    g = grounding(["Forecast for 372 days, or -2.0?"])
+    g.feed(b'{"name": "get_forecast", "arguments": {"days": -2')
+    assert allowed(g) == {b"."} | ends  # -2 or -2.0
 
 
 def test_non_ascii_text_is_a_span_raw_or_escaped():
