@@ -98,6 +98,15 @@ def test_no_fit_cases_offer_no_tool_for_the_request():
         assert tools and not any(f"{name}(" in text for name in offered)
 
 
+@pytest.mark.parametrize("share", [0.2, 0.5])
+def test_no_call_share_sets_how_many_generic_exchanges_answer_without_a_call(share):
+    rng = random.Random(0)
+    tools = generic.toolset(rng, "train", 2)
+    exchanges = [generic.exchange(rng, tools, "train", no_call_share=share) for _ in range(2000)]
+    direct = sum(len(e) == 2 and "tool_calls" not in e[1] for e in exchanges) / len(exchanges)
+    assert abs(direct - share) < 0.03
+
+
 def test_the_world_tools_stay_in_the_corpus():
     corpus = build_corpus(random.Random(4), 500)
     assert 40 < sum(d.tools == TOOL_SCHEMAS for d in corpus) < 110
