@@ -131,7 +131,8 @@ class _Source:
     """One source text (bytes) and where a value may start (`starts[k]`) and end (`ends[k]`) in it.
 
     Strings: at word boundaries (an argument copies whole words, "Osaka", not "saka" or "Os"),
-    never inside a UTF-8 character; every character of a non-ASCII script is a word of its own.
+    never inside a UTF-8 character, and neither starting nor ending with white space; every
+    character of a non-ASCII script is a word of its own.
     Numbers: a whole number or its leading digits ("71" of "71.0"), a sign included."""
 
     def __init__(self, text: bytes, number: bool = False) -> None:
@@ -141,7 +142,12 @@ class _Source:
             self.starts = [_number_starts(text, k) for k in positions]
             self.ends = [_number_ends(text, k) for k in positions]
         else:
-            self.starts = self.ends = [_word_cut(text, k) for k in positions]
+            cuts = [_word_cut(text, k) for k in positions]
+            self.starts = [cut and k < len(text) and text[k] not in _SPACES for k, cut in enumerate(cuts)]
+            self.ends = [cut and k > 0 and text[k - 1] not in _SPACES for k, cut in enumerate(cuts)]
+
+
+_SPACES = frozenset(b" \t\r\n")
 
 
 def _word_cut(text: bytes, k: int) -> bool:

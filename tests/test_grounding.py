@@ -33,7 +33,7 @@ FORECAST = {
 }
 PIECES = [
     *[b"Os", b"aka", b"eke", b'aka"}', b'"', b'"}', b"O", b"sa", b"ka", b"\\u6771", "東".encode(), b"x"],
-    *[b"3", b"7", b"2", b"-", b".", b"0", b"}", b"2}", b", ", b"37"],
+    *[b"3", b"7", b"2", b"-", b".", b"0", b"}", b"2}", b", ", b"37", b" ", b"in ", b"in"],
 ]
 
 
@@ -69,11 +69,21 @@ def test_only_plain_string_and_number_fields_are_grounded_not_the_name_enums_or_
 def test_a_grounded_value_only_grows_into_a_span_of_whole_words_of_a_source():
     g = grounding(["What is the weather like in Osaka?"])
     g.feed(b'{"name": "get_forecast", "arguments": {"city": "')
-    assert allowed(g) == {b"Os", b"O", b'"', b'"}'}  # a word's start, or an empty value
+    assert allowed(g) == {b"Os", b"O", b"in", b"in ", b'"', b'"}'}  # a word's start, or an empty value
     g.feed(b"Os")
     assert allowed(g) == {b"aka", b'aka"}'}  # "Oseke" is no span; "Os" is no whole word
     g.feed(b"aka")
     assert allowed(g) == {b'"', b'"}'}
+
+
+def test_a_grounded_value_neither_starts_nor_ends_with_white_space():
+    g = grounding(["weather in Osaka"])
+    g.feed(b'{"name": "get_forecast", "arguments": {"city": "')
+    assert {b"in", b"in ", b"O", b"Os"} <= allowed(g) and b" " not in allowed(g)
+    g.feed(b"in")
+    assert {b'"', b" "} <= allowed(g)  # "in", or on to "in Osaka"
+    g.feed(b" ")
+    assert b'"' not in allowed(g)  # not "in "
     logits = torch.zeros(len(PIECES))
     g.restrict_(logits)
     assert {PIECES[i] for i in torch.nonzero(torch.isfinite(logits)).flatten().tolist()} == allowed(g)
