@@ -86,7 +86,9 @@ class Agent:
     `validate`: how each rollback checks its anchor, passed to `model.rollback(validate=...)`
     unchanged (the engine's modes, e.g. "signature" or "full"); None: the model's own setting.
     `ground_arguments`: decode every plain string argument as a span of the run's user and tool
-    messages (`GenerateRequest.argument_sources`): a small model then cannot misspell what it copies.
+    messages, and every number argument as a number written there
+    (`GenerateRequest.argument_sources`): a small model then cannot misspell what it copies. None:
+    the model's default (`FreeTokenModel.ground_arguments`: on for the embedded model).
     `max_result_chars`: what the model reads of one tool result, at most (longer ones are cut
     with a note, before tokenisation); None: `tools.default_result_chars(model.max_context)`.
     The trace keeps each result up to that cap too. `tool_timeout`: seconds a call of a tool
@@ -118,9 +120,11 @@ class Agent:
         max_result_chars: int | None = None,
         isolate_runs: bool = True,
         tool_timeout: Timeout = UNSET,
-        ground_arguments: bool = False,
+        ground_arguments: bool | None = None,
     ) -> None:
         self.model, self.system_prompt = model, system_prompt
+        if ground_arguments is None:
+            ground_arguments = bool(getattr(model, "ground_arguments", False))
         self.ground_arguments = ground_arguments
         self.validate = validate
         if max_result_chars is not None and max_result_chars < 1:

@@ -26,3 +26,13 @@ def default_model() -> Path:
             "with a Hugging Face checkpoint folder or an .ftw file"
         )
     return path
+
+
+def is_default_model(source: str | Path | None) -> bool:
+    """Whether `source` (a model's path) is the embedded model file."""
+    if source is None:
+        return False
+    try:
+        return Path(source).resolve() == default_model().resolve()
+    except (EmbeddedModelMissing, OSError):
+        return False

@@ -35,6 +35,7 @@ from ._decode import TurnDecoder
 from .anchors import AnchorBook, AnchorHandle, RollbackOutcome
 from .backend import GenerateRequest, GenEvent, ModelBackend, Usage, common_prefix_length
 from .constrained import ConstrainedDecode, GrammarFactory
+from .embedded import is_default_model
 from .errors import ContextConflict, TokenLimitTooSmall
 from .parsers import parser_for, reasoning_markers, with_template_call_ids
 from .trace import AnchorKind
@@ -97,9 +98,20 @@ class FreeTokenModel:
     """`new_context()` opens another context over the same engine (the Agent opens one per run)."""
 
     def __init__(
-        self, engine: Engine, *, family: str | None = None, max_anchors: int = 64, validate: str | None = None
+        self,
+        engine: Engine,
+        *,
+        family: str | None = None,
+        max_anchors: int = 64,
+        validate: str | None = None,
+        ground_arguments: bool | None = None,
     ) -> None:
         self.engine = engine
+        # The default of an Agent's and ChatFreeToken's `ground_arguments`: on for the embedded
+        # model, whose figures it lowers none of (README, "The embedded model"); else off.
+        self.ground_arguments = (
+            is_default_model(engine.source) if ground_arguments is None else ground_arguments
+        )
         self.tokenizer = engine.tokenizer
         self.name = f"freetoken:{engine.spec.model_type}"
         self.parser = parser_for(family, chat_template=getattr(self.tokenizer, "chat_template", None))
@@ -156,16 +168,24 @@ class FreeTokenModel:
         family: str | None = None,
         max_anchors: int = 64,
         validate: str | None = None,
+        ground_arguments: bool | None = None,
         **engine_options: Any,
     ) -> FreeTokenModel:
         """Load `path` (a checkpoint folder, an .ftw file, or a Hugging Face Hub id
         ``org/name[@revision][:QUANT]``) with `Engine.from_pretrained(path, **engine_options)`
         (device, dtype, memory, placement, ... passed unchanged) and wrap it. `.engine` is the
-        loaded engine."""
+        loaded engine. `ground_arguments`: the default of Agents and ChatFreeToken over this model
+        (`Agent(ground_arguments=...)`); None: on for the embedded model only."""
         from freetoken_agents.engine import Engine
 
         engine = Engine.from_pretrained(path, **engine_options)
-        return cls(engine, family=family, max_anchors=max_anchors, validate=validate)
+        return cls(
+            engine,
+            family=family,
+            max_anchors=max_anchors,
+            validate=validate,
+            ground_arguments=ground_arguments,
+        )
 
     # ---- context --------------------------------------------------------------------------------
     @property

@@ -178,3 +178,13 @@ def test_chat_freetoken_grounds_a_forced_call_when_asked():
     llm = ChatFreeToken(model=str(default_model()), ground_arguments=True)
     msg = llm.bind_tools([FORECAST], tool_choice="get_forecast").invoke(text)
     assert msg.tool_calls[0]["args"]["city"] == "Oyotunji"
+
+
+def test_grounding_is_the_embedded_model_s_default_only(tmp_path):
+    from tiny_models import build_tiny_model
+
+    assert model().ground_arguments
+    assert Agent(model()).ground_arguments and not Agent(model(), ground_arguments=False).ground_arguments
+    assert not FreeTokenModel.from_pretrained(default_model(), ground_arguments=False).ground_arguments
+    other = FreeTokenModel.from_pretrained(build_tiny_model("qwen3_moe", tmp_path / "m"))
+    assert not other.ground_arguments and not Agent(other).ground_arguments

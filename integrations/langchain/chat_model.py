@@ -65,10 +65,11 @@ class ChatFreeToken(BaseChatModel):
     raises `freetoken_agents.TokenLimitTooSmall`."""
     stop: list[str] | None = None
     """Stop strings: the text ends before the first one (not applied inside tool calls)."""
-    ground_arguments: bool = False
+    ground_arguments: bool | None = None
     """Decode every plain string argument of a tool call as a span of the user's and the tools'
-    messages (`freetoken_agents.GenerateRequest.argument_sources`): a small model then cannot
-    misspell what it copies."""
+    messages, and every number argument as a number written there
+    (`freetoken_agents.GenerateRequest.argument_sources`): a small model then cannot misspell what
+    it copies. None: the model's default (on for the embedded model only)."""
     streaming: bool = False
     """Use `_stream` for `invoke` (callbacks get tokens as they are decoded)."""
     seed: int | None = None
@@ -249,9 +250,14 @@ class ChatFreeToken(BaseChatModel):
             temperature=kwargs.get("temperature", self.temperature),
             seed=kwargs.get("seed", self.seed),
             reuse=self.prefix_cache,
-            argument_sources=tuple(conversation_sources(chat)) if self.ground_arguments else None,
+            argument_sources=tuple(conversation_sources(chat)) if self._grounds(handle) else None,
         )
         yield from run_turn(handle, ids, opts, state)
+
+    def _grounds(self, handle: EngineHandle) -> bool:
+        if self.ground_arguments is not None:
+            return self.ground_arguments
+        return bool(getattr(handle.backend, "ground_arguments", False))
 
     @staticmethod
     def _result(state: TurnState) -> ChatResult:
