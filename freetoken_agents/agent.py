@@ -123,9 +123,7 @@ class Agent:
         ground_arguments: bool | None = None,
     ) -> None:
         self.model, self.system_prompt = model, system_prompt
-        if ground_arguments is None:
-            ground_arguments = bool(getattr(model, "ground_arguments", False))
-        self.ground_arguments = ground_arguments
+        self.ground_arguments = model.ground_arguments if ground_arguments is None else ground_arguments
         self.validate = validate
         if max_result_chars is not None and max_result_chars < 1:
             raise ValueError(f"max_result_chars must be at least 1, got {max_result_chars}")

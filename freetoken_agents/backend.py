@@ -112,6 +112,8 @@ class ModelBackend(Protocol):
       own conversation, anchors and usage), released by `close()`. An Agent gives each run its own
       when True; when False runs take turns on the backend's one context, `new_context()` raises
       NotImplementedError and `close()` does nothing.
+    - `ground_arguments`: the default of `Agent(ground_arguments=...)` over this backend (grounded
+      tool-call arguments, `GenerateRequest.argument_sources`); False unless the model needs it.
     """
 
     name: str
@@ -125,6 +127,8 @@ class ModelBackend(Protocol):
     def step_owner(self) -> object: ...
     @property
     def supports_contexts(self) -> bool: ...
+    @property
+    def ground_arguments(self) -> bool: ...
     def render(
         self, messages: Sequence[dict], tools: Sequence[dict] | None, *, generation_prompt: bool = True
     ) -> list[int]: ...
@@ -145,6 +149,7 @@ class BackendBase:
     on it, and its steps run on a worker thread of its own."""
 
     supports_contexts: bool = False
+    ground_arguments: bool = False  # its model copies arguments well enough without grounding
 
     @property
     def max_context(self) -> int | None:

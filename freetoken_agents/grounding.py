@@ -254,10 +254,10 @@ class SpanGrounding:
         return None
 
     # ---- masking ---------------------------------------------------------------------------------
-    def allowed(self) -> set[int]:
+    def allowed(self, kind: str | None = None) -> set[int]:
         """Token ids that keep the open value a span of a source from a start on, and end it only
-        where a span may end (an empty string may close at once)."""
-        kind = self.grounded
+        where a span may end (an empty string may close at once). `kind`: `grounded`, when known."""
+        kind = kind or self.grounded
         if kind == "string":
             return self._allowed(self.index.string, self.strings, self.value, empty_closes=True)
         if kind == "number":
@@ -286,11 +286,12 @@ class SpanGrounding:
     def restrict_(self, logits: torch.Tensor) -> torch.Tensor:
         """Mask logits [V] (already grammar-masked) to tokens that keep a grounded value a span;
         unchanged outside one, or when no token the grammar allows would."""
-        if self.grounded is None:
+        kind = self.grounded
+        if kind is None:
             return logits
         flat = logits.view(-1)
         keep = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
-        ids = [i for i in self.allowed() if i < flat.numel()]
+        ids = [i for i in self.allowed(kind) if i < flat.numel()]
         if not ids:
             return logits
         keep[torch.tensor(ids, device=flat.device)] = True

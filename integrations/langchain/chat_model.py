@@ -257,7 +257,7 @@ class ChatFreeToken(BaseChatModel):
     def _grounds(self, handle: EngineHandle) -> bool:
         if self.ground_arguments is not None:
             return self.ground_arguments
-        return bool(getattr(handle.backend, "ground_arguments", False))
+        return handle.backend.ground_arguments
 
     @staticmethod
     def _result(state: TurnState) -> ChatResult:
