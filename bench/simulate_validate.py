@@ -59,7 +59,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _offload_tools import Evictor, time_engine  # noqa: E402
-from tiered_decode import PHASES, build_model, tier_sizes, tiered_probes  # noqa: E402
+from tiered_decode import PHASES, add_model_arguments, build_model, tier_sizes, tiered_probes  # noqa: E402
 
 TARGET = 0.25
 PLACEMENTS = {"qstar": "qstar", "stream": "layer-lru"}  # live placement -> simulated policy
@@ -89,20 +89,12 @@ class TimedStore:
         return _Timed(inner)
 
 
-def median_s(fn: Any, reps: int = 50) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def diagnose(
     engine: Any, prompt: list[int], args: argparse.Namespace, costs: Any, shape: Any
 ) -> dict[str, Any]:
     """Measured split of the resident engine's decode token vs the machine model's (docstring)."""
+    from freetoken_agents.engine.simulate.measure import median_seconds
+
     inner = engine.experts
     timed = TimedStore(inner)
     engine.use_expert_provider(timed)
@@ -136,8 +128,8 @@ def diagnose(
                 inner.run(lay, h1, i, wt, spec)
 
         with torch.no_grad():
-            t_two = median_s(lambda: sweep(two, w2), 9) / len(pairs)
-            t_same = median_s(lambda: sweep(one, w1), 9) / len(pairs)
+            t_two = median_seconds(lambda: sweep(two, w2), 9) / len(pairs)
+            t_same = median_seconds(lambda: sweep(one, w1), 9) / len(pairs)
     finally:
         engine.use_expert_provider(inner)
     n_moe = len(shape.moe_layers)
@@ -269,16 +261,7 @@ def run_format(quant: str, folder: Path, tmp: Path, args: argparse.Namespace, pr
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--intermediate", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=7)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
-    ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per timed run")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed runs per engine")
-    ap.add_argument("--reps", type=int, default=5, help="timed runs per config (medians are reported)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    add_model_arguments(ap, reps=5)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25], help="tier-1 budgets (x X)")
     ap.add_argument("--formats", nargs="+", default=["fp32", "int8"], choices=["fp32", "int8"])
     ap.add_argument(

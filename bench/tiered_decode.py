@@ -218,8 +218,9 @@ def run_format(quant: str, folder: Path, tmp: Path, args: argparse.Namespace) ->
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+def add_model_arguments(ap: argparse.ArgumentParser, reps: int) -> None:
+    """The model shape and timing options `build_model` and the timed runs read (shared with
+    simulate_validate.py)."""
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--intermediate", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=7)
@@ -228,8 +229,13 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per timed run")
     ap.add_argument("--warmup", type=int, default=2, help="untimed runs per engine")
-    ap.add_argument("--reps", type=int, default=7, help="timed runs per config (medians are reported)")
+    ap.add_argument("--reps", type=int, default=reps, help="timed runs per config (medians are reported)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    add_model_arguments(ap, reps=7)
     ap.add_argument(
         "--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25], help="tier-1 budgets (x expert bytes)"
     )

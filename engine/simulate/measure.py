@@ -156,7 +156,7 @@ def measure_profile(
     if torch.cuda.is_available():
         return HardwareProfile(name=name, device="cuda", **_cuda_figures(sz), **host)
     small, dst = torch.ones(1024, dtype=torch.float32), torch.empty(1024, dtype=torch.float32)
-    latency_us = _median_seconds(lambda: dst.copy_(small), 200) * 1e6
+    latency_us = median_seconds(lambda: dst.copy_(small), 200) * 1e6
     return HardwareProfile(
         name=name,
         device="cpu",
@@ -170,7 +170,8 @@ def measure_profile(
     )
 
 
-def _median_seconds(fn: Callable[[], object], reps: int) -> float:
+def median_seconds(fn: Callable[[], object], reps: int) -> float:
+    """Median wall time of `reps` calls of `fn`, after one untimed warm-up call."""
     fn()  # warm-up
     times = []
     for _ in range(reps):
@@ -269,8 +270,8 @@ def _overheads_us(reps: int, host_gbps: float) -> tuple[float, float]:
     expert_bytes = 4 * (expert.gate_up.numel() + expert.down.numel())
     bps = host_gbps * 1e9
     with torch.no_grad():
-        layer_s = _median_seconds(layer, reps) - layer_bytes / bps
-        expert_s = _median_seconds(one_expert, reps) - expert_bytes / bps
+        layer_s = median_seconds(layer, reps) - layer_bytes / bps
+        expert_s = median_seconds(one_expert, reps) - expert_bytes / bps
     return max(layer_s * 1e6, 0.1), max(expert_s * 1e6, 0.1)
 
 
@@ -320,7 +321,7 @@ def _tiered_overheads_us(reps: int, scratch_dir: str | os.PathLike[str] | None) 
                         tp.run(layer, x, ids, weights, spec)
 
                 with torch.no_grad():
-                    return _median_seconds(step, reps) / layers
+                    return median_seconds(step, reps) / layers
             finally:
                 tp.close()
 
@@ -362,7 +363,7 @@ def _cpu_gflops(n: int, reps: int) -> float:
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     out = torch.empty(n, n)
-    return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b, out=out), reps) / 1e9
+    return 2 * n**3 / median_seconds(lambda: torch.mm(a, b, out=out), reps) / 1e9
 
 
 def _cuda_figures(sz: _Sizes) -> dict[str, Any]:
@@ -392,7 +393,7 @@ def _cuda_figures(sz: _Sizes) -> dict[str, Any]:
         small_dev.copy_(small, non_blocking=True)
         torch.cuda.synchronize(dev)
 
-    latency_us = _median_seconds(tiny_copy, 200) * 1e6
+    latency_us = median_seconds(tiny_copy, 200) * 1e6
     n = sz.gpu_n
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
