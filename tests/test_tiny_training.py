@@ -266,6 +266,16 @@ def test_training_on_a_device_the_machine_lacks_is_a_one_line_error(tmp_path, ca
     assert not any(tmp_path.iterdir())  # refused before any work
 
 
+def test_a_no_call_share_outside_0_1_is_a_one_line_error(tmp_path, capsys):
+    from freetoken_agents.recipes.tiny.train import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(tmp_path), "--steps", "1", "--no-call-share", "1.5"])
+    assert exc.value.code == 2
+    assert "--no-call-share must be between 0 and 1, got 1.5" in capsys.readouterr().err.splitlines()[-1]
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_training_smoke_run_on_cuda_writes_an_ftw_the_engine_runs(tmp_path):

@@ -467,6 +467,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if min(args.code_share, args.world_share) < 0 or args.code_share + args.world_share > 1:
         p.error("--code-share and --world-share must be >= 0 and add up to at most 1")
+    if not 0 <= args.no_call_share <= 1:
+        p.error(f"--no-call-share must be between 0 and 1, got {args.no_call_share}")
     try:
         check_device(args.device)
     except EngineError as exc:
