@@ -1,14 +1,17 @@
 """Tier 1 as preallocated expert slots with a device-side table expert -> slot.
 
-`ExpertSlots` holds `capacity` packed experts of one shape in one device buffer `[S, P]` (each
+`ExpertSlots` holds `capacity` float experts of one shape in one device buffer `[S, P]` (each
 row laid out as `ExpertWeights.packed` lays out one expert: gate_up, down, biases), so bringing
-an expert in is one row copy. Its `stack` views the buffer as an `ExpertStack` (`gate_up
+an expert in is a copy into one row. Its `stack` views the buffer as an `ExpertStack` (`gate_up
 [S, 2I, H]`, ... with a row stride of P) and `table [layers, experts]` (int64, -1 when absent)
 maps routed experts to slots on the device. A layer's MoE is then one grouped GEMM per
 projection over the slots (`grouped_experts.run_grouped`) with no host sync: `run` returns the
 output and a device flag saying whether any routed expert was absent, which the caller reads
 once per step (with the sampled token, a sync it makes anyway) and answers by recomputing the
-step eagerly through q*. Device-agnostic (tests run it on CPU).
+step eagerly through q*. Device-agnostic (tests run it on CPU). The tiered store's tier 1 keeps
+its float experts here (`memory.moves.TierMover`, by default on CUDA); `resized` reallocates the
+pool when tier 1's room changes (KV growth), which moves the buffer (a captured graph is then
+captured again).
 
 Letters: S slots, P elements of one packed expert, T tokens, A experts per token.
 """
@@ -27,7 +30,8 @@ class SlotsFullError(RuntimeError):
 
 
 class ExpertSlots:
-    """`capacity` slots for experts laid out like `template` (a packed float expert)."""
+    """`capacity` slots for float experts shaped like `template` (any `ExpertWeights` whose
+    projections are floating point; a slot row lays them out as `ExpertWeights.packed` does)."""
 
     def __init__(
         self,
@@ -37,25 +41,65 @@ class ExpertSlots:
         num_experts: int,
         device: torch.device | str,
     ) -> None:
-        if template.storage is None or template.is_quantized or not template.storage.is_floating_point():
-            raise ValueError("ExpertSlots takes packed float experts (ExpertWeights.packed)")
+        if not slot_compatible(template):
+            raise ValueError("ExpertSlots takes float experts (int8 and MXFP4 ones stay outside slots)")
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
-        base = template.storage
-        self.dtype, self.device = base.dtype, torch.device(device)
-        self.row = base.numel()
-        self._layout = {  # name -> (element offset in a row, shape)
-            name: (
-                t.data_ptr() // base.element_size() - base.data_ptr() // base.element_size(),
-                tuple(t.shape),
-            )
-            for name, t in template.tensors().items()
-        }
-        self.buffer = torch.zeros(capacity, self.row, dtype=self.dtype, device=self.device)
-        self.table = torch.full((num_layers, num_experts), -1, dtype=torch.long, device=self.device)
+        self.dtype, self.device = template.gate_up.dtype, torch.device(device)
+        self._layout: dict[str, tuple[int, tuple[int, ...]]] = {}  # name -> (offset in a row, shape)
+        offset = 0
+        for name, t in template.tensors().items():
+            self._layout[name] = (offset, tuple(t.shape))
+            offset += t.numel()
+        self.row = offset
+        # Normal tensors even when the pool is made during a forward (inference mode): it is
+        # written outside one too (a rollback re-warms tier 1), which an inference tensor refuses.
+        with torch.inference_mode(False):
+            self.buffer = torch.zeros(capacity, self.row, dtype=self.dtype, device=self.device)
+            self.table = torch.full((num_layers, num_experts), -1, dtype=torch.long, device=self.device)
         self._slot_of: dict[ExpertKey, int] = {}
         self._free = list(reversed(range(capacity)))
         self.stack = ExpertStack(**{n: self._strided(n) for n in PROJECTIONS if n in self._layout})
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one slot (one expert)."""
+        return self.row * self.buffer.element_size()
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    @property
+    def full(self) -> bool:
+        return not self._free
+
+    def holds_layout_of(self, weights: ExpertWeights) -> bool:
+        """Whether `weights` can take a slot here (float, same tensors, shapes and dtype)."""
+        named = weights.tensors()
+        return (
+            slot_compatible(weights)
+            and weights.gate_up.dtype == self.dtype
+            and {n: tuple(t.shape) for n, t in named.items()} == {n: s for n, (_, s) in self._layout.items()}
+        )
+
+    def resized(self, capacity: int) -> ExpertSlots:
+        """A pool of `capacity` slots holding the same experts (copied; at most `capacity` of
+        them may be held). The old pool's buffer is freed once nothing refers to it."""
+        if capacity < len(self):
+            raise SlotsFullError(f"{len(self)} experts held, cannot shrink to {capacity} slots")
+        out = ExpertSlots.__new__(ExpertSlots)
+        out.dtype, out.device, out._layout, out.row = self.dtype, self.device, self._layout, self.row
+        with torch.inference_mode(False):  # as in __init__
+            out.buffer = torch.zeros(capacity, self.row, dtype=self.dtype, device=self.device)
+            out.table = torch.full_like(self.table, -1)
+        out._slot_of, out._free = {}, list(reversed(range(capacity)))
+        out.stack = ExpertStack(**{n: out._strided(n) for n in PROJECTIONS if n in out._layout})
+        for key, slot in sorted(self._slot_of.items(), key=lambda item: item[1]):
+            new = out._free.pop()
+            out.buffer[new].copy_(self.buffer[slot])
+            out._slot_of[key] = new
+            out.table[key[0], key[1]] = new
+        return out
 
     @property
     def capacity(self) -> int:
@@ -78,17 +122,20 @@ class ExpertSlots:
         return self._slot_of.get(key)
 
     def assign(self, key: ExpertKey, weights: ExpertWeights) -> ExpertWeights:
-        """Copy a packed expert (same layout as the template) into a free slot and enter it in
-        the table; returns its weights as views of the slot. SlotsFullError when none is free."""
+        """Copy an expert (laid out like this pool's template) into a free slot and enter it in
+        the table; returns its weights as views of the slot. SlotsFullError when none is free;
+        ValueError for an expert of another layout."""
         if key in self._slot_of:
             return self.weights(self._slot_of[key])
-        src = weights.storage
-        if src is None or src.numel() != self.row or src.dtype != self.dtype:
-            raise ValueError(f"expert {key} is not packed like this pool's template")
+        if not self.holds_layout_of(weights):
+            raise ValueError(f"expert {key} is not laid out like this pool's template")
         if not self._free:
             raise SlotsFullError(f"all {self.capacity} expert slots are taken")
         slot = self._free.pop()
-        self.buffer[slot].copy_(src, non_blocking=True)
+        row = self.buffer[slot]
+        for name, t in weights.tensors().items():  # copies on the current stream, in order
+            offset, shape = self._layout[name]
+            row[offset : offset + t.numel()].view(shape).copy_(t, non_blocking=True)
         self._slot_of[key] = slot
         self.table[key[0], key[1]] = slot
         return self.weights(slot)
@@ -107,6 +154,10 @@ class ExpertSlots:
         views = {n: row[o : o + _numel(s)].view(s) for n, (o, s) in self._layout.items()}
         return ExpertWeights(**views)
 
+    def views(self) -> dict[ExpertKey, ExpertWeights]:
+        """Every held expert's weights as views of its slot."""
+        return {key: self.weights(slot) for key, slot in self._slot_of.items()}
+
     def lookup(self, layer: int, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """expert_ids [T, A] -> (slots [T, A] with absent experts at slot 0, a 0-d bool device
         tensor: any absent). No host sync."""
@@ -120,6 +171,11 @@ class ExpertSlots:
         When `miss` is true the output is wrong (an absent expert ran as slot 0's): recompute."""
         slots, miss = self.lookup(layer, expert_ids)
         return run_grouped(self.stack, hidden, slots, weights, spec), miss
+
+
+def slot_compatible(weights: ExpertWeights) -> bool:
+    """Whether an expert can live in a slot pool: every projection floating point, no scales."""
+    return not weights.is_quantized and all(t.is_floating_point() for t in weights.tensors().values())
 
 
 def _numel(shape: tuple[int, ...]) -> int:

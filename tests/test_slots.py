@@ -66,7 +66,7 @@ def test_an_absent_expert_raises_the_miss_flag_and_a_released_slot_is_reused():
 
 def test_slots_refuse_experts_of_another_layout():
     slots = ExpertSlots(_expert(0), capacity=2, num_layers=1, num_experts=2, device="cpu")
-    with pytest.raises(ValueError, match="not packed like"):
+    with pytest.raises(ValueError, match="not laid out like"):
         slots.assign((0, 1), _expert(1, bias=True))
-    with pytest.raises(ValueError, match="packed float"):
+    with pytest.raises(ValueError, match="float experts"):
         ExpertSlots(ExpertWeights.quantized(_expert(0).tensors(), torch.float32), 2, 1, 2, "cpu")
