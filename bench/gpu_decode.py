@@ -330,6 +330,10 @@ def run_tiered(
         "experts": len(tp.ftw.expert_keys()),
         "decisions": engine.stats()["policy"]["decisions"],
     }
+    graphs = engine.decode_runner.graphs  # tier 1 as slots: the decode step as a CUDA graph
+    result["graph"] = None if graphs is None else {
+        "captures": graphs.captures, "replays": graphs.replays, "reruns": graphs.reruns,
+    }  # fmt: skip
     tp.close()
     del engine
     torch.cuda.empty_cache()
@@ -362,7 +366,7 @@ def report(rates: dict[str, float], tiered: dict[str, Any], bound_s: float, laye
         print(
             f"{name}: {t['tok_s']:.1f} tok/s{of_resident}; {link}; tier 2 (the bf16 expert bytes) "
             f"holds {t['experts_in_host_budget']} experts of {t['tier2_bytes_per_expert'] / 1e6:.2f} MB; "
-            f"q* {t['decisions']}"
+            f"q* {t['decisions']}; CUDA graph {t['graph']}"
         )
     print("targets: f=1.0 >= 90% of resident, f=0.25 within 1.5x of the PCIe bound (issue 24)")
     for name, t in tiered.items():  # issue 21: each compact codec against bf16 at the same budget

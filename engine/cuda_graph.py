@@ -11,9 +11,11 @@ outgrew its block table (capacity doubles), the KV pool's storage was reallocate
 provider changed. `graph_unsupported` says why a model cannot be captured (then the decode
 runner, `decode_runner.DecodeRunner`, decodes eagerly): the option `cuda_graphs` off, not on
 CUDA, no Triton, int8 layers, or a
-provider whose decode needs the host (the tiered q* provider decides on the host; with tier 1 as
-`slots.ExpertSlots` its all-resident step would be capturable too, with the slot table's miss
-flag answered by an eager rerun).
+provider whose decode needs the host. The tiered store is capturable with tier 1 as a slot pool
+(`memory.graph_steps`): its static step runs every MoE layer over the slots, and a step whose
+device miss flag is set (a routed expert not in tier 1) is answered by an eager rerun, where q*
+decides for the misses (`DecodeGraphs.run` returns None; the runner recomputes). The graph is
+captured again when the store's `graph_epoch` changes (the slot pool moved).
 
 Only `StaticDecode` runs on CPU (the tests drive it through Triton's interpreter); the capture
 and replay have never run in this repository's CI (no GPU): tests/test_cuda_decode.py covers them.
@@ -22,6 +24,7 @@ and replay have never run in this repository's CI (no GPU): tests/test_cuda_deco
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -110,7 +113,9 @@ class StaticDecode:
         cos, sin = rope_cos_sin(self.model.spec.rope, self.positions, self.dtype)
         static = StaticAttention(self.block_table, self.ranges)
         ctx = StepContext(self.table, self.new_slots, self.positions, cos, sin, static=static)
-        return self.model.forward_layers(self.tokens, ctx, last_only=True)
+        provider = expert_provider(self.model)
+        with provider.static_step() if provider is not None else nullcontext():
+            return self.model.forward_layers(self.tokens, ctx, last_only=True)
 
     def prepare(self, tokens: torch.Tensor, ctx: StepContext) -> None:
         """Make the step ready to `run` (nothing to do for the uncaptured step)."""
@@ -126,6 +131,7 @@ class CudaGraphDecode(StaticDecode):
     def __init__(self, model: DecodeModel, table: BlockTable, max_blocks: int, device: torch.device) -> None:
         super().__init__(model, table, max_blocks, device)
         self.provider = expert_provider(model)
+        self.epoch = self.provider.graph_epoch if self.provider is not None else 0
         self.graph: Any = None
         self.logits: torch.Tensor | None = None
 
@@ -144,7 +150,9 @@ class CudaGraphDecode(StaticDecode):
             self.logits = self.forward()
 
     def fits(self, table: BlockTable) -> bool:
-        return super().fits(table) and expert_provider(self.model) is self.provider
+        provider = expert_provider(self.model)
+        epoch = provider.graph_epoch if provider is not None else 0
+        return super().fits(table) and provider is self.provider and epoch == self.epoch
 
     def run(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         self.load(tokens, ctx)
@@ -162,16 +170,26 @@ def expert_provider(model: DecodeModel) -> Any:
 
 class DecodeGraphs:
     """The model's captured decode step, recaptured when it cannot serve a step; counters for
-    tests and benchmarks (`captures`, `replays`). `step_cls` StaticDecode runs the same static
-    step uncaptured (how the tests check it on CPU)."""
+    tests and benchmarks (`captures`, `replays`, `reruns`). `step_cls` StaticDecode runs the
+    same static step uncaptured (how the tests check it on CPU)."""
 
     def __init__(self, model: DecodeModel, step_cls: type[StaticDecode] = CudaGraphDecode) -> None:
         self.model, self.step_cls = model, step_cls
         self.current: StaticDecode | None = None
         self.captures = 0
         self.replays = 0
+        self.reruns = 0
 
-    def run(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    @property
+    def wanted(self) -> bool:
+        """Whether a replay is worth trying for the next step (the expert store's say: the
+        tiered one declines while its recent steps missed tier 1)."""
+        provider = expert_provider(self.model)
+        return provider is None or provider.graph_wanted
+
+    def run(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        """Logits [1, V] of the decode step, or None when the expert store found the replay
+        wrong (a routed expert missing from tier 1): the caller recomputes the step eagerly."""
         table = ctx.table
         if self.current is None or not self.current.fits(table):
             blocks = max(64, 1 << max(0, len(table.blocks) - 1).bit_length())
@@ -181,4 +199,9 @@ class DecodeGraphs:
             self.current = step
             self.captures += 1
         self.replays += 1
-        return self.current.run(tokens, ctx)
+        logits = self.current.run(tokens, ctx)
+        provider = expert_provider(self.model)
+        if provider is not None and not provider.finish_static_step():
+            self.reruns += 1
+            return None
+        return logits

@@ -5,9 +5,11 @@ The model (`transformer.MoETransformer.forward`) is the eager forward only; the 
 `DecodeRunner` over it with the option `EngineOptions.cuda_graphs`, and its sessions call the
 runner (`session.SessionHost.decode_runner`). Prefill and a step that already carries static
 buffers run eagerly; a decode step replays the captured graph when `cuda_graph.graph_unsupported`
-finds no reason against it. The decision is taken at the first decode step, taken again when the
-expert provider changes (`Engine.use_expert_provider`) or `cuda_graphs` is switched, and a
-reason against is logged once per decision.
+finds no reason against it and the expert store wants one (`DecodeGraphs.wanted`); a replay the
+store finds wrong (tiered: a routed expert not in tier 1) is recomputed eagerly. The decision is
+taken at the first decode step, taken again when the expert provider changes
+(`Engine.use_expert_provider`) or `cuda_graphs` is switched, and a reason against is logged once
+per decision.
 """
 
 from __future__ import annotations
@@ -61,8 +63,12 @@ class DecodeRunner:
         """tokens [T] -> logits [T, V] (or [1, V] with last_only), as `model.forward`."""
         if ctx.is_decode and ctx.static is None:
             graphs = self.decode_graphs(tokens.device)
-            if graphs is not None:
-                return graphs.run(tokens, ctx)
+            if graphs is not None and graphs.wanted:
+                logits = graphs.run(tokens, ctx)
+                if logits is not None:
+                    return logits
+                # The replay was wrong (a routed expert not in tier 1): recompute eagerly; its
+                # K/V writes go to the same slots.
         return self.model(tokens, ctx, last_only=last_only)
 
     def decode_graphs(self, device: torch.device) -> DecodeGraphs | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,12 +166,27 @@ class ExpertStore(ABC):
     - `stats()`: JSON-able counters (default: experts and bytes in memory);
     - `graph_safe`: whether a decode step runs on the device alone, the condition for capturing
       it as a CUDA graph (default: False);
+    - the static step (`cuda_graph.StaticDecode`): `static_step()` is the context its forward
+      runs in, `finish_static_step()` says after it whether it is right (False: recompute it
+      eagerly), `graph_wanted` whether a replay is worth trying now, and `graph_epoch` changes
+      when the device buffers a captured graph reads were reallocated (defaults: a store whose
+      static step is always right, nothing to record, never reallocated);
     - `weights_file()`: the FTW file experts are read from and its open descriptor, so the model
       fingerprint hashes the file actually read (default: None);
     - `close()`: stop threads and close files (default: nothing to release).
     """
 
     graph_safe: bool = False
+    graph_epoch: int = 0
+    graph_wanted: bool = True
+
+    def static_step(self) -> AbstractContextManager[None]:
+        """The context a static decode step's forward runs in."""
+        return nullcontext()
+
+    def finish_static_step(self) -> bool:
+        """After a static decode step: whether its result is right (False: recompute eagerly)."""
+        return True
 
     @abstractmethod
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
@@ -220,6 +236,20 @@ class DelegatingStore(ExpertStore):
     @property
     def graph_safe(self) -> bool:  # type: ignore[override]
         return self.inner.graph_safe
+
+    @property
+    def graph_epoch(self) -> int:  # type: ignore[override]
+        return self.inner.graph_epoch
+
+    @property
+    def graph_wanted(self) -> bool:  # type: ignore[override]
+        return self.inner.graph_wanted
+
+    def static_step(self) -> AbstractContextManager[None]:
+        return self.inner.static_step()
+
+    def finish_static_step(self) -> bool:
+        return self.inner.finish_static_step()
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self.inner.get(layer, expert)

@@ -48,7 +48,10 @@ DTYPES: dict[str, torch.dtype] = {
 class TieringOptions:
     """Tuning of the tiered expert memory (`TieredExpertProvider`'s keyword arguments); the
     defaults are what users get. Tests and benchmarks change them (`prefetch_thread=False` loads
-    inline, deterministically; `clock` and `policy` are injectable)."""
+    inline, deterministically; `clock` and `policy` are injectable). `expert_slots`: tier 1 keeps
+    its float experts in one slot pool, computed by grouped GEMMs and capturable in a CUDA graph
+    (None: on a GPU with placement "qstar"; on a CPU the experts that move up zero-copy and the
+    per-expert loop are faster, so there only when asked for)."""
 
     prefetch: bool = True
     prefetch_thread: bool = True
@@ -59,6 +62,7 @@ class TieringOptions:
     direct_io: bool = True
     policy: Any = None
     clock: Callable[[], float] = time.monotonic
+    expert_slots: bool | None = None
 
     def provider_kwargs(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}

@@ -80,6 +80,46 @@ def test_cuda_graph_decode_equals_eager_decode(arch, tiny_checkpoint):
     assert err < BF16_TOL
 
 
+@pytest.mark.parametrize("room", [None, 2])
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_tiered_decode_step_is_a_cuda_graph_over_the_slot_pool(room, tiny_checkpoint, tmp_path):
+    """Tier 1 as slots on the GPU: the tiered decode step is captured; with every expert fitting
+    it replays, and with room for two layers' working sets a replay that misses tier 1 is
+    recomputed eagerly. Either way the tokens of the eager tiered engine."""
+    from freetoken_agents.engine.memory import MemoryBudget
+
+    path = tiny_checkpoint("mixtral")
+    probe = Engine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, memory=MemoryBudget(),
+                                   placement="qstar", cache_dir=tmp_path)  # fmt: skip
+    fast = None if room is None else room * probe.experts.min_working_set + (64 << 20)
+    probe.experts.close()
+
+    def tiered(graphs: bool) -> Engine:
+        return Engine.from_pretrained(
+            path, device="cuda", dtype=torch.bfloat16, memory=MemoryBudget(fast_bytes=fast),
+            placement="qstar", cache_dir=tmp_path, cuda_graphs=graphs,
+        )  # fmt: skip
+
+    graphs, eager = tiered(True), tiered(False)
+    assert graphs.experts.graph_safe
+    ids = torch.randint(0, graphs.spec.vocab_size, (60,), generator=torch.Generator().manual_seed(5)).tolist()
+    with eager.new_session() as a, graphs.new_session() as b:
+        a.prefill(ids[:20])
+        want = torch.stack([a.decode(t) for t in ids[20:]]).float()
+        b.prefill(ids[:20])
+        got = torch.stack([b.decode(t) for t in ids[20:]]).float()
+    g = graphs.decode_runner.graphs
+    assert g is not None and g.captures >= 1 and g.replays > 0
+    print(f"tiered room={room}: graph {vars(g)}, store {graphs.experts.stats()['graph_steps']}")
+    if room is None:
+        assert g.replays - g.reruns >= 30  # warm: every routed expert in tier 1
+    err = float((got - want).abs().max() / want.abs().max())
+    assert err < BF16_TOL
+    for e in (graphs, eager):
+        e.experts.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_is_recaptured_when_the_table_outgrows_it(tiny_checkpoint):

@@ -31,6 +31,8 @@ class FakeGraphs:
     """Stands in for `cuda_graph.DecodeGraphs`: counts the decode steps sent to it and runs
     them eagerly (as `StaticDecode.forward` would, last token only)."""
 
+    wanted = True
+
     def __init__(self, model):
         self.model, self.replays = model, 0
 
@@ -124,3 +126,35 @@ def test_a_new_expert_provider_is_decided_again(path, caplog):
         s.decode(2)
     assert runner.graphs is None  # decided for the new provider: eager on a CPU
     assert caplog.text.count("decode runs eagerly") == 1
+
+
+class WrongGraphs(FakeGraphs):
+    """A replay the expert store finds wrong (`DecodeGraphs.run` returns None): garbage logits
+    are computed, then None is returned; and a store that declines replays (`wanted`)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.wanted = True
+
+    def run(self, tokens, ctx):
+        super().run(tokens, ctx)
+        return None
+
+
+def test_a_replay_found_wrong_is_recomputed_eagerly_and_an_unwanted_one_is_not_run(path):
+    engine = Engine.from_pretrained(path)
+    runner = engine.decode_runner
+    with engine.new_session() as ref:
+        ref.prefill(PROMPT)
+        want = [ref.decode(t) for t in (7, 8, 9)]
+    wrong = WrongGraphs(engine.model)
+    runner.use_graphs(wrong)  # type: ignore[arg-type]
+    with engine.new_session() as s:
+        s.prefill(PROMPT)
+        got = [s.decode(7), s.decode(8)]
+        assert wrong.replays == 2
+        wrong.wanted = False
+        got.append(s.decode(9))
+        assert wrong.replays == 2  # not asked while the store does not want replays
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

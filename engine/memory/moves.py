@@ -32,8 +32,10 @@ from ..expert_tensors import kept_forms
 from ..experts import ExpertKey, ExpertWeights
 from ..ftw import FTWFile
 from ..int8 import ExpertQuant
+from ..slots import slot_compatible
 from .oracle import BandwidthOracle
 from .prefetch import SKIPPED
+from .slot_pool import TierSlots
 from .stats import PhaseTimer
 from .storage import BlockReader
 from .tiers import FastTier, HostTier, LayerLRUTier
@@ -55,7 +57,9 @@ class TierMover:
     device decodes for q* (`ComputeTimer`, kind "decode/<codec>"); `codecs`: key -> codec name.
     `expert_quant`: what HOST compute keeps compact; `tier1_quant` (default the same): what tier 1
     keeps compact (on CUDA "none" unless "compact": the device decode then leaves the arrived
-    bytes as they are).
+    bytes as they are). `slots`: tier 1 keeps its float experts in one slot pool
+    (`slot_pool.TierSlots`): a promotion copies the expert into a slot (on a CPU the stored bytes
+    then stay in tier 2 instead of moving up), an eviction frees the slot.
     """
 
     def __init__(
@@ -81,6 +85,7 @@ class TierMover:
         codecs: dict[ExpertKey, str] | None = None,
         expert_quant: ExpertQuant = "none",
         tier1_quant: str | None = None,
+        slots: bool = False,
     ) -> None:
         self.ftw, self.dtype, self.reader = ftw, dtype, reader
         self.storage_link, self.fast_link = links
@@ -101,6 +106,11 @@ class TierMover:
             for k in stored_bytes
             if exclusive and fast_bytes[k] <= self.raw_bytes[k] and not self._kept_compact(k)
         }
+        # Every expert of one shape, none kept compact in tier 1: the slot pool can hold them all.
+        shapes = {
+            tuple(sorted((n, t.shape) for n, t in ftw.expert_info(*k).tensors.items())) for k in stored_bytes
+        }
+        self.uniform_float_tier1 = len(shapes) == 1 and not any(self._kept_compact(k) for k in stored_bytes)
         self.bytes_moved = {"storage->host": 0, "host->fast": 0, "fast->host": 0}
         self.copies: Any = None
         if cuda:
@@ -111,6 +121,12 @@ class TierMover:
         # tier 1 is demoted. CUDA with exclusive tiers: it is spilled back into pinned tier 2.
         on_host_evict = None if cuda else (lambda _key, value: reader.buffers.retire(value))
         on_fast_evict = (self.spill if exclusive else None) if cuda else self.demote
+        # Tier 1's float experts in one slot pool (the grouped, graph-capturable decode step).
+        self.slots: TierSlots | None = None
+        if slots and stored_bytes:
+            layers, experts = (max(k[i] for k in stored_bytes) + 1 for i in (0, 1))
+            self.slots = TierSlots(layers, experts, len(stored_bytes), device)
+            on_fast_evict = self._releasing_slot(on_fast_evict)
         if placement == "stream":
             self.fast: FastTier[ExpertWeights] = LayerLRUTier(
                 None, n_layers, on_evict=on_fast_evict, protected=protected
@@ -122,6 +138,55 @@ class TierMover:
         self.host: HostTier[Any] = HostTier(
             host_bytes, on_evict=on_host_evict, rank=rank, protected=protected
         )
+
+    def _releasing_slot(
+        self, hook: Callable[[ExpertKey, ExpertWeights], None] | None
+    ) -> Callable[[ExpertKey, ExpertWeights], None]:
+        """Tier 1's eviction hook with slots: `hook` (which may still read the weights: `spill`
+        copies them back), then the slot is freed."""
+
+        def on_evict(key: ExpertKey, w: ExpertWeights) -> None:
+            if hook is not None:
+                hook(key, w)
+            assert self.slots is not None
+            self.slots.release(key)
+
+        return on_evict
+
+    def _into_slot(self, key: ExpertKey, w: ExpertWeights) -> ExpertWeights | None:
+        """With slots: copy `key`, just put in tier 1, into a slot and hold the slot's views
+        instead (None: not in tier 1, or not of the pool's layout). Under `lock`."""
+        if self.slots is None or key not in self.fast:
+            return None
+        epoch = self.slots.epoch
+        view = self.slots.assign(key, w, self.fast.capacity_bytes)
+        if view is None:
+            return None
+        self.fast.replace(key, view)
+        if self.slots.epoch != epoch:
+            self._repoint()
+        return view
+
+    def _repoint(self) -> None:
+        """The pool moved: tier 1 holds the new buffer's views."""
+        assert self.slots is not None
+        for key, view in self.slots.views().items():
+            self.fast.replace(key, view)
+
+    def fit_slots(self) -> None:
+        """Size the slot pool to tier 1's capacity (after `fast.resize`; under `lock`)."""
+        if self.slots is not None:
+            epoch = self.slots.epoch
+            self.slots.fit(self.fast.capacity_bytes)
+            if self.slots.epoch != epoch:
+                self._repoint()
+
+    def _slotted(self, w: ExpertWeights) -> bool:
+        """Whether `w` will be copied into the slot pool when it enters tier 1."""
+        if self.slots is None:
+            return False
+        pool = self.slots.pool
+        return slot_compatible(w) if pool is None else pool.holds_layout_of(w)
 
     def stats(self) -> dict[str, int]:
         """Bytes moved per link ("storage->host", "host->fast", "fast->host")."""
@@ -232,6 +297,7 @@ class TierMover:
                 if moves_up:  # it moved up (the pinned buffer is reused once the copy ends)
                     self.host.pop(key)
                 self.fast.put(key, w, self.fast_bytes[key])  # evictions: `spill`
+                w = self._into_slot(key, w) or w
             return w
         stored = staged if staged is not None else self.host_value(key, keep=not self.exclusive)
         n = self.stored_bytes[key]
@@ -243,7 +309,10 @@ class TierMover:
                     if w.is_quantized
                     else ExpertWeights.packed(w.tensors(), self.dtype)
                 )
-        shares = self.exclusive and shares_memory(w, stored)
+        # Into a slot, the bytes are copied: they stay in tier 2 (and views of them never reach
+        # tier 1, whose copy tier 2 could otherwise recycle).
+        slotted = self._slotted(w)
+        shares = self.exclusive and not slotted and shares_memory(w, stored)
         with self.lock:
             self.bytes_moved["host->fast"] += n
             if shares:
@@ -252,6 +321,12 @@ class TierMover:
             elif key not in self.host:  # a decoded copy: the compact bytes stay in tier 2
                 self.host.put(key, stored, n)
             self.fast.put(key, w, self.fast_bytes[key])  # evictions: `demote`
+            view = self._into_slot(key, w)
+            if view is not None:
+                w = view
+            elif slotted and key in self.fast and shares_memory(w, stored):
+                w = ExpertWeights.packed(w.tensors(), self.dtype)  # tier 1 never holds views of tier 2
+                self.fast.replace(key, w)
         return w
 
     def use_staged(self, key: ExpertKey, staged: Any) -> ExpertWeights:

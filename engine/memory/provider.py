@@ -54,6 +54,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +65,12 @@ from ..errors import EngineError, MemoryBudgetError
 from ..expert_tensors import kept_bytes
 from ..experts import ExpertKey, ExpertStore, ExpertWeights
 from ..ftw import FTWFile
+from ..grouped_experts import grouped_mm_capturable
 from ..int8 import ExpertQuant, check_expert_quant
 from ..routed import expert_forward
 from ..spec import MoESpec
 from .budget import MemoryBudget, format_size
+from .graph_steps import GraphSteps
 from .moves import TierMover
 from .oracle import BandwidthOracle, Clock
 from .planner import ExpertPlanner
@@ -131,6 +134,7 @@ class TieredExpertProvider(ExpertStore):
         direct_io: bool = True,
         prefetch_depth: int = 3,
         expert_quant: ExpertQuant = "auto",
+        expert_slots: bool | None = None,
     ) -> None:
         if placement not in ("qstar", "stream"):
             raise ValueError(f"placement must be 'qstar' or 'stream', got {placement!r}")
@@ -209,6 +213,7 @@ class TieredExpertProvider(ExpertStore):
             codecs=self.codec,
             expert_quant=self.expert_quant,
             tier1_quant=tier1_quant,
+            slots=self.cuda and placement == "qstar" if expert_slots is None else expert_slots,
         )
         self.fast, self.host = self.moves.fast, self.moves.host
         self._lock = self.moves.lock
@@ -238,6 +243,8 @@ class TieredExpertProvider(ExpertStore):
             Prefetcher(self._prefetch_load, use_thread=prefetch_thread, loaders=2) if prefetch else None
         )
         self.routers: dict[int, torch.nn.Module] = dict(routers or {})
+        slots = self.moves.slots
+        self.graph_steps = GraphSteps(slots, self._note_resident, self.layers[0]) if slots and keys else None
         self._hooks: list[Any] = [h for module in attention for h in self.phases.hook(module, "attention")]
 
     # ---- budget ---------------------------------------------------------------------------
@@ -264,6 +271,7 @@ class TieredExpertProvider(ExpertStore):
         wanted = self._staging_bytes()
         self.spare_bytes = wanted if avail - wanted >= self.min_working_set else 0
         evicted = self.fast.resize(avail - self.spare_bytes)  # `moves` demotes or spills them
+        self.moves.fit_slots()
         if evicted:
             logger.debug("fast tier shrank to %d bytes: evicted %s", avail - self.spare_bytes, evicted)
 
@@ -294,7 +302,10 @@ class TieredExpertProvider(ExpertStore):
     ) -> torch.Tensor:
         """hidden [T, H], expert_ids [T, A], weights [T, A] -> [T, H] by `routed.run_routed`: each
         expert computed where its placement says (`_compute`), or, a decode step whose experts are
-        all in tier 1, straight from them (`_run_resident`)."""
+        all in tier 1, straight from them (`_run_resident`). In a static decode step
+        (`static_step`), over tier 1's slot pool with no host sync (`graph_steps.GraphSteps`)."""
+        if self.graph_steps is not None and self.graph_steps.recording_now:
+            return self.graph_steps.run(layer, hidden, expert_ids, weights, spec)
         if self._timer is not None:
             self._timer.poll()
         used = sorted(set(expert_ids.reshape(-1).tolist()))
@@ -310,15 +321,18 @@ class TieredExpertProvider(ExpertStore):
         if hidden.shape[0] == 1:
             with self._lock:
                 resident = self.fast.get_all([(layer, e) for e in used])
+            if self.graph_steps is not None:
+                self.graph_steps.note_eager_layer(layer, resident is not None)
             if resident is not None:  # the common decode step: no per-expert decision at all
                 experts = dict(zip(used, resident, strict=True))
-                return self._run_resident(experts, hidden, expert_ids, weights, spec)
+                return self._run_resident(layer, experts, hidden, expert_ids, weights, spec)
         return routed.run_routed(
             hidden, expert_ids, weights, spec, compute=lambda e, x: self._compute(layer, e, x, spec)
         )
 
     def _run_resident(
         self,
+        layer: int,
         experts: dict[int, ExpertWeights],
         hidden: torch.Tensor,
         expert_ids: torch.Tensor,
@@ -326,15 +340,29 @@ class TieredExpertProvider(ExpertStore):
         spec: MoESpec,
     ) -> torch.Tensor:
         """A decode step whose routed experts are all in tier 1: counted as RESIDENT in bulk and
-        timed once (each expert credited an equal share for q*'s compute model)."""
+        timed once (each expert credited an equal share for q*'s compute model). All in the slot
+        pool where the grouped GEMM is the faster kernel (`routed.use_grouped`: a GPU): one
+        grouped GEMM per projection over the slots; else the loop over the experts' weights."""
         self.policy.count_resident(len(experts), 1)
+        pool = self.moves.slots.pool if self.moves.slots is not None else None
+        if (
+            pool is not None
+            and routed.use_grouped(pool.stack, hidden.shape[0])
+            and all((layer, e) in pool for e in experts)
+        ):
+            slot_ids, _ = pool.lookup(layer, expert_ids)
+            run = lambda: routed.run_routed(  # noqa: E731
+                hidden, slot_ids, weights, spec, stack=pool.stack, get=pool.weights
+            )
+        else:
+            run = lambda: routed.run_routed(hidden, expert_ids, weights, spec, get=experts.__getitem__)  # noqa: E731
         if self._timer is not None:
             start = self._timer.start()
-            y = routed.run_routed(hidden, expert_ids, weights, spec, get=experts.__getitem__)
+            y = run()
             self._timer.stop(start, 1, len(experts))  # folded in by poll(), no sync
             return y
         with self.phases.time("experts") as took:
-            y = routed.run_routed(hidden, expert_ids, weights, spec, get=experts.__getitem__)
+            y = run()
         if len(self.fast) < len(self.stored_bytes):  # all in tier 1: no decision to price yet
             share = took() / len(experts)
             for _ in experts:
@@ -387,6 +415,39 @@ class TieredExpertProvider(ExpertStore):
                 y = expert_forward(self.moves.decode(key, value), x, spec)
         self.policy.compute.observe("cpu-host", self.codec[key], x.shape[0], time.perf_counter() - t0)
         return y
+
+    # ---- static (CUDA-graph) decode steps ----------------------------------------------------
+    @property
+    def graph_safe(self) -> bool:  # type: ignore[override]
+        """A decode step can run on the device alone: tier 1 is a slot pool that can hold every
+        expert of the file (one float layout) and the grouped GEMM is capturable there."""
+        slots = self.moves.slots
+        if slots is None or not self.cuda or not self.moves.uniform_float_tier1:
+            return False
+        return grouped_mm_capturable(self.device, self.dtype)
+
+    @property
+    def graph_epoch(self) -> int:  # type: ignore[override]
+        """Changes when the slot pool's buffer moves (a captured graph must be captured again)."""
+        return self.moves.slots.epoch if self.moves.slots is not None else 0
+
+    @property
+    def graph_wanted(self) -> bool:  # type: ignore[override]
+        """Whether a replay is likely to hit: most recent decode steps ran all in tier 1."""
+        return self.graph_steps is not None and self.graph_steps.wanted
+
+    def static_step(self) -> AbstractContextManager[None]:
+        return self.graph_steps.recording() if self.graph_steps is not None else nullcontext()
+
+    def finish_static_step(self) -> bool:
+        return self.graph_steps.finish() if self.graph_steps is not None else True
+
+    def _note_resident(self, layer: int, used: Sequence[int]) -> None:
+        """A static step ran `layer` with `used` all from tier 1: noted as an eager step notes it."""
+        self.planner.note_routing(layer, used)
+        with self._lock:
+            self.fast.get_all([(layer, e) for e in used])
+        self.policy.count_resident(len(used), 1)
 
     # ---- prefetch ---------------------------------------------------------------------------
     def _prefetch_load(self, key: ExpertKey) -> Any:
@@ -470,6 +531,7 @@ class TieredExpertProvider(ExpertStore):
                 "min_working_set": self.min_working_set,
             },
             "steps": self.planner.steps,
+            "graph_steps": self.graph_steps.stats() if self.graph_steps is not None else None,
         }
 
     def close(self) -> None:

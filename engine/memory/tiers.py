@@ -114,6 +114,11 @@ class LRUTier(Generic[K, V]):
         item = self._items.get(key)
         return None if item is None else item[0]
 
+    def replace(self, key: K, value: V) -> None:
+        """Give a held `key` a new value (same bytes, same place in the order; not counted)."""
+        _, size = self._items[key]
+        self._items[key] = (value, size)
+
     def fits(self, nbytes: int, key: K | None = None) -> bool:
         """Whether `nbytes` (for `key`) could be held at all (pinned bytes cannot be evicted by
         `put`). `key` matters only to tiers that partition capacity (`LayerLRUTier`)."""
