@@ -1,7 +1,7 @@
 """Tier 1 as preallocated expert slots with a device-side table expert -> slot.
 
 `ExpertSlots` holds `capacity` float experts of one shape in one device buffer `[S, P]` (each
-row laid out as `ExpertWeights.packed` lays out one expert: gate_up, down, biases), so bringing
+row holds gate_up, down and the biases in that order, each at an aligned offset), so bringing
 an expert in is a copy into one row. Its `stack` views the buffer as an `ExpertStack` (`gate_up
 [S, 2I, H]`, ... with a row stride of P) and `table [layers, experts]` (int64, -1 when absent)
 maps routed experts to slots on the device. A layer's MoE is then one grouped GEMM per
@@ -13,7 +13,7 @@ its float experts here (`memory.moves.TierMover`, by default on CUDA); `resized`
 pool when tier 1's room changes (KV growth), which moves the buffer (a captured graph is then
 captured again).
 
-Letters: S slots, P elements of one packed expert, T tokens, A experts per token.
+Letters: S slots, P elements of one slot row (an expert, padded), T tokens, A experts per token.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from .experts import PROJECTIONS, ExpertKey, ExpertWeights
 from .grouped_experts import ExpertStack, run_grouped
 from .spec import MoESpec
 
+# Each tensor of a row, and each row, starts at a multiple of this many elements (128 bytes in
+# bf16): the grouped GEMM on a GPU wants 16-byte aligned strides and data pointers.
+_ALIGN = 64
+
 
 class SlotsFullError(RuntimeError):
     """Every slot is taken; release one first."""
@@ -31,7 +35,7 @@ class SlotsFullError(RuntimeError):
 
 class ExpertSlots:
     """`capacity` slots for float experts shaped like `template` (any `ExpertWeights` whose
-    projections are floating point; a slot row lays them out as `ExpertWeights.packed` does)."""
+    projections are floating point; a slot row holds them at aligned offsets)."""
 
     def __init__(
         self,
@@ -50,7 +54,7 @@ class ExpertSlots:
         offset = 0
         for name, t in template.tensors().items():
             self._layout[name] = (offset, tuple(t.shape))
-            offset += t.numel()
+            offset += -(-t.numel() // _ALIGN) * _ALIGN
         self.row = offset
         # Normal tensors even when the pool is made during a forward (inference mode): it is
         # written outside one too (a rollback re-warms tier 1), which an inference tensor refuses.

@@ -70,3 +70,25 @@ def test_slots_refuse_experts_of_another_layout():
         slots.assign((0, 1), _expert(1, bias=True))
     with pytest.raises(ValueError, match="float experts"):
         ExpertSlots(ExpertWeights.quantized(_expert(0).tensors(), torch.float32), 2, 1, 2, "cpu")
+
+
+def test_each_slot_tensor_starts_aligned_for_the_grouped_gemm():
+    """A GPU's grouped GEMM wants 16-byte aligned strides: rows and tensors start at multiples of
+    64 elements whatever the expert's sizes (here odd ones, with biases)."""
+    g = torch.Generator().manual_seed(0)
+    odd = ExpertWeights.packed(
+        {
+            "gate_up": torch.randn(2 * 7, 5, generator=g),
+            "down": torch.randn(5, 7, generator=g),
+            "gate_up_bias": torch.randn(2 * 7, generator=g),
+            "down_bias": torch.randn(5, generator=g),
+        },
+        torch.float32,
+    )
+    slots = ExpertSlots(odd, capacity=3, num_layers=1, num_experts=2, device="cpu")
+    assert slots.row % 64 == 0
+    for t in (slots.stack.gate_up, slots.stack.down, slots.stack.gate_up_bias, slots.stack.down_bias):
+        assert t.stride(0) % 64 == 0 and (t.data_ptr() - slots.buffer.data_ptr()) // 4 % 64 == 0
+    view = slots.assign((0, 1), odd)
+    for name, t in odd.tensors().items():
+        assert torch.equal(getattr(view, name), t)
