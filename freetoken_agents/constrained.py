@@ -38,7 +38,7 @@ from freetoken_agents.engine.generate import Sampler
 
 from ._body_formats import JsonLexer, XmlParamsLexer, xml_structural_tag
 from .detokenize import IncrementalDetokenizer
-from .grounding import SpanGrounding, SpanIndex, plain_paths
+from .grounding import SpanGrounding, SpanIndex, enum_paths, plain_paths
 from .parsers.qwen3_coder import xml_parameters
 from .schema_check import check_schema
 
@@ -153,7 +153,8 @@ class GrammarFactory:
     def json_schema(self, schema: dict[str, Any], sources: Sequence[str] | None = None) -> JsonConstraint:
         """The constraint for `schema`; SchemaRejected (before compiling) when `check_schema`
         refuses it: too costly to compile, or without a finite value. `sources`: ground the value's
-        plain string and number fields in these texts (`grounding.SpanGrounding`); None: the grammar alone."""
+        plain string and number fields in these texts, and its string enums in the values they mention
+        (`grounding.SpanGrounding`); None: the grammar alone."""
         # Property order is part of the grammar (xgrammar emits properties in schema order), so
         # the schema is neither sorted for compiling nor for the cache key.
         check_schema(schema)  # linear, no recursion: before json.dumps meets a 10,000-deep schema
@@ -163,7 +164,9 @@ class GrammarFactory:
         )
         grounding = None
         if sources is not None:
-            grounding = SpanGrounding(self.vocab.span_index, sources, *plain_paths(schema))
+            grounding = SpanGrounding(
+                self.vocab.span_index, sources, *plain_paths(schema), enum_paths=enum_paths(schema)
+            )
         return JsonConstraint(compiled, self.vocab, grounding=grounding)
 
     def xml_parameters(self, schema: dict[str, Any]) -> JsonConstraint:

@@ -7,10 +7,12 @@ string value the user or a tool wrote is almost always a span of their text, so 
 tokens that keep the value a span turns a spelling problem into choosing where a span starts and
 ends (at word boundaries: an argument copies whole words). It applies inside JSON string values
 whose schema is a plain string (no enum, const, pattern or format: those the grammar already
-constrains), found by their key path, and never to keys or the tool's name. Where no token the
-grammar allows keeps the value a span (the value is not in the text), the step falls back to the
-grammar alone. Numbers (integer or number fields) are spans of a number in the text the same way
-("372" may give 372 or 37, never 272).
+constrains), found by their key path, and never to keys or the tool's name. A value the text
+quotes is copied whole. Where no token the grammar allows keeps the value a span (the value is not
+in the text), the step falls back to the grammar alone. Numbers (integer or number fields) are
+spans of a number in the text the same way ("372" may give 372 or 37, never 272). A string enum
+whose values the text mentions (whole words, case aside: "in km" for ["km", "miles"]) takes one of
+those; where it mentions none, the grammar chooses among all.
 
 Values are compared as the model writes them, JSON-escaped bytes, in both escapings (non-ASCII
 raw and as `\\uXXXX`), so an escape sequence is copied as a whole.
@@ -19,7 +21,8 @@ raw and as `\\uXXXX`), so an escape sequence is copied as a whole.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +53,34 @@ def plain_paths(schema: Any) -> tuple[frozenset[Path], frozenset[Path]]:
     numbers: set[Path] = set()
     _walk(schema, (), strings, numbers, depth=0)
     return frozenset(strings), frozenset(numbers)
+
+
+def enum_paths(schema: Any) -> dict[Path, frozenset[str]]:
+    """Key paths of the string enums `schema` allows and their values (over every branch)."""
+    out: dict[Path, set[str]] = {}
+    _walk_enums(schema, (), out, depth=0)
+    return {path: frozenset(values) for path, values in out.items()}
+
+
+def _walk_enums(schema: Any, path: Path, out: dict[Path, set[str]], depth: int) -> None:
+    if not isinstance(schema, dict) or depth > 32:
+        return
+    for key in ("anyOf", "oneOf", "allOf"):
+        for branch in schema.get(key, []) or []:
+            _walk_enums(branch, path, out, depth + 1)
+    values = [v for v in schema.get("enum") or () if isinstance(v, str)]
+    if values:
+        out.setdefault(path, set()).update(values)
+    for name, sub in (schema.get("properties") or {}).items():
+        _walk_enums(sub, (*path, _escaped(name)), out, depth + 1)
+    if isinstance(schema.get("items"), dict):
+        _walk_enums(schema["items"], (*path, _ANY_ITEM), out, depth + 1)
+
+
+def _mentioned(value: str, sources: Sequence[str]) -> bool:
+    """Whether `value` is written in a source as a whole word (case aside)."""
+    pattern = re.compile(rf"(?<!\w){re.escape(value)}(?!\w)", re.IGNORECASE)
+    return any(pattern.search(text) for text in sources)
 
 
 def _walk(schema: Any, path: Path, strings: set[Path], numbers: set[Path], depth: int) -> None:
@@ -133,10 +164,14 @@ class _Source:
     Strings: at word boundaries (an argument copies whole words, "Osaka", not "saka" or "Os"),
     never inside a UTF-8 character, and neither starting nor ending with white space; every
     character of a non-ASCII script is a word of its own.
+    A value the text quotes ('...', \"...\", curly or CJK quotes) is copied whole or not at
+    all: a span starting at its first character ends at its closing quote, and none starts or
+    ends inside it ("Ursussol Labs", not "Ursussol").
     Numbers: a whole number or its leading digits ("71" of "71.0"), a sign included."""
 
     def __init__(self, text: bytes, number: bool = False) -> None:
         self.text = text
+        self.only_end: dict[int, int] = {}  # a quoted value's start -> the one place it ends
         positions = range(len(text) + 1)
         if number:
             self.starts = [_number_starts(text, k) for k in positions]
@@ -145,6 +180,44 @@ class _Source:
             cuts = [_word_cut(text, k) for k in positions]
             self.starts = [cut and k < len(text) and text[k] not in _SPACES for k, cut in enumerate(cuts)]
             self.ends = [cut and k > 0 and text[k - 1] not in _SPACES for k, cut in enumerate(cuts)]
+            for first, end in _quoted(text):  # a quoted value is copied whole or not at all
+                for k in range(first + 1, end):
+                    self.starts[k] = False
+                for k in range(first, end):
+                    self.ends[k] = False
+                self.starts[first] = self.ends[end] = True
+                self.only_end[first] = end
+
+
+# Quote pairs users delimit values with, as JSON-escaped bytes in both escapings (a double quote is
+# written \", a curly or CJK quote raw or as \uXXXX).
+_QUOTES = [(b"'", b"'"), (b'\\"', b'\\"')] + [
+    (_escaped(a, ascii_only), _escaped(b, ascii_only))
+    for a, b in ("\u201c\u201d", "\u2018\u2019", "\u300c\u300d", "\u300e\u300f")
+    for ascii_only in (False, True)
+]
+
+
+def _quoted(text: bytes) -> list[tuple[int, int]]:
+    """(first, end) of each non-empty quoted value in `text`: an opening quote not preceded by a
+    word character and the next closing one not followed by one (so "don't" quotes nothing)."""
+    out = []
+    for opening, closing in _QUOTES:
+        k = text.find(opening)
+        while k >= 0:
+            first = k + len(opening)
+            if k > 0 and _word_byte(text[k - 1]):
+                k = text.find(opening, k + 1)
+                continue
+            end = text.find(closing, first)
+            while end >= 0 and end + len(closing) < len(text) and _word_byte(text[end + len(closing)]):
+                end = text.find(closing, end + 1)
+            if end < 0:
+                break
+            if end > first:
+                out.append((first, end))
+            k = text.find(opening, end + len(closing))
+    return out
 
 
 _SPACES = frozenset(b" \t\r\n")
@@ -179,8 +252,15 @@ class SpanGrounding:
         sources: Sequence[str],
         string_paths: frozenset[Path],
         number_paths: frozenset[Path] = frozenset(),
+        enum_paths: Mapping[Path, Iterable[str]] | None = None,
     ) -> None:
         self.index, self.string_paths, self.number_paths = index, string_paths, number_paths
+        # Enum values written in the conversation, per path: the value is one of them where any is.
+        self.mentioned = {
+            path: [_escaped(v) for v in sorted(values) if _mentioned(v, sources)]
+            for path, values in (enum_paths or {}).items()
+        }
+        self.mentioned = {path: values for path, values in self.mentioned.items() if values}
         texts = {_escaped(s, ascii_only) for s in sources if s for ascii_only in (False, True)}
         self.strings = [_Source(t) for t in sorted(texts)]
         self.numbers = [_Source(s.encode(), number=True) for s in sources if s]
@@ -247,8 +327,10 @@ class SpanGrounding:
         """ "string" inside a string value whose key path is a plain string's, "number" where a
         number value at a number's key path starts or goes on; else None."""
         if self.in_string:
-            grounded = not self.is_key and not self.escaped and self._path in self.string_paths
-            return "string" if grounded else None
+            if self.is_key or self.escaped:
+                return None
+            path = self._path
+            return "string" if path in self.string_paths else "enum" if path in self.mentioned else None
         if (self.number is not None or self.expect_value) and self._path in self.number_paths:
             return "number"
         return None
@@ -262,7 +344,25 @@ class SpanGrounding:
             return self._allowed(self.index.string, self.strings, self.value, empty_closes=True)
         if kind == "number":
             return self._allowed(self.index.number, self.numbers, self.number or b"", empty_closes=False)
+        if kind == "enum":
+            return self._allowed_enum(self.index.string, self.mentioned.get(self._path, ()), self.value)
         return set()
+
+    @staticmethod
+    def _allowed_enum(table: _Table, values: Sequence[bytes], value: bytes) -> set[int]:
+        """Tokens that keep the open value a prefix of one of `values`, or end it on one."""
+        ids: set[int] = set()
+        for wanted in values:
+            if not wanted.startswith(value):
+                continue
+            rest = wanted[len(value) :]
+            if not rest:
+                ids.update(table.closing.get(b"", ()))
+            for n in range(1, min(len(rest), table.longest) + 1):
+                ids.update(table.continuing.get(rest[:n], ()))
+                if n == len(rest):
+                    ids.update(table.closing.get(rest, ()))
+        return ids
 
     @staticmethod
     def _allowed(table: _Table, sources: list[_Source], value: bytes, empty_closes: bool) -> set[int]:
@@ -271,11 +371,12 @@ class SpanGrounding:
             text = source.text
             start = text.find(value)
             while start >= 0:
-                if source.starts[start]:
-                    after = start + len(value)
+                after = start + len(value)
+                last = source.only_end.get(start, len(text))  # a quoted value ends at its quote
+                if source.starts[start] and after <= last:
                     if value and source.ends[after]:
                         ids.update(table.closing.get(b"", ()))
-                    for end in range(after + 1, min(len(text), after + table.longest) + 1):
+                    for end in range(after + 1, min(last, after + table.longest) + 1):
                         written = text[after:end]
                         ids.update(table.continuing.get(written, ()))
                         if source.ends[end]:

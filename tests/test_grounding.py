@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from freetoken_agents import Agent, FreeTokenModel, GenerateRequest, default_model, tool
-from freetoken_agents.grounding import SpanGrounding, SpanIndex, conversation_sources, plain_paths
+from freetoken_agents.grounding import SpanGrounding, SpanIndex, conversation_sources, enum_paths, plain_paths
 from freetoken_agents.parsers.base import name_args_schema
 
 FORECAST = {
@@ -34,18 +34,22 @@ FORECAST = {
 PIECES = [
     *[b"Os", b"aka", b"eke", b'aka"}', b'"', b'"}', b"O", b"sa", b"ka", b"\\u6771", "東".encode(), b"x"],
     *[b"3", b"7", b"2", b"-", b".", b"0", b"}", b"2}", b", ", b"37", b" ", b"in ", b"in"],
+    *[b"fahren", b"heit", b'heit"', b"celsius", b'celsius"'],
 ]
 
 
 def grounding(sources: list[str]) -> SpanGrounding:
-    return SpanGrounding(SpanIndex(PIECES, skip=()), sources, *plain_paths(name_args_schema([FORECAST])))
+    schema = name_args_schema([FORECAST])
+    return SpanGrounding(
+        SpanIndex(PIECES, skip=()), sources, *plain_paths(schema), enum_paths=enum_paths(schema)
+    )
 
 
 def allowed(g: SpanGrounding) -> set[bytes]:
     return {PIECES[i] for i in g.allowed()}
 
 
-def test_only_plain_string_and_number_fields_are_grounded_not_the_name_enums_or_keys():
+def test_only_plain_string_and_number_fields_are_grounded_not_the_name_unmentioned_enums_or_keys():
     strings, numbers = plain_paths(name_args_schema([FORECAST]))
     assert strings == {(b"arguments", b"city"), (b"arguments", b"tags", b"*")}
     assert numbers == {(b"arguments", b"days")}
@@ -55,7 +59,7 @@ def test_only_plain_string_and_number_fields_are_grounded_not_the_name_enums_or_
     g.feed(b'get_forecast", "arguments": {"')
     assert not g.grounded  # a key
     g.feed(b'unit": "')
-    assert not g.grounded  # an enum
+    assert not g.grounded  # an enum none of whose values the text mentions
     g.feed(b'celsius", "city": "')
     assert g.grounded
     g.feed(b'Osaka", "tags": ["')
@@ -188,3 +192,41 @@ def test_grounding_is_the_embedded_model_s_default_only(tmp_path):
     assert not FreeTokenModel.from_pretrained(default_model(), ground_arguments=False).ground_arguments
     other = FreeTokenModel.from_pretrained(build_tiny_model("qwen3_moe", tmp_path / "m"))
     assert not other.ground_arguments and not Agent(other).ground_arguments
+
+
+def test_a_quoted_value_is_copied_whole_or_not_at_all():
+    """'Osaka in' is quoted: a span from its first character ends at its closing quote (not at
+    "Osaka", a whole word), and no span starts inside it (its "in"); outside it, words as usual."""
+    g = grounding(["in 'Osaka in' now"])
+    g.feed(b'{"name": "get_forecast", "arguments": {"city": "')
+    assert b"in" in allowed(g)  # the first word, outside the quotes
+    g.feed(b"Osaka")
+    assert allowed(g) == {b" "}  # no closing after "Osaka": the quoted value goes on
+    g.feed(b" in")
+    assert allowed(g) == {b'"', b'"}'}  # it ends at its quote, and not past it
+    g = grounding(["in 'Osaka in' now"])
+    g.feed(b'{"name": "get_forecast", "arguments": {"city": "Osaka ')
+    assert allowed(g) == {b"in"}  # still the quoted value, to its end
+    g = grounding(["in 'Osaka in' now, in Osaka"])  # outside the quotes "Osaka" is a whole word
+    g.feed(b'{"name": "get_forecast", "arguments": {"city": "Osaka')
+    assert {b" ", b'"', b'"}'} <= allowed(g)
+
+
+def test_a_quote_that_is_an_apostrophe_quotes_nothing():
+    g = grounding(["don't go to Osaka's port"])
+    g.feed(b'{"name": "get_forecast", "arguments": {"city": "Os')
+    assert b"aka" in allowed(g)  # "Osaka" is a word of its own, not inside a quote
+
+
+def test_an_enum_the_text_mentions_takes_a_mentioned_value():
+    g = grounding(["Forecast for Osaka in Fahrenheit"])
+    g.feed(b'{"name": "get_forecast", "arguments": {"unit": "')
+    assert g.grounded == "enum" and allowed(g) == {b"fahren"}  # case aside, whole words
+    g.feed(b"fahren")
+    assert allowed(g) == {b"heit", b'heit"'}
+    g = grounding(["Forecast for Osaka, celsius or fahrenheit?"])
+    g.feed(b'{"name": "get_forecast", "arguments": {"unit": "')
+    assert allowed(g) == {b"fahren", b"celsius", b'celsius"'}  # either, the model chooses
+    g = grounding(["Forecast for Osaka, celsiusish"])  # no whole word: the grammar alone
+    g.feed(b'{"name": "get_forecast", "arguments": {"unit": "')
+    assert not g.grounded
