@@ -91,7 +91,8 @@ def test_a_slotted_tier_1_decodes_the_resident_engines_tokens(ftw_of, arch, room
         assert w.gate_up.data_ptr() == pool.stack.gate_up[pool.slot_of(key)].data_ptr()
     if room is not None:
         assert tp.fast.counters.evictions > 0
-        assert pool.capacity * pool.row_bytes <= tp.fast.capacity_bytes
+        unit = tp.fast_bytes[tp.keys()[0]]  # what tier 1 counts per expert
+        assert pool.capacity == tp.fast.capacity_bytes // unit
     tp.close()
 
 
@@ -201,3 +202,25 @@ def test_the_static_tiered_step_decodes_the_resident_engines_tokens(ftw_of, arch
         assert replays == 48 and reruns < replays // 2  # only the warm-up steps missed
     else:
         assert reruns > 0 and replays < 48  # misses were recomputed, then replays declined
+
+
+def test_the_pool_has_a_slot_for_every_expert_tier_1_counts_in_its_room():
+    """A slot row is padded for alignment, so it is larger than what tier 1 counts per expert; the
+    pool is sized by tier 1's count (3 experts' bytes: 3 slots), never turning one away."""
+    from freetoken_agents.engine.experts import ExpertWeights
+    from freetoken_agents.engine.memory.slot_pool import TierSlots
+
+    g = torch.Generator().manual_seed(0)
+    expert = ExpertWeights.packed(
+        {"gate_up": torch.randn(10, 5, generator=g), "down": torch.randn(5, 5, generator=g)}, torch.float32
+    )
+    unit = expert.nbytes  # 75 floats; a slot row is padded to 128
+    slots = TierSlots(num_layers=1, num_experts=4, total_experts=4, device=torch.device("cpu"))
+    for e in range(3):
+        assert slots.assign((0, e), expert, 3 * unit, unit) is not None
+    assert slots.pool is not None and slots.pool.capacity == 3 and slots.pool.row_bytes > unit
+    assert slots.assign((0, 3), expert, 4 * unit, unit) is not None  # tier 1 grew: so does the pool
+    assert slots.pool.capacity == 4 and slots.epoch == 2
+    slots.release((0, 0))
+    slots.fit(2 * unit)  # cannot shrink below what it holds (tier 1 evicts first)
+    assert slots.pool.capacity == 3 and len(slots.pool) == 3

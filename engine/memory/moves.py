@@ -159,7 +159,7 @@ class TierMover:
         if self.slots is None or key not in self.fast:
             return None
         epoch = self.slots.epoch
-        view = self.slots.assign(key, w, self.fast.capacity_bytes)
+        view = self.slots.assign(key, w, self.fast.capacity_bytes, self.fast_bytes[key])
         if view is None:
             return None
         self.fast.replace(key, view)

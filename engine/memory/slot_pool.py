@@ -36,30 +36,34 @@ class TierSlots:
         self.num_layers, self.num_experts = num_layers, num_experts
         self.total_experts, self.device = total_experts, device
         self.pool: ExpertSlots | None = None
+        self.unit = 1  # tier 1's bytes for one expert of the pool's layout (what it counts)
         self.epoch = 0  # bumped whenever the pool's buffer moves
 
-    def _slots_for(self, capacity_bytes: int | None, row_bytes: int) -> int:
+    def _slots_for(self, capacity_bytes: int | None) -> int:
+        """As many slots as tier 1 counts experts in `capacity_bytes` (a slot row's alignment
+        padding is not counted, so the pool never turns away an expert tier 1 took)."""
         if capacity_bytes is None:
             return self.total_experts
-        return max(1, min(self.total_experts, capacity_bytes // row_bytes))
+        return max(1, min(self.total_experts, capacity_bytes // self.unit))
 
     def assign(
-        self, key: ExpertKey, weights: ExpertWeights, capacity_bytes: int | None
+        self, key: ExpertKey, weights: ExpertWeights, capacity_bytes: int | None, nbytes: int
     ) -> ExpertWeights | None:
-        """Copy `weights` into a slot (allocating or growing the pool to what `capacity_bytes`
-        holds); its views, or None when the expert does not fit the pool's layout."""
+        """Copy `weights` (`nbytes` as tier 1 counts them) into a slot, allocating or growing the
+        pool to what `capacity_bytes` holds; its views, or None when the expert does not fit the
+        pool's layout."""
         if not slot_compatible(weights):
             return None
         if self.pool is None:
-            row_bytes = sum(t.numel() * t.element_size() for t in weights.tensors().values())
-            slots = self._slots_for(capacity_bytes, row_bytes)
+            self.unit = max(1, nbytes)
+            slots = self._slots_for(capacity_bytes)
             self.pool = ExpertSlots(weights, slots, self.num_layers, self.num_experts, self.device)
             self.epoch += 1
-            logger.debug("tier 1 slot pool: %d slots of %d bytes", slots, row_bytes)
+            logger.debug("tier 1 slot pool: %d slots of %d bytes", slots, self.pool.row_bytes)
         elif not self.pool.holds_layout_of(weights):
             return None
         if self.pool.full:
-            wanted = self._slots_for(capacity_bytes, self.pool.row_bytes)
+            wanted = self._slots_for(capacity_bytes)
             if wanted <= self.pool.capacity:
                 return None  # tier 1 counts the bytes: it evicted first, so this is another layout's room
             self._reallocate(wanted)
@@ -74,7 +78,7 @@ class TierSlots:
         """Resize the pool to what tier 1's new `capacity_bytes` holds (tier 1 evicted first)."""
         if self.pool is None:
             return
-        wanted = max(self._slots_for(capacity_bytes, self.pool.row_bytes), len(self.pool))
+        wanted = max(self._slots_for(capacity_bytes), len(self.pool))
         if wanted != self.pool.capacity:
             self._reallocate(wanted)
 
