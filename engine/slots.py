@@ -87,22 +87,14 @@ class ExpertSlots:
         )
 
     def resized(self, capacity: int) -> ExpertSlots:
-        """A pool of `capacity` slots holding the same experts (copied; at most `capacity` of
-        them may be held). The old pool's buffer is freed once nothing refers to it."""
+        """A pool of `capacity` slots holding the same experts (copied, in slot order; at most
+        `capacity` of them may be held). The old pool's buffer is freed once nothing refers to it."""
         if capacity < len(self):
             raise SlotsFullError(f"{len(self)} experts held, cannot shrink to {capacity} slots")
-        out = ExpertSlots.__new__(ExpertSlots)
-        out.dtype, out.device, out._layout, out.row = self.dtype, self.device, self._layout, self.row
-        with torch.inference_mode(False):  # as in __init__
-            out.buffer = torch.zeros(capacity, self.row, dtype=self.dtype, device=self.device)
-            out.table = torch.full_like(self.table, -1)
-        out._slot_of, out._free = {}, list(reversed(range(capacity)))
-        out.stack = ExpertStack(**{n: out._strided(n) for n in PROJECTIONS if n in out._layout})
+        layers, experts = self.table.shape
+        out = ExpertSlots(self.weights(0), capacity, layers, experts, self.device)
         for key, slot in sorted(self._slot_of.items(), key=lambda item: item[1]):
-            new = out._free.pop()
-            out.buffer[new].copy_(self.buffer[slot])
-            out._slot_of[key] = new
-            out.table[key[0], key[1]] = new
+            out.assign(key, self.weights(slot))
         return out
 
     @property

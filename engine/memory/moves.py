@@ -32,7 +32,6 @@ from ..expert_tensors import kept_forms
 from ..experts import ExpertKey, ExpertWeights
 from ..ftw import FTWFile
 from ..int8 import ExpertQuant
-from ..slots import slot_compatible
 from .oracle import BandwidthOracle
 from .prefetch import SKIPPED
 from .slot_pool import TierSlots
@@ -106,11 +105,6 @@ class TierMover:
             for k in stored_bytes
             if exclusive and fast_bytes[k] <= self.raw_bytes[k] and not self._kept_compact(k)
         }
-        # Every expert of one shape, none kept compact in tier 1: the slot pool can hold them all.
-        shapes = {
-            tuple(sorted((n, t.shape) for n, t in ftw.expert_info(*k).tensors.items())) for k in stored_bytes
-        }
-        self.uniform_float_tier1 = len(shapes) == 1 and not any(self._kept_compact(k) for k in stored_bytes)
         self.bytes_moved = {"storage->host": 0, "host->fast": 0, "fast->host": 0}
         self.copies: Any = None
         if cuda:
@@ -123,10 +117,18 @@ class TierMover:
         on_fast_evict = (self.spill if exclusive else None) if cuda else self.demote
         # Tier 1's float experts in one slot pool (the grouped, graph-capturable decode step).
         self.slots: TierSlots | None = None
+        self.uniform_float_tier1 = False  # with slots: the pool can hold every expert of the file
         if slots and stored_bytes:
             layers, experts = (max(k[i] for k in stored_bytes) + 1 for i in (0, 1))
             self.slots = TierSlots(layers, experts, len(stored_bytes), device)
             on_fast_evict = self._releasing_slot(on_fast_evict)
+            shapes = {
+                tuple(sorted((n, t.shape) for n, t in ftw.expert_info(*k).tensors.items()))
+                for k in stored_bytes
+            }
+            self.uniform_float_tier1 = len(shapes) == 1 and not any(
+                self._kept_compact(k) for k in stored_bytes
+            )
         if placement == "stream":
             self.fast: FastTier[ExpertWeights] = LayerLRUTier(
                 None, n_layers, on_evict=on_fast_evict, protected=protected
@@ -180,13 +182,6 @@ class TierMover:
             self.slots.fit(self.fast.capacity_bytes)
             if self.slots.epoch != epoch:
                 self._repoint()
-
-    def _slotted(self, w: ExpertWeights) -> bool:
-        """Whether `w` will be copied into the slot pool when it enters tier 1."""
-        if self.slots is None:
-            return False
-        pool = self.slots.pool
-        return slot_compatible(w) if pool is None else pool.holds_layout_of(w)
 
     def stats(self) -> dict[str, int]:
         """Bytes moved per link ("storage->host", "host->fast", "fast->host")."""
@@ -311,7 +306,7 @@ class TierMover:
                 )
         # Into a slot, the bytes are copied: they stay in tier 2 (and views of them never reach
         # tier 1, whose copy tier 2 could otherwise recycle).
-        slotted = self._slotted(w)
+        slotted = self.slots is not None and self.slots.accepts(w)
         shares = self.exclusive and not slotted and shares_memory(w, stored)
         with self.lock:
             self.bytes_moved["host->fast"] += n

@@ -52,7 +52,7 @@ class TierSlots:
         """Copy `weights` (`nbytes` as tier 1 counts them) into a slot, allocating or growing the
         pool to what `capacity_bytes` holds; its views, or None when the expert does not fit the
         pool's layout."""
-        if not slot_compatible(weights):
+        if not self.accepts(weights):
             return None
         if self.pool is None:
             self.unit = max(1, nbytes)
@@ -60,8 +60,7 @@ class TierSlots:
             self.pool = ExpertSlots(weights, slots, self.num_layers, self.num_experts, self.device)
             self.epoch += 1
             logger.debug("tier 1 slot pool: %d slots of %d bytes", slots, self.pool.row_bytes)
-        elif not self.pool.holds_layout_of(weights):
-            return None
+        assert self.pool is not None
         if self.pool.full:
             wanted = self._slots_for(capacity_bytes)
             if wanted <= self.pool.capacity:
@@ -69,6 +68,10 @@ class TierSlots:
             self._reallocate(wanted)
         assert self.pool is not None
         return self.pool.assign(key, weights)
+
+    def accepts(self, weights: ExpertWeights) -> bool:
+        """Whether `weights` can take a slot: a float expert, of the pool's layout once it has one."""
+        return slot_compatible(weights) if self.pool is None else self.pool.holds_layout_of(weights)
 
     def release(self, key: ExpertKey) -> None:
         if self.pool is not None:
