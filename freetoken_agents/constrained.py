@@ -38,7 +38,7 @@ from freetoken_agents.engine.generate import Sampler
 
 from ._body_formats import JsonLexer, XmlParamsLexer, xml_structural_tag
 from .detokenize import IncrementalDetokenizer
-from .grounding import SpanGrounding, SpanIndex, enum_paths, plain_paths
+from .grounding import SpanGrounding, SpanIndex, schema_paths
 from .parsers.qwen3_coder import xml_parameters
 from .schema_check import check_schema
 
@@ -164,9 +164,8 @@ class GrammarFactory:
         )
         grounding = None
         if sources is not None:
-            grounding = SpanGrounding(
-                self.vocab.span_index, sources, *plain_paths(schema), enum_paths=enum_paths(schema)
-            )
+            strings, numbers, enums = schema_paths(schema)
+            grounding = SpanGrounding(self.vocab.span_index, sources, strings, numbers, enum_paths=enums)
         return JsonConstraint(compiled, self.vocab, grounding=grounding)
 
     def xml_parameters(self, schema: dict[str, Any]) -> JsonConstraint:

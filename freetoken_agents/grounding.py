@@ -46,35 +46,15 @@ def conversation_sources(messages: Sequence[dict[str, Any]]) -> list[str]:
     return out
 
 
-def plain_paths(schema: Any) -> tuple[frozenset[Path], frozenset[Path]]:
-    """Key paths (JSON-escaped keys; `*` for an array element) of the plain string values and of
-    the number values `schema` allows, over every branch of anyOf / oneOf / allOf: (strings, numbers)."""
+def schema_paths(schema: Any) -> tuple[frozenset[Path], frozenset[Path], dict[Path, frozenset[str]]]:
+    """Key paths (JSON-escaped keys; `*` for an array element) of the plain string values, of the
+    number values and of the string enums (with their values) `schema` allows, over every branch
+    of anyOf / oneOf / allOf: (strings, numbers, enums), in one walk."""
     strings: set[Path] = set()
     numbers: set[Path] = set()
-    _walk(schema, (), strings, numbers, depth=0)
-    return frozenset(strings), frozenset(numbers)
-
-
-def enum_paths(schema: Any) -> dict[Path, frozenset[str]]:
-    """Key paths of the string enums `schema` allows and their values (over every branch)."""
-    out: dict[Path, set[str]] = {}
-    _walk_enums(schema, (), out, depth=0)
-    return {path: frozenset(values) for path, values in out.items()}
-
-
-def _walk_enums(schema: Any, path: Path, out: dict[Path, set[str]], depth: int) -> None:
-    if not isinstance(schema, dict) or depth > 32:
-        return
-    for key in ("anyOf", "oneOf", "allOf"):
-        for branch in schema.get(key, []) or []:
-            _walk_enums(branch, path, out, depth + 1)
-    values = [v for v in schema.get("enum") or () if isinstance(v, str)]
-    if values:
-        out.setdefault(path, set()).update(values)
-    for name, sub in (schema.get("properties") or {}).items():
-        _walk_enums(sub, (*path, _escaped(name)), out, depth + 1)
-    if isinstance(schema.get("items"), dict):
-        _walk_enums(schema["items"], (*path, _ANY_ITEM), out, depth + 1)
+    enums: dict[Path, set[str]] = {}
+    _walk(schema, (), strings, numbers, enums, depth=0)
+    return frozenset(strings), frozenset(numbers), {path: frozenset(v) for path, v in enums.items()}
 
 
 def _mentioned(value: str, sources: Sequence[str]) -> bool:
@@ -83,12 +63,14 @@ def _mentioned(value: str, sources: Sequence[str]) -> bool:
     return any(pattern.search(text) for text in sources)
 
 
-def _walk(schema: Any, path: Path, strings: set[Path], numbers: set[Path], depth: int) -> None:
+def _walk(
+    schema: Any, path: Path, strings: set[Path], numbers: set[Path], enums: dict[Path, set[str]], depth: int
+) -> None:
     if not isinstance(schema, dict) or depth > 32:
         return
     for key in ("anyOf", "oneOf", "allOf"):
         for branch in schema.get(key, []) or []:
-            _walk(branch, path, strings, numbers, depth + 1)
+            _walk(branch, path, strings, numbers, enums, depth + 1)
     types = schema.get("type")
     types = set(types) if isinstance(types, list) else {types}
     if not {"enum", "const"} & schema.keys():
@@ -96,10 +78,13 @@ def _walk(schema: Any, path: Path, strings: set[Path], numbers: set[Path], depth
             strings.add(path)
         if {"integer", "number"} & types:
             numbers.add(path)
+    values = [v for v in schema.get("enum") or () if isinstance(v, str)]
+    if values:
+        enums.setdefault(path, set()).update(values)
     for name, sub in (schema.get("properties") or {}).items():
-        _walk(sub, (*path, _escaped(name)), strings, numbers, depth + 1)
+        _walk(sub, (*path, _escaped(name)), strings, numbers, enums, depth + 1)
     if isinstance(schema.get("items"), dict):
-        _walk(schema["items"], (*path, _ANY_ITEM), strings, numbers, depth + 1)
+        _walk(schema["items"], (*path, _ANY_ITEM), strings, numbers, enums, depth + 1)
 
 
 def _escaped(text: str, ascii_only: bool = False) -> bytes:
@@ -256,11 +241,10 @@ class SpanGrounding:
     ) -> None:
         self.index, self.string_paths, self.number_paths = index, string_paths, number_paths
         # Enum values written in the conversation, per path: the value is one of them where any is.
-        self.mentioned = {
-            path: [_escaped(v) for v in sorted(values) if _mentioned(v, sources)]
-            for path, values in (enum_paths or {}).items()
-        }
-        self.mentioned = {path: values for path, values in self.mentioned.items() if values}
+        self.mentioned: dict[Path, list[bytes]] = {}
+        for path, values in (enum_paths or {}).items():
+            if said := [_escaped(v) for v in sorted(values) if _mentioned(v, sources)]:
+                self.mentioned[path] = said
         texts = {_escaped(s, ascii_only) for s in sources if s for ascii_only in (False, True)}
         self.strings = [_Source(t) for t in sorted(texts)]
         self.numbers = [_Source(s.encode(), number=True) for s in sources if s]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from freetoken_agents import Agent, FreeTokenModel, GenerateRequest, default_model, tool
-from freetoken_agents.grounding import SpanGrounding, SpanIndex, conversation_sources, enum_paths, plain_paths
+from freetoken_agents.grounding import SpanGrounding, SpanIndex, conversation_sources, schema_paths
 from freetoken_agents.parsers.base import name_args_schema
 
 FORECAST = {
@@ -39,10 +39,8 @@ PIECES = [
 
 
 def grounding(sources: list[str]) -> SpanGrounding:
-    schema = name_args_schema([FORECAST])
-    return SpanGrounding(
-        SpanIndex(PIECES, skip=()), sources, *plain_paths(schema), enum_paths=enum_paths(schema)
-    )
+    strings, numbers, enums = schema_paths(name_args_schema([FORECAST]))
+    return SpanGrounding(SpanIndex(PIECES, skip=()), sources, strings, numbers, enum_paths=enums)
 
 
 def allowed(g: SpanGrounding) -> set[bytes]:
@@ -50,9 +48,10 @@ def allowed(g: SpanGrounding) -> set[bytes]:
 
 
 def test_only_plain_string_and_number_fields_are_grounded_not_the_name_unmentioned_enums_or_keys():
-    strings, numbers = plain_paths(name_args_schema([FORECAST]))
+    strings, numbers, enums = schema_paths(name_args_schema([FORECAST]))
     assert strings == {(b"arguments", b"city"), (b"arguments", b"tags", b"*")}
     assert numbers == {(b"arguments", b"days")}
+    assert enums == {(b"arguments", b"unit"): {"celsius", "fahrenheit"}}
     g = grounding(["Weather in Osaka?"])
     g.feed(b'{"name": "')
     assert not g.grounded  # the tool's name is a const, chosen by the grammar
