@@ -41,6 +41,13 @@ class FakeGraphs:
         return self.model.forward_layers(tokens, ctx, last_only=True)
 
 
+def _eager_steps(engine: Engine) -> list[torch.Tensor]:
+    """The logits of decoding 7, 8, 9 after PROMPT, eagerly: what any decode path must give."""
+    with engine.new_session() as ref:
+        ref.prefill(PROMPT)
+        return [ref.decode(t) for t in (7, 8, 9)]
+
+
 def test_the_option_defaults_on_and_is_part_of_the_key():
     on, off = EngineOptions(), EngineOptions(cuda_graphs=False)
     assert on.cuda_graphs is True and off.cuda_graphs is False
@@ -95,9 +102,7 @@ def test_graph_unsupported_names_the_option_first(path, monkeypatch):
 def test_the_runner_sends_decode_steps_to_the_graph_and_switches(path, caplog):
     engine = Engine.from_pretrained(path)
     runner = engine.decode_runner
-    with engine.new_session() as ref:
-        ref.prefill(PROMPT)
-        want = [ref.decode(t) for t in (7, 8, 9)]
+    want = _eager_steps(engine)
     fake = FakeGraphs(engine.model)
     runner.use_graphs(fake)  # type: ignore[arg-type]
     with engine.new_session() as s:
@@ -130,11 +135,7 @@ def test_a_new_expert_provider_is_decided_again(path, caplog):
 
 class WrongGraphs(FakeGraphs):
     """A replay the expert store finds wrong (`DecodeGraphs.run` returns None): garbage logits
-    are computed, then None is returned; and a store that declines replays (`wanted`)."""
-
-    def __init__(self, model):
-        super().__init__(model)
-        self.wanted = True
+    are computed, then None is returned; `wanted` set False: a store that declines replays."""
 
     def run(self, tokens, ctx):
         super().run(tokens, ctx)
@@ -144,9 +145,7 @@ class WrongGraphs(FakeGraphs):
 def test_a_replay_found_wrong_is_recomputed_eagerly_and_an_unwanted_one_is_not_run(path):
     engine = Engine.from_pretrained(path)
     runner = engine.decode_runner
-    with engine.new_session() as ref:
-        ref.prefill(PROMPT)
-        want = [ref.decode(t) for t in (7, 8, 9)]
+    want = _eager_steps(engine)
     wrong = WrongGraphs(engine.model)
     runner.use_graphs(wrong)  # type: ignore[arg-type]
     with engine.new_session() as s:
