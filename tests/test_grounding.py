@@ -229,3 +229,12 @@ def test_an_enum_the_text_mentions_takes_a_mentioned_value():
     g = grounding(["Forecast for Osaka, celsiusish"])  # no whole word: the grammar alone
     g.feed(b'{"name": "get_forecast", "arguments": {"unit": "')
     assert not g.grounded
+
+
+def test_an_unbalanced_quote_quotes_nothing():
+    """An untrusted text with a quote never closed (or only closed inside a word) restricts no
+    span: "Osaka" stays a whole word to copy."""
+    for text in ["in 'Osaka now", "in 'Osaka isn'tso", "'" * 1000 + " in Osaka"]:
+        g = grounding([text])
+        g.feed(b'{"name": "get_forecast", "arguments": {"city": "Osaka')
+        assert {b'"', b'"}'} <= allowed(g), text
