@@ -144,3 +144,20 @@ def test_measured_answers_only_from_measurements():
     assert c.measured("cuda", "decode/mxfp4", 1) is None and c.estimate("cuda", "decode/mxfp4", 1) == 1e-3
     c.observe("cuda", "decode/mxfp4", 1, 20e-6)
     assert c.measured("cuda", "decode/mxfp4", 1) == 20e-6
+
+
+def test_an_unmeasured_host_is_tried_once_on_a_decode_token():
+    """With the host never measured, its cost is the prior's guess (1 ms an expert). Where that
+    guess loses to a copy, q* never computed on the host and so never learned that it is cheaper
+    there: a simulated Qwen3-30B-A3B on an H200 with half the expert bytes in tier 1 streamed every
+    miss (127 tok/s; 242 with the host tried once)."""
+    p = _policy()
+    p.compute.set("cuda", "decoded", 1, 50e-6)  # a copy (0.4 ms) + 0.05 ms beats the 1 ms prior
+    assert p.decide((0, 1), _case(tokens=64)) is Placement.STREAM  # a prefill: not tried there
+    assert p.decide((0, 2), _case()) is Placement.HOST  # tried on a decode token
+    p.compute.observe("cpu", "bf16", 1, 0.1e-3)  # what that computation measured
+    assert p.decide((0, 3), _case()) is Placement.HOST  # cheaper, and now known to be
+    p.compute.set("cpu", "bf16", 1, 50e-3)  # a slow host, measured: the costs decide again
+    assert p.decide((0, 4), _case()) is Placement.STREAM
+    # Filling free room comes first: it also measures the device.
+    assert p.decide((0, 5), _case(free_room=True)) is Placement.STREAM

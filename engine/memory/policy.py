@@ -214,6 +214,11 @@ class QStarPolicy:
             # Free fast memory is never better left empty: fill it (this also seeds the
             # fast-compute measurements the later, contested decisions need).
             choice = Placement.STREAM
+        elif case.tokens == 1 and self.compute.measured(self.host_device, case.codec, 1) is None:
+            # Never measured, the host's cost is the prior's guess; a policy that trusts it may
+            # never compute there and so never learn better. One decode token is cheap anywhere:
+            # try it once and price the host from then on by what it measured.
+            choice = Placement.HOST
         else:
             choice = min(costs, key=lambda p: (costs[p], order.index(p)))
         self.decisions[choice.value] += 1
