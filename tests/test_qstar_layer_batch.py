@@ -81,22 +81,22 @@ def test_the_busy_link_and_the_busy_cpu_are_priced() -> None:
     assert p.decide((0, 3), _case(host_wait_s=5e-3)) is Placement.STREAM
 
 
-def _planner(clock: ManualClock, capacity_experts: int = 4) -> ExpertPlanner:
+def _planner(clock: ManualClock, capacity_experts: int = 4, layers: int = 2) -> ExpertPlanner:
     fast: FastTier[bool] = FastTier(capacity_experts * 100 * MB)
     host: HostTier[bool] = HostTier(None)
-    keys = [(0, e) for e in range(8)] + [(1, e) for e in range(8)]
+    keys = [(lay, e) for lay in range(layers) for e in range(8)]
     for k in keys:
         host.put(k, True, 100 * MB)
     for e in range(capacity_experts):  # tier 1 full of equally warm experts of layer 1
         fast.put((1, e), True, 100 * MB)
-    routing = RoutingFrequency([0, 1])
+    routing = RoutingFrequency(range(layers))
     routing.note(1, list(range(capacity_experts)))
     return ExpertPlanner(
         fast=fast,
         host=host,
         policy=_policy(),
         routing=routing,
-        layers=[0, 1],
+        layers=list(range(layers)),
         stored_bytes=dict.fromkeys(keys, 100 * MB),
         fast_bytes=dict.fromkeys(keys, 100 * MB),
         codecs=dict.fromkeys(keys, "mxfp4"),
@@ -120,23 +120,51 @@ def test_a_layers_misses_are_spread_over_the_cpu_and_the_link() -> None:
 
 def test_a_copy_is_staged_only_when_it_lands_before_the_cpu_could_have_computed_it() -> None:
     clock = ManualClock(10.0)
-    planner = _planner(clock)
-    planner.layer_s = 1e-3  # a layer takes 1 ms
-    # 3 layers ahead: lands at 4 ms, before 3 ms + the CPU's 1.4 ms.
-    assert planner.should_stage((0, 5), layers_ahead=3)
-    assert planner.arrives[(0, 5)] == clock.now + COPY_S
-    # The link is now busy until +4 ms: the next copy would land at +8 ms, too late for 3 ahead.
-    assert not planner.should_stage((0, 6), layers_ahead=3)
-    clock.advance(4e-3)
-    assert planner.should_stage((0, 6), layers_ahead=3)
+    planner = _planner(clock, layers=4)
+    planner.note_routing(0, [])  # layer 0 starts at 10 s
+    planner.layer_s = 2e-3  # a layer takes 2 ms, none has a miss predicted
+    # Layer 3 starts at +6 ms: the copy lands at +4 ms, before +6 ms and the CPU's 1.4 ms.
+    assert planner.should_stage((3, 5))
+    assert planner.arrives[(3, 5)] == clock.now + COPY_S
+    # The link is now busy until +4 ms: the next copy would land at +8 ms, too late for layer 3.
+    assert not planner.should_stage((3, 6))
+    clock.advance(4e-3)  # still in layer 0 (a slow one): layer 3 is no nearer to starting
+    assert not planner.should_stage((3, 6))
+    planner.note_routing(1, [])  # layer 1 starts at +4 ms: layer 3 at +8 ms
+    assert planner.should_stage((3, 6))
+
+
+def test_when_a_layer_starts_counts_the_host_work_predicted_on_the_way() -> None:
+    """A mean layer time staged copies for layers that came sooner (all their experts in tier 1)
+    and wasted the link, and skipped ones that would have landed in time before slow layers."""
+    clock = ManualClock(10.0)
+    planner = _planner(clock, layers=4)
+    planner.note_routing(0, [])
+    planner.begin_layer(0, [])
+    planner.layer_s, planner.host_per_layer = 1e-3, 0.5  # 1 ms with half a host compute on average
+    # Layers 1 and 2 use experts in tier 1: 0.3 ms each, as layer 0. Layer 3 starts at +0.9 ms, so a
+    # 4 ms copy lands after the CPU (1.4 ms) would have computed its expert.
+    planner.expect(1, [0, 1])
+    planner.expect(2, [])
+    assert abs(planner.starts_at(3, HOST_S) - (clock.now + 0.9e-3)) < 1e-12
+    assert not planner.should_stage((3, 5))  # a mean 1 ms layer: +3 ms + 1.4 ms, "in time"
+    # Two misses predicted in layers 1 and 2: 1 + 1.5 x 1.4 = 3.1 ms each: layer 3 starts at +6.5 ms.
+    planner.expect(1, [4, 5])
+    planner.expect(2, [4, 5])
+    assert abs(planner.starts_at(3, HOST_S) - (clock.now + 6.5e-3)) < 1e-12
+    assert planner.should_stage((3, 5))
+    # An expert with a copy staged for it is not a host computation on the way.
+    planner.expect(2, [4, 5, 6])
+    planner.arrives[(2, 6)] = clock.now + 1e-3
+    assert abs(planner.starts_at(3, HOST_S) - (clock.now + 6.5e-3)) < 1e-12
 
 
 def test_the_staged_wait_is_how_long_until_the_copy_lands() -> None:
     clock = ManualClock(10.0)
     planner = _planner(clock)
-    planner.layer_s = 2e-3
-    assert planner.should_stage((0, 5), layers_ahead=2)
-    case = planner.case((0, 5), 1, staged=True)
+    planner.layer_s = 3e-3  # layer 1 starts at +3 ms: a copy landing at +4 ms beats the CPU
+    assert planner.should_stage((1, 5))
+    case = planner.case((1, 5), 1, staged=True)
     assert case.staged and abs(case.staged_wait_s - COPY_S) < 1e-12
     clock.advance(COPY_S)
-    assert planner.case((0, 5), 1, staged=True).staged_wait_s == 0.0
+    assert planner.case((1, 5), 1, staged=True).staged_wait_s == 0.0

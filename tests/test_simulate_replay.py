@@ -183,3 +183,33 @@ def test_prefill_records_of_a_sequence_are_one_step() -> None:
     steps = group_steps(records)
     assert [(s.phase, s.tokens) for s in steps] == [("prefill", 3), ("decode", 1)]
     assert steps[0].layers == {0: {0: 2, 2: 3, 1: 1}}
+
+
+def test_the_predictor_misses_the_same_experts_of_a_layer_from_every_nearer_layer() -> None:
+    """A layer is predicted again from each nearer layer, and pre-gating from successive layers
+    reads nearly the same hidden state. Drawn anew at each prediction, recall 0.5 over three
+    predictions kept ~7/8 of a layer's experts, with the wrong fillers of every draw staged too."""
+    shape = shape_for("mixtral-8x7b")
+    budget = shape.total_expert_bytes("mxfp4") // 2
+    profile = load_profile("rtx4090-pcie4")
+    replay = TieredReplay(shape, profile, codec="mxfp4", fast_bytes=budget, host_bytes=None, recall=0.5)
+    kept: dict[tuple[int, int], set[frozenset[int]]] = {}
+    step = 0
+    run_step, predict = replay._run_step, replay._predict
+
+    def counted_step(s):
+        nonlocal step
+        step += 1
+        return run_step(s)
+
+    def spied(layer, truth, tokens):
+        pred = predict(layer, truth, tokens)
+        kept.setdefault((step, layer), set()).add(frozenset(e for e in pred if e in truth))
+        return pred
+
+    replay._run_step, replay._predict = counted_step, spied
+    replay.run(group_steps(preset_trace(MIXTRAL_8X7B, tokens=40, seed=3)))
+    assert sum(len(sets) == 1 for sets in kept.values()) == len(kept) > 1000  # one draw per step
+    # Routed experts predicted: those drawn (recall 0.5), and some as fillers (the most used).
+    share = sum(len(next(iter(sets))) for sets in kept.values()) / (len(kept) * shape.top_k)
+    assert 0.5 < share < 0.75

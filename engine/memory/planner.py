@@ -11,7 +11,11 @@ Per step of a MoE layer it
 - on CUDA, where copies and host computations run beside the device, keeps when the link and the
   CPU will be free (each copy and host computation it decides or stages adds its predicted
   seconds), so q* spreads a layer's misses over both, and a prefetch stages a copy only when the
-  link can land it before the CPU could have computed the expert.
+  link can land it before the CPU could have computed the expert. When that layer starts is
+  predicted layer by layer: the mean layer time, plus the CPU time of the misses predicted there
+  beyond the mean number per layer (a layer whose experts are all in tier 1 takes a fraction of
+  one with two host computations; a mean for every layer staged copies that landed late, wasting
+  the link, and skipped ones that would have landed in time).
 
 It never moves a byte. The live `TieredExpertProvider` carries its decisions out with `TierMover`
 (real reads, decodes and copies); the simulator (`engine.simulate.replay`) with a virtual mover
@@ -81,19 +85,23 @@ class ExpertPlanner:
         self.link_free_at = self.host_free_at = 0.0  # CUDA: when the link / the CPU is free
         self.arrives: dict[ExpertKey, float] = {}  # CUDA: when a staged copy lands
         self.layer_s = 0.0  # CUDA: EMA of the time from one MoE layer's start to the next one's
+        self.host_per_layer = 0.0  # CUDA: EMA of the host computations q* decides per layer
         self._last_start: float | None = None
+        self._running = self.layers[0] if self.layers else 0  # the MoE layer that started last
+        self._host_now = 0  # host computations decided for the running layer
 
     # ---- per step of a layer ----------------------------------------------------------------
     def note_routing(self, layer: int, used: Sequence[int]) -> None:
         """`layer` routes to `used` this step: count it; re-evaluate the hot set every
         `hot_every` steps (a step begins at the first MoE layer)."""
         self.routing.note(layer, used)
-        if self.cuda:  # `layer_s` serves `should_stage` only
+        if self.cuda:  # `layer_s` and `host_per_layer` serve `should_stage` only
             now = self.clock()
             if self._last_start is not None and now > self._last_start:
                 gap = now - self._last_start
                 self.layer_s = gap if not self.layer_s else 0.9 * self.layer_s + 0.1 * gap
-            self._last_start = now
+                self.host_per_layer = 0.9 * self.host_per_layer + 0.1 * self._host_now
+            self._last_start, self._running, self._host_now = now, layer, 0
         if layer == self.layers[0]:
             self.steps += 1
             if self.steps % self.hot_every == 0:
@@ -142,22 +150,37 @@ class ExpertPlanner:
         if place is Placement.STREAM and not staged:
             self.link_free_at = max(now, self.link_free_at) + self.copy_s(key)
         elif place is Placement.HOST:
+            self._host_now += key[0] == self._running
             compute = self.policy.compute.estimate(self.policy.host_device, self.codecs[key], tokens)
             self.host_free_at = max(now, self.host_free_at) + compute
 
-    def should_stage(self, key: ExpertKey, layers_ahead: int) -> bool:
-        """CUDA prefetch: whether to copy `key`, predicted for the layer `layers_ahead` from the
-        running one, into the staging buffer now: the link lands it before that layer's CPU could
-        have computed it (counting the copies already on the link). Staged: the link is booked."""
+    def should_stage(self, key: ExpertKey) -> bool:
+        """CUDA prefetch: whether to copy `key`, predicted for a coming layer, into the staging
+        buffer now: the link lands it (after the copies already on it) before that layer's CPU
+        could have computed it, the layer's start predicted by `starts_at`. Staged: the link is
+        booked."""
         now = self.clock()
         compute = self.policy.compute.estimate(self.policy.host_device, self.codecs[key], 1)
         with self.lock:  # a loader thread asks while the compute thread decides
             lands = max(now, self.link_free_at) + self.copy_s(key)
-            if lands > now + layers_ahead * self.layer_s + compute:
+            if lands > self.starts_at(key[0], compute) + compute:
                 return False
             self.link_free_at = lands
             self.arrives[key] = lands
         return True
+
+    def starts_at(self, layer: int, host_s: float) -> float:
+        """CUDA: when `layer` is predicted to start (clock seconds): from the running layer's start,
+        each layer before it takes the mean layer time plus `host_s` for each expert predicted
+        there (the routed ones for the running layer) that is neither in tier 1 nor staged, beyond
+        the mean number of host computations per layer. A layer that already started: its start."""
+        at = self.clock() if self._last_start is None else self._last_start
+        i, end = self.layers.index(self._running), self.layers.index(layer)
+        for lay in self.layers[i:end]:
+            keys = [(lay, e) for e in self.soon.get(lay, ())]
+            misses = sum(k not in self.fast and k not in self.arrives for k in keys)
+            at += max(0.0, self.layer_s + (misses - self.host_per_layer) * host_s)
+        return at
 
     # ---- pricing ----------------------------------------------------------------------------
     def case(self, key: ExpertKey, tokens: int, *, staged: bool, activation_bytes: int = 0) -> ExpertCase:

@@ -235,7 +235,6 @@ class TieredExpertProvider(ExpertStore):
         )
         # CUDA: the staging buffer holds copies for the next `prefetch_depth` layers.
         self.prefetch_depth = max(1, prefetch_depth)
-        self._ahead: dict[int, int] = {}  # layer -> how many layers ahead its prefetch was issued
         self._apply_fast_budget()
         # Two loader threads: one verifies (and on CUDA copies into pinned memory) the block it
         # read while the other reads the next; the reader keeps reads one at a time.
@@ -453,7 +452,7 @@ class TieredExpertProvider(ExpertStore):
     def _prefetch_load(self, key: ExpertKey) -> Any:
         wanted = self.prefetcher.wanted if self.prefetcher is not None else None
         # CUDA: a copy is staged only when the link can land it in time (`should_stage`).
-        stage = bool(self.spare_bytes) and self.planner.should_stage(key, self._ahead.get(key[0], 1))
+        stage = bool(self.spare_bytes) and self.planner.should_stage(key)
         still_wanted = (lambda: wanted(key)) if wanted else None
         return self.moves.prefetch_load(key, stage=stage, still_wanted=still_wanted)
 
@@ -470,7 +469,6 @@ class TieredExpertProvider(ExpertStore):
         biggest = max(self.fast_bytes.values())
         self.prefetcher.max_inflight = max(1, self.spare_bytes // biggest) if self.spare_bytes else 8
         for d, nxt in enumerate(self.layers[pos + 1 : pos + 1 + self.prefetch_depth]):
-            self._ahead[nxt] = d + 1
             with self.phases.time("predict"):
                 router = self.routers.get(nxt)
                 pred = self.prefetcher.predict(

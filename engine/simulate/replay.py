@@ -11,7 +11,11 @@ provider's `TierMover` does with bytes, `VirtualMover` does with time on a `mach
 Pre-gating has no router to run in a replay: an oracle predictor stands in for it. For each of
 the next `prefetch_depth` layers it predicts the experts the trace really routes there, each kept
 with probability `recall` (seeded), the rest of its top-k filled with the layer's most frequent
-experts, as the live predictor fills with its priors.
+experts, as the live predictor fills with its priors. Whether a routed expert is kept is drawn
+once per step: a layer is predicted again from each nearer layer, and pre-gating from successive
+layers reads nearly the same hidden state, so it misses the same experts. (Drawn anew at each
+prediction, the union of a layer's `prefetch_depth` predictions held ~99% of its experts at
+recall 0.8, plus the wrong fillers of every draw: not the set recall.)
 
 A step is one decode token, or one sequence's prefill records together (each layer then runs
 once with every expert its tokens route to, with their token counts, as the live engine does).
@@ -288,13 +292,13 @@ class TieredReplay:
         self.recall = recall
         self.rng = random.Random(seed)
         self.now = 0.0
-        self._ahead: dict[int, int] = {}  # layer -> how many layers ahead its prefetch was issued
+        self._draws: dict[ExpertKey, float] = {}  # the predictor's draw per routed expert, this step
 
     def _needed_soon(self, key: Any) -> bool:
         return self.planner.needed_soon(key)
 
     def _prefetch_load(self, key: ExpertKey) -> float | None:
-        stage = bool(self.spare) and self.planner.should_stage(key, self._ahead[key[0]])
+        stage = bool(self.spare) and self.planner.should_stage(key)
         return self.mover.prefetch_load(key, stage=stage)
 
     def _in_ram(self, key: ExpertKey) -> bool:
@@ -302,9 +306,12 @@ class TieredReplay:
 
     def _predict(self, layer: int, truth: dict[int, int], tokens: int) -> list[int]:
         """The oracle predictor: the truly routed experts kept with probability `recall`, then the
-        layer's most frequent others, up to top-k (decode) or twice that (prefill)."""
+        layer's most frequent others, up to top-k (decode) or twice that (prefill). An expert is
+        kept or missed once per step, whichever layer predicts it (module docstring)."""
         limit = self.top_k * (1 if tokens == 1 else 2)
-        pred = [e for e in sorted(truth, key=lambda e: -truth[e]) if self.rng.random() < self.recall]
+        draw = self._draws
+        by_tokens = sorted(truth, key=lambda e: -truth[e])
+        pred = [e for e in by_tokens if draw.setdefault((layer, e), self.rng.random()) < self.recall]
         counts = self.routing.by_layer[layer]
         for e in sorted(counts, key=lambda e: -counts[e]):
             if len(pred) >= limit:
@@ -337,6 +344,7 @@ class TieredReplay:
     def _run_step(self, step: Step) -> int:
         c, t = self.costs, step.tokens
         misses = 0
+        self._draws.clear()
         for pos, layer in enumerate(self.layers):
             routed = step.layers.get(layer, {})
             used = sorted(routed)
@@ -353,8 +361,7 @@ class TieredReplay:
             if pregating:
                 self.planner.begin_layer(layer, used)
                 self.prefetcher.begin_layer(layer, used)
-                for ahead, nxt in enumerate(self.layers[pos + 1 : pos + 1 + self.prefetch_depth], 1):
-                    self._ahead[nxt] = ahead
+                for nxt in self.layers[pos + 1 : pos + 1 + self.prefetch_depth]:
                     pred = self._predict(nxt, step.layers.get(nxt, {}), t)
                     self.planner.expect(nxt, pred)
                     self.prefetcher.issue(nxt, pred, skip=self._in_ram)
