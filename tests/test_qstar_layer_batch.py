@@ -168,3 +168,26 @@ def test_the_staged_wait_is_how_long_until_the_copy_lands() -> None:
     assert case.staged and abs(case.staged_wait_s - COPY_S) < 1e-12
     clock.advance(COPY_S)
     assert planner.case((1, 5), 1, staged=True).staged_wait_s == 0.0
+
+
+def test_a_staged_copy_nobody_used_is_forgotten_when_its_layer_has_run() -> None:
+    """A copy staged for a wrong prediction was never decided, so it stayed in `arrives`: the next
+    step's `starts_at` counted that expert as staged, not as a host computation on the way."""
+    clock = ManualClock(10.0)
+    planner = _planner(clock, layers=4)
+    planner.note_routing(0, [])
+    planner.begin_layer(0, [])
+    planner.layer_s = 3e-3
+    planner.expect(2, [5])
+    assert planner.should_stage((2, 5)) and planner.should_stage((3, 6))
+    planner.begin_layer(1, [])
+    assert set(planner.arrives) == {(2, 5), (3, 6)}  # still to come
+    planner.begin_layer(2, [4])  # the router chose 4, not 5: nobody takes (2, 5)
+    assert set(planner.arrives) == {(2, 5), (3, 6)}  # layer 2's own decisions may still use it
+    planner.begin_layer(3, [6])
+    assert set(planner.arrives) == {(3, 6)}
+    planner.begin_layer(0, [])  # the next step
+    assert planner.arrives == {}
+    planner.expect(2, [5])
+    missing = planner.starts_at(3, HOST_S) - planner.starts_at(2, HOST_S)
+    assert missing > planner.layer_s  # (2, 5) is a host computation again

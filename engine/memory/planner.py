@@ -110,11 +110,15 @@ class ExpertPlanner:
 
     def begin_layer(self, layer: int, used: Sequence[int]) -> None:
         """`layer` runs with `used`: they are needed now; the layers already run (all of them when
-        a new step begins) are not needed any more."""
+        a new step begins) are not needed any more, nor are the copies staged for them and never
+        used (a wrong prediction: `starts_at` would count them as staged for the next step)."""
+        first = layer == self.layers[0]
         with self.lock:
-            for done in [lay for lay in self.soon if lay <= layer or layer == self.layers[0]]:
+            for done in [lay for lay in self.soon if lay <= layer or first]:
                 del self.soon[done]
             self.soon[layer] = set(used)
+            for key in [k for k in self.arrives if k[0] < layer or (first and k[0] != layer)]:
+                del self.arrives[key]
 
     def prefetch_has_work(self, in_ram: int) -> bool:
         """Whether a prefetch can bring anything closer, with `in_ram` experts in RAM (tier 1 or
