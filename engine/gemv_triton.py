@@ -5,7 +5,14 @@ A decode step multiplies a few token vectors by each weight once, so its time is
 read. These kernels read the stored bytes (0.53 bytes a weight for MXFP4, 1 for int8) and decode
 them in registers, accumulating in fp32, instead of materialising a float copy of the weight
 (what the decode / dequantize paths do: write and read 4 bytes a weight). Grid: (output row
-blocks of `BLOCK_N`, tokens); each program walks the inputs `BLOCK_K` at a time.
+blocks of `BLOCK_N`, routes); each program walks the inputs `BLOCK_K` at a time.
+
+A route is one product of an input row by one weight: a token, for one weight (`int8_gemv`,
+`mxfp4_gemv`), or a (token, expert) pair of a routed batch over stacked experts
+(`int8_grouped_gemv`, `mxfp4_grouped_gemv`: weights [S, N, K] of S slots; route r multiplies
+input row r // x_div by the weight of slot `slots[r]`, read on the device). The grouped form
+lets a layer's routed int8 or MXFP4 experts run with no host sync (a CUDA graph), from a
+resident stack or tier 1's slot pool (`grouped_experts.run_grouped`).
 
 Never run on a GPU in this repository's CI (no GPU there): the arithmetic is checked on CPU by
 Triton's interpreter (TRITON_INTERPRET=1, tests/test_gemv_triton.py). On a device, `usable` runs a
@@ -42,12 +49,17 @@ if triton is not None:
 
     @triton.jit
     def _mxfp4_kernel(
-        X, Blocks, Scales, Out, N, HALF_K,
-        s_xt, s_bn, s_sn, s_ot,
-        BLOCK_N: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+        X, Blocks, Scales, Slots, Out, N, HALF_K, X_DIV,
+        s_xt, s_bslot, s_bn, s_sslot, s_sn, s_ot,
+        BLOCK_N: tl.constexpr, BLOCK_BYTES: tl.constexpr, GROUPED: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
-        t = tl.program_id(1)
+        r = tl.program_id(1)
+        if GROUPED:  # this route's weight: its slot of the stack (int64: a pool can pass 2 GiB)
+            slot = tl.load(Slots + r).to(tl.int64)
+            Blocks += slot * s_bslot
+            Scales += slot * s_sslot
+        t = r // X_DIV
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.arange(0, BLOCK_BYTES)  # byte j of a step holds inputs 2j (low) and 2j + 1 (high)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -72,16 +84,21 @@ if triton is not None:
             x_even = tl.load(X + t * s_xt + 2 * idx, mask=xmask, other=0.0).to(tl.float32)
             x_odd = tl.load(X + t * s_xt + 2 * idx + 1, mask=xmask, other=0.0).to(tl.float32)
             acc += tl.sum(lo_v * x_even[None, :] + hi_v * x_odd[None, :], axis=1)
-        tl.store(Out + t * s_ot + rows, acc, mask=rows < N)
+        tl.store(Out + r * s_ot + rows, acc, mask=rows < N)
 
     @triton.jit
     def _int8_kernel(
-        X, Q, Scale, Out, N, K,
-        s_xt, s_qn, s_ot,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        X, Q, Scale, Slots, Out, N, K, X_DIV,
+        s_xt, s_qslot, s_qn, s_sslot, s_ot,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPED: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
-        t = tl.program_id(1)
+        r = tl.program_id(1)
+        if GROUPED:
+            slot = tl.load(Slots + r).to(tl.int64)
+            Q += slot * s_qslot
+            Scale += slot * s_sslot
+        t = r // X_DIV
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -92,34 +109,74 @@ if triton is not None:
             x = tl.load(X + t * s_xt + idx, mask=idx < K, other=0.0).to(tl.float32)
             acc += tl.sum(q * x[None, :], axis=1)
         scale = tl.load(Scale + rows, mask=rows < N, other=0.0)
-        tl.store(Out + t * s_ot + rows, acc * scale, mask=rows < N)
+        tl.store(Out + r * s_ot + rows, acc * scale, mask=rows < N)
 
 
 def mxfp4_gemv(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x [T, K] @ W.T`` for W held as MXFP4 (blocks [N, K/2] uint8, E8M0 scales [N, K/32]) ->
     [T, N] fp32. All on one device (on CPU only under Triton's interpreter)."""
-    x, blocks, scales = x.contiguous(), blocks.contiguous(), scales.contiguous()
-    t, n, half = x.shape[0], blocks.shape[0], blocks.shape[1]
-    out = torch.empty(t, n, dtype=torch.float32, device=x.device)
-    _mxfp4_kernel[(triton.cdiv(n, BLOCK_N), t)](
-        x, blocks, scales, out, n, half,
-        x.stride(0), blocks.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_N=BLOCK_N, BLOCK_BYTES=BLOCK_K // 2,
+    return _mxfp4(x, blocks.contiguous()[None], scales.contiguous()[None], None, 1)
+
+
+def mxfp4_grouped_gemv(
+    x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, x_div: int = 1
+) -> torch.Tensor:
+    """Route r of `slots [R]` (int64, on the device): ``x[r // x_div] @ W[slots[r]].T`` for stacked
+    MXFP4 weights (blocks [S, N, K/2], scales [S, N, K/32]; each row contiguous, rows and slots
+    at any stride) -> [R, N] fp32."""
+    return _mxfp4(x, blocks, scales, slots, x_div)
+
+
+def _mxfp4(
+    x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor | None, x_div: int
+) -> torch.Tensor:
+    x = x.contiguous()
+    _check_rows(blocks, scales)
+    n, half = blocks.shape[1], blocks.shape[2]
+    routes = x.shape[0] if slots is None else slots.shape[0]
+    out = torch.empty(routes, n, dtype=torch.float32, device=x.device)
+    _mxfp4_kernel[(triton.cdiv(n, BLOCK_N), routes)](
+        x, blocks, scales, blocks if slots is None else slots, out, n, half, x_div,
+        x.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
+        BLOCK_N=BLOCK_N, BLOCK_BYTES=BLOCK_K // 2, GROUPED=slots is not None,
     )  # fmt: skip
     return out
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [T, K] @ (q * scale[:, None]).T`` for q int8 [N, K], scale fp32 [N] -> [T, N] fp32."""
-    x, q, scale = x.contiguous(), q.contiguous(), scale.contiguous()
-    t, n, k = x.shape[0], q.shape[0], q.shape[1]
-    out = torch.empty(t, n, dtype=torch.float32, device=x.device)
-    _int8_kernel[(triton.cdiv(n, BLOCK_N), t)](
-        x, q, scale, out, n, k,
-        x.stride(0), q.stride(0), out.stride(0),
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    return _int8(x, q.contiguous()[None], scale.contiguous()[None], None, 1)
+
+
+def int8_grouped_gemv(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, x_div: int = 1
+) -> torch.Tensor:
+    """Route r of `slots [R]` (int64, on the device): ``x[r // x_div] @ (q * scale)[slots[r]].T``
+    for stacked int8 weights (q [S, N, K], scale fp32 [S, N]; each row contiguous) -> [R, N]
+    fp32."""
+    return _int8(x, q, scale, slots, x_div)
+
+
+def _int8(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor | None, x_div: int
+) -> torch.Tensor:
+    x = x.contiguous()
+    _check_rows(q, scale)
+    n, k = q.shape[1], q.shape[2]
+    routes = x.shape[0] if slots is None else slots.shape[0]
+    out = torch.empty(routes, n, dtype=torch.float32, device=x.device)
+    _int8_kernel[(triton.cdiv(n, BLOCK_N), routes)](
+        x, q, scale, q if slots is None else slots, out, n, k, x_div,
+        x.stride(0), q.stride(0), q.stride(1), scale.stride(0), out.stride(0),
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUPED=slots is not None,
     )  # fmt: skip
     return out
+
+
+def _check_rows(weight: torch.Tensor, scale: torch.Tensor) -> None:
+    """The kernels step along a weight row and a scale row one element at a time."""
+    if weight.stride(-1) != 1 or scale.stride(-1) != 1:
+        raise ValueError("GEMV weights and scales must be contiguous along their last dimension")
 
 
 def usable(name: str, device: torch.device, check: Callable[[torch.device], bool]) -> bool:

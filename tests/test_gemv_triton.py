@@ -20,7 +20,9 @@ _CHECK = textwrap.dedent(
     import torch
     import torch.nn.functional as F
     from freetoken_agents.engine.codecs import get_codec
-    from freetoken_agents.engine.gemv_triton import int8_gemv, mxfp4_gemv
+    from freetoken_agents.engine.gemv_triton import (
+        int8_gemv, int8_grouped_gemv, mxfp4_gemv, mxfp4_grouped_gemv,
+    )
     from freetoken_agents.engine.int8 import dequant_linear, quantize
     from freetoken_agents.engine.mxfp4 import decode_weight
 
@@ -43,6 +45,40 @@ _CHECK = textwrap.dedent(
             q, scale = quantize(w)
             want = dequant_linear(x.float(), q, scale)
             assert rel(int8_gemv(x, q, scale), want) < 1e-5, ("int8", n, k, t, dtype)
+
+    # Grouped: 3 experts stacked in one byte buffer per slot (slots at a padded stride, as tier 1's
+    # pool lays them out); 2 tokens x 2 routes (gate_up: a token's row shared by its routes,
+    # x_div=2) and 4 routes of their own rows (down, x_div=1). Each route equals the plain GEMV
+    # of its slot's weight, bit for bit.
+    n, k, stride = 40, 160, 12288
+    ws = [torch.randn(n, k, generator=g) for _ in range(3)]
+    buf = torch.zeros(3, stride, dtype=torch.uint8)
+    qs = [quantize(w) for w in ws]
+    encs = [get_codec("mxfp4").encode(w) for w in ws]
+    def put(offset, parts):  # each slot's tensor at `offset` of its row -> the [3, ...] strided view
+        first = parts[0]
+        size = first.numel() * first.element_size()
+        for s, part in enumerate(parts):
+            buf[s, offset : offset + size].view(first.dtype).view(first.shape).copy_(part)
+        typed = buf.view(first.dtype)
+        es = first.element_size()
+        inner = [1]
+        for d in reversed(first.shape[1:]):
+            inner.insert(0, inner[0] * d)
+        return typed.as_strided((3, *first.shape), (stride // es, *inner), offset // es)
+    q_st = put(0, [q for q, _ in qs])
+    s_st = put(6400, [s for _, s in qs])
+    b_st = put(6656, [e.parts["blocks"].reshape(n, k // 2) for e in encs])
+    e_st = put(9984, [e.parts["scales"] for e in encs])
+    slots = torch.tensor([2, 0, 1, 2])
+    for x, x_div in ((torch.randn(2, k, generator=g), 2), (torch.randn(4, k, generator=g), 1)):
+        got_q = int8_grouped_gemv(x, q_st, s_st, slots, x_div)
+        got_m = mxfp4_grouped_gemv(x, b_st, e_st, slots, x_div)
+        for r, slot in enumerate(slots.tolist()):
+            row = x[r // x_div : r // x_div + 1]
+            assert torch.equal(got_q[r : r + 1], int8_gemv(row, *qs[slot])), ("int8 grouped", r)
+            blocks = encs[slot].parts["blocks"].reshape(n, k // 2)
+            assert torch.equal(got_m[r : r + 1], mxfp4_gemv(row, blocks, encs[slot].parts["scales"]))
     print("ok")
     """
 )
