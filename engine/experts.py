@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from . import routed
-from .grouped_experts import ExpertStack, grouped_mm_capturable
+from .grouped_experts import ExpertStack, stack_capturable, stack_codec
 from .int8 import quantize
 from .routed import dispatch_experts as dispatch_experts  # re-exported: importers use these names
 from .routed import expert_forward as expert_forward
@@ -285,11 +285,12 @@ class DelegatingStore(ExpertStore):
 class InMemoryExpertProvider(ExpertStore):
     """All experts resident (RAM or device memory).
 
-    Each layer whose experts are all float, of one shape, dtype and device, is stacked into an
-    `ExpertStack` (slot = expert id), computed by grouped GEMMs or the top-2 pair (`routed`); its
+    Each layer whose experts share one layout (float, int8 or MXFP4 for both projections; one
+    shape, dtype and device) is stacked into an `ExpertStack` (slot = expert id), computed by
+    grouped GEMMs (GEMVs for int8 / MXFP4 on a GPU) or the top-2 pair (`routed`); its
     `ExpertWeights` become views into the stack (the per-expert storages are released as each
     layer is stacked, so `experts` is updated in place and peak memory grows by one layer).
-    Other layers (int8 or mixed experts) dispatch expert by expert (`routed.run_routed` chooses).
+    Other layers (mixed experts) dispatch expert by expert (`routed.run_routed` chooses).
     """
 
     def __init__(self, experts: dict[ExpertKey, ExpertWeights]) -> None:
@@ -318,11 +319,12 @@ class InMemoryExpertProvider(ExpertStore):
         """Whether a decode step runs on the device alone (every MoE layer stacked and computed by
         grouped GEMMs): the condition for capturing it as a CUDA graph (`cuda_graph`)."""
         layers = {k[0] for k in self._experts}
+        stacks = [self._stacks.get(layer) for layer in layers]
         return bool(layers) and all(
-            layer in self._stacks
-            and routed.use_grouped(self._stacks[layer], 1)
-            and grouped_mm_capturable(self._stacks[layer].gate_up.device, self._stacks[layer].gate_up.dtype)
-            for layer in layers
+            stack is not None
+            and routed.use_grouped(stack, 1)
+            and stack_capturable(stack.codec, stack.gate_up.device, stack.gate_up.dtype)
+            for stack in stacks
         )
 
     def stack(self, layer: int) -> ExpertStack | None:
@@ -344,12 +346,10 @@ class InMemoryExpertProvider(ExpertStore):
 
 
 def _stackable(experts: list[ExpertWeights]) -> bool:
-    """Whether experts can share one `ExpertStack`: float, same tensors, shapes, dtype, device."""
+    """Whether experts can share one `ExpertStack`: one stack codec (float, int8 or MXFP4 for
+    both projections), same tensors, shapes, dtypes, device."""
     first = experts[0].tensors()
-    if experts[0].is_quantized or not first["gate_up"].is_floating_point():
+    if stack_codec(first) is None:
         return False
     sig = {n: (t.shape, t.dtype, t.device) for n, t in first.items()}
-    return all(
-        not w.is_quantized and {n: (t.shape, t.dtype, t.device) for n, t in w.tensors().items()} == sig
-        for w in experts
-    )
+    return all({n: (t.shape, t.dtype, t.device) for n, t in w.tensors().items()} == sig for w in experts)

@@ -19,6 +19,11 @@ non-empty one on a 2-core AVX2 VM (bench: tests' tiny models, torch profiler), s
 (A routed experts out of E) runs faster as the loop over the routed experts' views of the stack
 in `routed.dispatch_experts`; prefill (many tokens per expert) uses the grouped GEMM there too.
 
+A stack may hold int8 or MXFP4 experts too (both projections in one codec, with their scales:
+`codec`): `run_grouped` then runs the grouped Triton GEMVs of `gemv_triton` (route = a (token,
+expert) pair, its slot read on the device), which serve decode steps on a GPU and are
+capturable like the float grouped GEMM; on a CPU only Triton's interpreter runs them (tests).
+
 This module holds the kernels (`run_grouped`, `run_pair`); which one computes a routed batch, or
 the per-expert loop, is chosen in one place: `routed.run_routed` (with `routed.use_grouped`).
 
@@ -29,32 +34,50 @@ intermediate size.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 
+from . import gemv_triton
 from .spec import MoESpec
+
+if TYPE_CHECKING:
+    from .experts import ExpertWeights
 
 logger = logging.getLogger(__name__)
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 
+StackCodec = Literal["float", "int8", "mxfp4"]
+"""How a stack holds its projections: float, int8 with fp32 row scales, or MXFP4 blocks with E8M0
+scales (`experts.ExpertWeights`' compact forms)."""
+
+_NAMES = ("gate_up", "down", "gate_up_bias", "down_bias", "gate_up_scale", "down_scale")
+
+GEMV_MAX_TOKENS = 8
+"""Most tokens a compact stack's grouped GEMVs serve (a decode step), as `int8_linear` and
+`mxfp4_linear` take their GEMV kernels up to 8 tokens."""
+
+
 @dataclass(frozen=True)
 class ExpertStack:
     """Experts of one shape stacked along dim 0 (a slot per expert)."""
 
-    gate_up: torch.Tensor  # [S, 2I, H]
-    down: torch.Tensor  # [S, H, I]
+    gate_up: torch.Tensor  # [S, 2I, H] (int8; MXFP4 blocks [S, 2I, H/2])
+    down: torch.Tensor  # [S, H, I] (int8; MXFP4 blocks [S, H, I/2])
     gate_up_bias: torch.Tensor | None = None  # [S, 2I]
     down_bias: torch.Tensor | None = None  # [S, H]
+    gate_up_scale: torch.Tensor | None = None  # int8: [S, 2I] fp32; MXFP4: [S, 2I, H/32] uint8
+    down_scale: torch.Tensor | None = None  # int8: [S, H] fp32; MXFP4: [S, H, I/32] uint8
 
     @classmethod
     def stack(cls, experts: Sequence[dict[str, torch.Tensor]]) -> ExpertStack:
-        """Stack per-expert tensors (names `gate_up`, `down`, optional `gate_up_bias`,
-        `down_bias`; same shapes, dtype and device) into fresh contiguous buffers.
+        """Stack per-expert tensors (names of `ExpertWeights.tensors`; same shapes, dtype and
+        device; one `stack_codec`) into fresh contiguous buffers.
 
         The canonical [out, in] layout of every other provider is kept, although MKL's GEMV reads
         [in, out] ~1.4x faster (dense weights take that layout, `MoETransformer.
@@ -62,7 +85,7 @@ class ExpertStack:
         FTW and tiered providers (measured cost: ~9% of a decode token on bench/decode.py's
         quick model, 1 thread)."""
         out = {}
-        for name in ("gate_up", "down", "gate_up_bias", "down_bias"):
+        for name in _NAMES:
             if experts[0].get(name) is not None:
                 out[name] = torch.stack([e[name] for e in experts])
         return cls(**out)
@@ -71,14 +94,28 @@ class ExpertStack:
     def slots(self) -> int:
         return self.gate_up.shape[0]
 
+    @property
+    def codec(self) -> StackCodec:
+        codec = stack_codec(self.tensors(0))
+        assert codec is not None
+        return codec
+
     def tensors(self, slot: int) -> dict[str, torch.Tensor]:
         """Views of one slot's tensors (the per-expert names of `ExpertWeights`)."""
-        out = {"gate_up": self.gate_up[slot], "down": self.down[slot]}
-        if self.gate_up_bias is not None:
-            out["gate_up_bias"] = self.gate_up_bias[slot]
-        if self.down_bias is not None:
-            out["down_bias"] = self.down_bias[slot]
-        return out
+        return {n: t[slot] for n in _NAMES if (t := getattr(self, n)) is not None}
+
+
+def stack_codec(tensors: Mapping[str, torch.Tensor]) -> StackCodec | None:
+    """The codec of the stack an expert's tensors (`ExpertWeights.tensors`) can join: both
+    projections float with no scales, both int8, or both MXFP4; None for a mixed expert (it is
+    computed projection by projection, outside stacks)."""
+    gate_up, down = tensors["gate_up"], tensors["down"]
+    scaled = [tensors.get(n) is not None for n in ("gate_up_scale", "down_scale")]
+    if not any(scaled):
+        return "float" if gate_up.is_floating_point() and down.dtype == gate_up.dtype else None
+    if not all(scaled) or gate_up.dtype != down.dtype:
+        return None
+    return {torch.int8: "int8", torch.uint8: "mxfp4"}.get(gate_up.dtype)  # type: ignore[return-value]
 
 
 def activation(gate_up: torch.Tensor, spec: MoESpec) -> torch.Tensor:
@@ -158,7 +195,10 @@ def run_grouped(
     over each token's experts of `weight * expert(x)`, accumulated in ascending slot order.
 
     Every op runs on the device: no host sync, static shapes for a given T (CUDA-graph safe).
+    A compact stack (int8 / MXFP4) runs its grouped GEMVs (`run_grouped_gemv`).
     """
+    if stack.gate_up_scale is not None:
+        return run_grouped_gemv(stack, hidden, slot_ids, weights, spec)
     t, a = slot_ids.shape
     flat = slot_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [T*A] pairs by slot (then token)
@@ -177,6 +217,102 @@ def run_grouped(
     y = y * weights.reshape(-1).index_select(0, order)[:, None]
     out = torch.zeros_like(hidden)
     return out.index_add_(0, token_of, y.to(out.dtype))
+
+
+def run_grouped_gemv(
+    stack: ExpertStack,
+    hidden: torch.Tensor,
+    slot_ids: torch.Tensor,
+    weights: torch.Tensor,
+    spec: MoESpec,
+) -> torch.Tensor:
+    """`run_grouped` for a compact stack (int8 or MXFP4): hidden [T, H] (T a decode step's few
+    tokens), slot_ids [T, A], weights [T, A] -> [T, H]. Each (token, expert) pair is a route of
+    the grouped GEMVs, its slot read on the device; each projection's arithmetic is that of
+    `int8_linear` / `mxfp4_linear` on a GPU (fp32 accumulation, the bias added in fp32, then
+    the activation dtype), and each token's weighted outputs are summed in ascending slot order.
+    No host sync (CUDA-graph safe)."""
+    t, a = slot_ids.shape
+    routes = slot_ids.reshape(-1)  # [T*A], token-major: route r is token r // A
+    gate_up = _project_routes(hidden, stack.gate_up, stack.gate_up_scale, stack.gate_up_bias, routes, a)
+    y = _project_routes(activation(gate_up, spec), stack.down, stack.down_scale, stack.down_bias, routes, 1)
+    order = slot_ids.argsort(dim=1, stable=True)  # [T, A]
+    y = y.view(t, a, -1).gather(1, order[..., None].expand(t, a, y.shape[-1]))  # [T, A, H]
+    w = weights.gather(1, order).to(y.dtype)
+    out = y[:, 0] * w[:, :1]
+    for j in range(1, a):
+        out = out + y[:, j] * w[:, j : j + 1]
+    return out.to(hidden.dtype)
+
+
+def _project_routes(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    routes: torch.Tensor,
+    x_div: int,
+) -> torch.Tensor:
+    """Route r: x[r // x_div] @ W[routes[r]].T (+ its bias) -> [R, N] in x.dtype."""
+    assert scale is not None
+    if weight.dtype == torch.uint8:
+        y = gemv_triton.mxfp4_grouped_gemv(x, weight, scale, routes, x_div)
+    else:
+        y = gemv_triton.int8_grouped_gemv(x, weight, scale, routes, x_div)
+    if bias is not None:
+        y = y + bias.index_select(0, routes)
+    return y.to(x.dtype)
+
+
+def grouped_gemv_ok(device: torch.device, codec: StackCodec) -> bool:
+    """Whether a compact stack's grouped GEMVs serve decode on `device`: a GPU where Triton runs
+    them and they agree with the per-expert path (checked once per device and codec; a failure
+    is logged and the per-expert loop serves)."""
+    if codec == "float" or device.type != "cuda":
+        return False
+    return gemv_triton.usable(f"grouped {codec}", device, lambda d: _gemv_self_check(d, codec))
+
+
+def _gemv_self_check(device: torch.device, codec: StackCodec) -> bool:
+    from .experts import ExpertWeights
+    from .routed import dispatch_experts, expert_forward
+
+    g = torch.Generator().manual_seed(0)
+    spec = MoESpec(num_experts=3, top_k=2, intermediate_size=64, routing="softmax_topk")
+    experts = []
+    for _ in range(3):
+        float_w = {"gate_up": torch.randn(128, 96, generator=g), "down": torch.randn(96, 64, generator=g)}
+        w = ExpertWeights.quantized(float_w, torch.float32) if codec == "int8" else _mxfp4_expert(float_w)
+        experts.append(w.to_device(device))
+    stack = ExpertStack.stack([w.tensors() for w in experts])
+    x = torch.randn(2, 96, generator=g).to(device)
+    ids = torch.tensor([[2, 0], [1, 2]], device=device)
+    weights = torch.rand(2, 2, generator=g).to(device)
+    want = dispatch_experts(lambda e, h: expert_forward(experts[e], h, spec), x, ids, weights)
+    got = run_grouped_gemv(stack, x, ids, weights, spec)
+    return bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())))
+
+
+def _mxfp4_expert(float_w: dict[str, torch.Tensor]) -> ExpertWeights:
+    from .codecs import get_codec
+    from .experts import ExpertWeights
+
+    parts: dict[str, torch.Tensor] = {}
+    for name, w in float_w.items():
+        enc = get_codec("mxfp4").encode(w)
+        parts[name] = enc.parts["blocks"].reshape(w.shape[0], w.shape[1] // 2)
+        parts[f"{name}_scale"] = enc.parts["scales"]
+    return ExpertWeights.packed_mixed(parts)
+
+
+def stack_capturable(codec: StackCodec, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a stack of `codec` computed for activations of `dtype` can run in a captured
+    CUDA graph: the float grouped GEMM where it captures (`grouped_mm_capturable`), the compact
+    grouped GEMVs where they serve (Triton kernels capture once compiled: the capture's warm-up
+    compiles them)."""
+    if codec == "float":
+        return grouped_mm_capturable(device, dtype)
+    return grouped_gemv_ok(device, codec)
 
 
 def run_pair(

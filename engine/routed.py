@@ -17,20 +17,22 @@ The choice (the first that applies):
 
 1. grouped GEMM (`grouped_experts.run_grouped`): a stack, and `use_grouped` (`torch._grouped_mm`
    works for its device and dtype, and this is not a CPU decode step, where a loop over the A routed
-   experts is faster: see `grouped_experts`' module doc);
-2. top-2 pair (`grouped_experts.run_pair`): a stack, one token routed to two distinct experts
-   (both as one strided view of the stack, one batched GEMV per projection);
+   experts is faster: see `grouped_experts`' module doc); for an int8 or MXFP4 stack, its grouped
+   GEMVs on a GPU for a decode step;
+2. top-2 pair (`grouped_experts.run_pair`): a float stack, one token routed to two distinct
+   experts (both as one strided view of the stack, one batched GEMV per projection);
 3. the per-expert loop (`dispatch_experts`): everything else.
 
 All three give the same bits and accumulate each token's weighted outputs in ascending expert id
 (the reference's summation order), which is what makes the stores' logits agree with each other
 and with transformers.
 
-Not chosen here: int8 and MXFP4 projections pick a fused GEMV kernel (decode) or dequantize + GEMM
-(prefill) inside `int8.int8_linear` / `mxfp4.mxfp4_linear`. That is a per-linear choice (by the
-row count and the device of one matmul), shared with the dense int8 layers (`int8.Int8Linear`,
-attention and lm_head) that are no routed batch, so it stays with those kernels; here an expert's
-projections just call them (`expert_forward`).
+Not chosen here: in the per-expert loop, int8 and MXFP4 projections pick a fused GEMV kernel
+(decode) or dequantize + GEMM (prefill) inside `int8.int8_linear` / `mxfp4.mxfp4_linear`. That
+is a per-linear choice (by the row count and the device of one matmul), shared with the dense
+int8 layers (`int8.Int8Linear`, attention and lm_head) that are no routed batch, so it stays
+with those kernels; here an expert's projections just call them (`expert_forward`). A compact
+stack's decode step on a GPU runs the grouped form of the same kernels (choice 1).
 
 Letters: T tokens, H hidden, I expert intermediate size, A active experts per token.
 """
@@ -43,7 +45,15 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from .grouped_experts import ExpertStack, activation, grouped_mm_available, run_grouped, run_pair
+from .grouped_experts import (
+    GEMV_MAX_TOKENS,
+    ExpertStack,
+    activation,
+    grouped_gemv_ok,
+    grouped_mm_available,
+    run_grouped,
+    run_pair,
+)
 from .int8 import int8_linear
 from .mxfp4 import mxfp4_linear
 from .spec import MoESpec
@@ -67,9 +77,13 @@ class ExpertProjections(Protocol):
 
 
 def use_grouped(stack: ExpertStack, tokens: int) -> bool:
-    """Whether `run_grouped` should compute this step (else a loop over the routed experts):
-    everywhere `_grouped_mm` works, except a CPU decode step (see `grouped_experts`' module doc)."""
+    """Whether `run_grouped` should compute this step (else a loop over the routed experts): a
+    float stack everywhere `_grouped_mm` works, except a CPU decode step (see `grouped_experts`'
+    module doc); a compact (int8 / MXFP4) stack for a decode step where its grouped GEMVs serve
+    (a GPU: `grouped_gemv_ok`)."""
     w = stack.gate_up
+    if stack.gate_up_scale is not None:
+        return tokens <= GEMV_MAX_TOKENS and grouped_gemv_ok(w.device, stack.codec)
     return grouped_mm_available(w.device, w.dtype) and not (w.device.type == "cpu" and tokens == 1)
 
 
@@ -92,7 +106,7 @@ def run_routed(
     if stack is not None:
         if use_grouped(stack, hidden.shape[0]):
             return run_grouped(stack, hidden, expert_ids, weights, spec)
-        if expert_ids.shape == (1, 2):  # CPU decode, top-2: one strided view of the stack
+        if expert_ids.shape == (1, 2) and stack.gate_up_scale is None:  # CPU decode, top-2, float
             ids = expert_ids.tolist()[0]
             if ids[0] != ids[1]:
                 return run_pair(stack, hidden, ids, weights, spec)

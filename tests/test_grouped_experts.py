@@ -67,28 +67,39 @@ def test_grouped_dispatch_equals_expert_by_expert(gpt_oss, tokens):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_resident_provider_stacks_float_layers_and_keeps_int8_ones_per_expert():
+def test_resident_provider_stacks_each_layout_and_keeps_mixed_layers_per_expert():
+    """Float and int8 layers are stacked (an int8 stack keeps its scales: a GPU runs it as grouped
+    GEMVs, a CPU decode loops over its views); a layer of mixed experts (int8 gate_up, float
+    down) is not. On CPU every layer gives the bits of the expert-by-expert loop."""
     spec = _spec(4, 2)
     float_layer = {(0, e): ExpertWeights.packed(t, torch.float32) for e, t in enumerate(_experts(4, False))}
     int8_layer = {
         (1, e): ExpertWeights.quantized(t, torch.float32) for e, t in enumerate(_experts(4, False, 3))
     }
-    before = {k: w.tensors() for k, w in float_layer.items()}
-    experts = {**float_layer, **int8_layer}
-    provider = InMemoryExpertProvider(experts)
-    stack = provider.stack(0)
-    assert stack is not None and provider.stack(1) is None
+    mixed_layer = {}
+    for e, t in enumerate(_experts(4, False, 5)):
+        q = ExpertWeights.quantized(t, torch.float32)
+        mixed_layer[(2, e)] = ExpertWeights(gate_up=q.gate_up, gate_up_scale=q.gate_up_scale, down=t["down"])
+    originals = {**float_layer, **int8_layer, **mixed_layer}
+    before = {k: w.tensors() for k, w in originals.items()}
+    provider = InMemoryExpertProvider(dict(originals))
+    stacks = [provider.stack(layer) for layer in (0, 1, 2)]
+    assert stacks[0] is not None and stacks[0].codec == "float"
+    assert stacks[1] is not None and stacks[1].codec == "int8" and stacks[2] is None
     for (layer, e), w in before.items():
         view = provider.get(layer, e)
-        assert torch.equal(view.gate_up, w["gate_up"]) and torch.equal(view.down, w["down"])
-        assert view.gate_up.data_ptr() == stack.gate_up[e].data_ptr()  # a view, not a copy
-    hidden = torch.randn(5, H)
-    ids, weights = _routing(5, 4, 2)
-    for layer in (0, 1):
-        want = dispatch_experts(
-            lambda e, x, layer=layer: expert_forward(experts[(layer, e)], x, spec), hidden, ids, weights
-        )
-        assert torch.equal(provider.run(layer, hidden, ids, weights, spec), want)
+        for name, t in w.items():
+            assert torch.equal(getattr(view, name), t), (layer, e, name)
+        if layer < 2:  # a view, not a copy
+            assert view.gate_up.data_ptr() == stacks[layer].gate_up[e].data_ptr()
+    for t in (1, 5):
+        hidden = torch.randn(t, H)
+        ids, weights = _routing(t, 4, 2)
+        for layer in (0, 1, 2):
+            want = dispatch_experts(
+                lambda e, x, layer=layer: expert_forward(originals[(layer, e)], x, spec), hidden, ids, weights
+            )
+            assert torch.equal(provider.run(layer, hidden, ids, weights, spec), want)
 
 
 @pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "clamped+bias"])
