@@ -170,8 +170,9 @@ class Engine:
                 routing of every token the engine runs, one JSON line per (token, MoE layer)
                 (`routing_trace` documents the format; written in whole lines, complete once the
                 engine is closed or the program exits).
-            cuda_graphs: decode steps replay a captured CUDA graph where the model allows it (a
-                resident, non-int8 model on CUDA with Triton; `decode_runner`); False: eager.
+            cuda_graphs: decode steps replay a captured CUDA graph where the model allows it (on
+                CUDA with Triton, no int8 dense layers, experts resident or tier 1 a slot pool;
+                `decode_runner`); False: eager.
 
         Raises CheckpointError (missing/garbled files or tensors; its ModelNotFoundError: a Hub id
         that cannot be fetched: missing, gated, offline with nothing cached), FTWFormatError (a corrupted,

@@ -21,8 +21,9 @@ from .experts import ExpertKey
 from .ftw.layout import TensorInfo
 from .int8 import ExpertQuant, quantize
 
-_WEIGHTS = ("gate_up", "gate", "up", "down")
-_KNOWN = {*_WEIGHTS, "gate_up_bias", "down_bias"} | {f"{n}_scale" for n in _WEIGHTS}
+WEIGHT_NAMES = ("gate_up", "gate", "up", "down")
+"""The weight projections an expert block may store (the rest are biases and scales)."""
+_KNOWN = {*WEIGHT_NAMES, "gate_up_bias", "down_bias"} | {f"{n}_scale" for n in WEIGHT_NAMES}
 
 
 def canonical_expert(
@@ -62,7 +63,7 @@ def kept_forms(codecs: Mapping[str, str], expert_quant: ExpertQuant) -> dict[str
     if expert_quant == "none":
         return keep
     for name, codec in codecs.items():
-        if name not in _WEIGHTS:
+        if name not in WEIGHT_NAMES:
             continue
         if codec == "int8" or expert_quant == "int8":
             keep[name] = "int8"

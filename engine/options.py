@@ -49,7 +49,8 @@ class TieringOptions:
     """Tuning of the tiered expert memory (`TieredExpertProvider`'s keyword arguments); the
     defaults are what users get. Tests and benchmarks change them (`prefetch_thread=False` loads
     inline, deterministically; `clock` and `policy` are injectable). `expert_slots`: tier 1 keeps
-    its float experts in one slot pool, computed by grouped GEMMs and capturable in a CUDA graph
+    its experts in one slot pool, computed by grouped GEMMs (float) or grouped GEMVs (int8, MXFP4
+    kept compact) and capturable in a CUDA graph
     (None: on a GPU with placement "qstar"; on a CPU the experts that move up zero-copy and the
     per-expert loop are faster, so there only when asked for)."""
 

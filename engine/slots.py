@@ -1,32 +1,34 @@
 """Tier 1 as preallocated expert slots with a device-side table expert -> slot.
 
-`ExpertSlots` holds `capacity` float experts of one shape in one device buffer `[S, P]` (each
-row holds gate_up, down and the biases in that order, each at an aligned offset), so bringing
-an expert in is a copy into one row. Its `stack` views the buffer as an `ExpertStack` (`gate_up
-[S, 2I, H]`, ... with a row stride of P) and `table [layers, experts]` (int64, -1 when absent)
-maps routed experts to slots on the device. A layer's MoE is then one grouped GEMM per
-projection over the slots (`grouped_experts.run_grouped`) with no host sync: `run` returns the
-output and a device flag saying whether any routed expert was absent, which the caller reads
-once per step (with the sampled token, a sync it makes anyway) and answers by recomputing the
-step eagerly through q*. Device-agnostic (tests run it on CPU). The tiered store's tier 1 keeps
-its float experts here (`memory.moves.TierMover`, by default on CUDA); `resized` reallocates the
-pool when tier 1's room changes (KV growth), which moves the buffer (a captured graph is then
-captured again).
+`ExpertSlots` holds `capacity` experts of one layout in one device byte buffer `[S, P]`: each row
+holds one expert's tensors (gate_up, down, biases and, for int8 or MXFP4 experts, their scales),
+each at an aligned byte offset in its own dtype, so bringing an expert in is a copy into one row.
+Its `stack` views the buffer as an `ExpertStack` (`gate_up [S, 2I, H]`, ... with a row stride of
+P bytes) and `table [layers, experts]` (int64, -1 when absent) maps routed experts to slots on
+the device. A layer's MoE is then one grouped GEMM per projection over the slots (float), or
+the grouped GEMVs (int8, MXFP4: `grouped_experts.run_grouped`), with no host sync: `run`
+returns the output and a device flag saying whether any routed expert was absent, which the
+caller reads once per step (with the sampled token, a sync it makes anyway) and answers by
+recomputing the step eagerly through q*. Device-agnostic (tests run it on CPU). The tiered
+store's tier 1 keeps its experts here (`memory.moves.TierMover`, by default on CUDA); `resized`
+reallocates the pool when tier 1's room changes (KV growth), which moves the buffer (a captured
+graph is then captured again).
 
-Letters: S slots, P elements of one slot row (an expert, padded), T tokens, A experts per token.
+Letters: S slots, P bytes of one slot row (an expert, padded), T tokens, A experts per token.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .experts import PROJECTIONS, ExpertKey, ExpertWeights
-from .grouped_experts import ExpertStack, run_grouped
+from .experts import ExpertKey, ExpertWeights
+from .grouped_experts import ExpertStack, run_grouped, stack_codec
 from .spec import MoESpec
 
-# Each tensor of a row, and each row, starts at a multiple of this many elements (128 bytes in
-# bf16): the grouped GEMM on a GPU wants 16-byte aligned strides and data pointers.
-_ALIGN = 64
+# Each tensor of a row, and each row, starts at a multiple of this many bytes: the grouped GEMM
+# on a GPU wants 16-byte aligned strides and data pointers, and a typed view of the byte buffer
+# needs its offset to be a multiple of its element size.
+_ALIGN = 128
 
 
 class SlotsFullError(RuntimeError):
@@ -34,8 +36,9 @@ class SlotsFullError(RuntimeError):
 
 
 class ExpertSlots:
-    """`capacity` slots for float experts shaped like `template` (any `ExpertWeights` whose
-    projections are floating point; a slot row holds them at aligned offsets)."""
+    """`capacity` slots for experts laid out like `template` (any `ExpertWeights` whose two
+    projections share one form: float, int8 or MXFP4; a slot row holds its tensors at aligned
+    byte offsets)."""
 
     def __init__(
         self,
@@ -46,29 +49,32 @@ class ExpertSlots:
         device: torch.device | str,
     ) -> None:
         if not slot_compatible(template):
-            raise ValueError("ExpertSlots takes float experts (int8 and MXFP4 ones stay outside slots)")
+            raise ValueError(
+                "ExpertSlots takes experts whose projections share one form (float, int8, MXFP4)"
+            )
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
-        self.dtype, self.device = template.gate_up.dtype, torch.device(device)
-        self._layout: dict[str, tuple[int, tuple[int, ...]]] = {}  # name -> (offset in a row, shape)
+        self.device = torch.device(device)
+        # name -> (byte offset in a row, shape, dtype)
+        self._layout: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
         offset = 0
         for name, t in template.tensors().items():
-            self._layout[name] = (offset, tuple(t.shape))
-            offset += -(-t.numel() // _ALIGN) * _ALIGN
+            self._layout[name] = (offset, tuple(t.shape), t.dtype)
+            offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
         self.row = offset
         # Normal tensors even when the pool is made during a forward (inference mode): it is
         # written outside one too (a rollback re-warms tier 1), which an inference tensor refuses.
         with torch.inference_mode(False):
-            self.buffer = torch.zeros(capacity, self.row, dtype=self.dtype, device=self.device)
+            self.buffer = torch.zeros(capacity, self.row, dtype=torch.uint8, device=self.device)
             self.table = torch.full((num_layers, num_experts), -1, dtype=torch.long, device=self.device)
         self._slot_of: dict[ExpertKey, int] = {}
         self._free = list(reversed(range(capacity)))
-        self.stack = ExpertStack(**{n: self._strided(n) for n in PROJECTIONS if n in self._layout})
+        self.stack = ExpertStack(**{n: self._strided(n) for n in self._layout})
 
     @property
     def row_bytes(self) -> int:
         """Bytes of one slot (one expert)."""
-        return self.row * self.buffer.element_size()
+        return self.row
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -78,13 +84,11 @@ class ExpertSlots:
         return not self._free
 
     def holds_layout_of(self, weights: ExpertWeights) -> bool:
-        """Whether `weights` can take a slot here (float, same tensors, shapes and dtype)."""
+        """Whether `weights` can take a slot here (the same tensors, shapes and dtypes)."""
         named = weights.tensors()
-        return (
-            slot_compatible(weights)
-            and weights.gate_up.dtype == self.dtype
-            and {n: tuple(t.shape) for n, t in named.items()} == {n: s for n, (_, s) in self._layout.items()}
-        )
+        return {n: (tuple(t.shape), t.dtype) for n, t in named.items()} == {
+            n: (shape, dtype) for n, (_, shape, dtype) in self._layout.items()
+        }
 
     def resized(self, capacity: int) -> ExpertSlots:
         """A pool of `capacity` slots holding the same experts (copied, in slot order; at most
@@ -102,14 +106,15 @@ class ExpertSlots:
         return self.buffer.shape[0]
 
     def _strided(self, name: str) -> torch.Tensor:
-        """All slots' `name` tensor as one strided view [S, *shape] of the buffer."""
-        offset, shape = self._layout[name]
-        strides = [self.row]
+        """All slots' `name` tensor as one strided view [S, *shape] of the buffer, in its dtype."""
+        offset, shape, dtype = self._layout[name]
+        size = _itemsize(dtype)
+        strides = [self.row // size]
         step = 1
         for dim in reversed(shape):
             strides.insert(1, step)
             step *= dim
-        return self.buffer.as_strided((self.capacity, *shape), tuple(strides), offset)
+        return self.buffer.view(dtype).as_strided((self.capacity, *shape), tuple(strides), offset // size)
 
     def __contains__(self, key: object) -> bool:
         return key in self._slot_of
@@ -128,10 +133,9 @@ class ExpertSlots:
         if not self._free:
             raise SlotsFullError(f"all {self.capacity} expert slots are taken")
         slot = self._free.pop()
-        row = self.buffer[slot]
+        views = self.weights(slot).tensors()
         for name, t in weights.tensors().items():  # copies on the current stream, in order
-            offset, shape = self._layout[name]
-            row[offset : offset + t.numel()].view(shape).copy_(t, non_blocking=True)
+            views[name].copy_(t, non_blocking=True)
         self._slot_of[key] = slot
         self.table[key[0], key[1]] = slot
         return self.weights(slot)
@@ -147,7 +151,10 @@ class ExpertSlots:
     def weights(self, slot: int) -> ExpertWeights:
         """One slot's tensors as views of the buffer (what tier 1 holds for the expert)."""
         row = self.buffer[slot]
-        views = {n: row[o : o + _numel(s)].view(s) for n, (o, s) in self._layout.items()}
+        views = {
+            n: row[o : o + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
+            for n, (o, shape, dtype) in self._layout.items()
+        }
         return ExpertWeights(**views)
 
     def views(self) -> dict[ExpertKey, ExpertWeights]:
@@ -170,8 +177,13 @@ class ExpertSlots:
 
 
 def slot_compatible(weights: ExpertWeights) -> bool:
-    """Whether an expert can live in a slot pool: every projection floating point, no scales."""
-    return not weights.is_quantized and all(t.is_floating_point() for t in weights.tensors().values())
+    """Whether an expert can live in a slot pool: both projections in one form (float, or int8 /
+    MXFP4 with their scales: a stack's codec); a mixed expert stays outside."""
+    return stack_codec(weights.tensors()) is not None
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -121,6 +121,34 @@ def test_the_tiered_decode_step_is_a_cuda_graph_over_the_slot_pool(room, tiny_ch
         e.experts.close()
 
 
+@pytest.mark.parametrize(("codec", "arch"), [("int8", "mixtral"), ("mxfp4", "gpt_oss")])
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compact_experts_decode_as_a_cuda_graph_resident_and_tiered(codec, arch, tiny_checkpoint, tmp_path):
+    """int8 / MXFP4 experts kept compact (`expert_quant="compact"`): the resident stacks and the
+    tiered slot pool run them as grouped GEMVs, so both decode steps are captured; the tokens of
+    the eager engines."""
+    from freetoken_agents.engine.loading.convert import convert_checkpoint
+    from freetoken_agents.engine.memory import MemoryBudget
+
+    ftw = tmp_path / f"{arch}-{codec}.ftw"
+    convert_checkpoint(tiny_checkpoint(arch), ftw, quant=codec, progress=False)
+    for memory in (None, MemoryBudget()):
+        kwargs = dict(device="cuda", dtype=torch.bfloat16, expert_quant="compact", cache_dir=tmp_path)
+        if memory is not None:
+            kwargs.update(memory=memory, placement="qstar")
+        graphs = Engine.from_pretrained(ftw, **kwargs)
+        eager = Engine.from_pretrained(ftw, cuda_graphs=False, **kwargs)
+        assert graphs.experts.graph_safe, type(graphs.experts).__name__
+        want, got = _decode_both(eager, graphs)
+        g = graphs.decode_runner.graphs
+        assert g is not None and g.captures >= 1 and g.replays - g.reruns >= 30, vars(g)
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < BF16_TOL, (memory, err)
+        for e in (graphs, eager):
+            e.experts.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_is_recaptured_when_the_table_outgrows_it(tiny_checkpoint):

@@ -4,6 +4,13 @@ code runs on a GPU."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,13 +19,14 @@ from freetoken_agents.engine.slots import ExpertSlots, SlotsFullError
 from freetoken_agents.engine.spec import MoESpec
 
 H, INTER = 32, 24
+COMPACT_INTER = 32
 
 
-def _expert(seed: int, bias: bool = False) -> ExpertWeights:
+def _expert(seed: int, bias: bool = False, inter: int = INTER) -> ExpertWeights:
     g = torch.Generator().manual_seed(seed)
-    t = {"gate_up": torch.randn(2 * INTER, H, generator=g), "down": torch.randn(H, INTER, generator=g)}
+    t = {"gate_up": torch.randn(2 * inter, H, generator=g), "down": torch.randn(H, inter, generator=g)}
     if bias:
-        t["gate_up_bias"] = torch.randn(2 * INTER, generator=g)
+        t["gate_up_bias"] = torch.randn(2 * inter, generator=g)
         t["down_bias"] = torch.randn(H, generator=g)
     return ExpertWeights.packed(t, torch.float32)
 
@@ -68,13 +76,17 @@ def test_slots_refuse_experts_of_another_layout():
     slots = ExpertSlots(_expert(0), capacity=2, num_layers=1, num_experts=2, device="cpu")
     with pytest.raises(ValueError, match="not laid out like"):
         slots.assign((0, 1), _expert(1, bias=True))
-    with pytest.raises(ValueError, match="float experts"):
-        ExpertSlots(ExpertWeights.quantized(_expert(0).tensors(), torch.float32), 2, 1, 2, "cpu")
+    int8 = ExpertWeights.quantized(_expert(0).tensors(), torch.float32)
+    with pytest.raises(ValueError, match="not laid out like"):
+        slots.assign((0, 1), int8)
+    mixed = ExpertWeights.packed_mixed({**int8.tensors(), "down": _expert(0).down, "down_scale": None})
+    with pytest.raises(ValueError, match="share one form"):
+        ExpertSlots(mixed, 2, 1, 2, "cpu")
 
 
 def test_each_slot_tensor_starts_aligned_for_the_grouped_gemm():
     """A GPU's grouped GEMM wants 16-byte aligned strides: rows and tensors start at multiples of
-    64 elements whatever the expert's sizes (here odd ones, with biases)."""
+    128 bytes whatever the expert's sizes (here odd ones, with biases)."""
     g = torch.Generator().manual_seed(0)
     odd = ExpertWeights.packed(
         {
@@ -86,9 +98,108 @@ def test_each_slot_tensor_starts_aligned_for_the_grouped_gemm():
         torch.float32,
     )
     slots = ExpertSlots(odd, capacity=3, num_layers=1, num_experts=2, device="cpu")
-    assert slots.row % 64 == 0
+    assert slots.row % 128 == 0
     for t in (slots.stack.gate_up, slots.stack.down, slots.stack.gate_up_bias, slots.stack.down_bias):
-        assert t.stride(0) % 64 == 0 and (t.data_ptr() - slots.buffer.data_ptr()) // 4 % 64 == 0
+        assert t.stride(0) * 4 % 128 == 0 and (t.data_ptr() - slots.buffer.data_ptr()) % 128 == 0
     view = slots.assign((0, 1), odd)
     for name, t in odd.tensors().items():
         assert torch.equal(getattr(view, name), t)
+
+
+def _compact(seed: int, codec: str, bias: bool = False) -> ExpertWeights:
+    """An int8 or MXFP4 expert (the forms tier 1 keeps compact), optionally with float biases;
+    intermediate size `COMPACT_INTER` (MXFP4 blocks are 32 inputs)."""
+    from freetoken_agents.engine.grouped_experts import _mxfp4_expert
+
+    t = _expert(seed, bias, COMPACT_INTER).tensors()
+    if codec == "int8":
+        return ExpertWeights.quantized(t, torch.float32)
+    w = _mxfp4_expert({"gate_up": t["gate_up"], "down": t["down"]})
+    biases = {n: t[n] for n in ("gate_up_bias", "down_bias") if n in t}
+    return ExpertWeights.packed_mixed({**w.tensors(), **biases})
+
+
+def _dequantized(w: ExpertWeights) -> ExpertWeights:
+    """A compact expert's values as fp32 (the CPU's int8 kernel rounds activations to bf16, so the
+    per-expert loop is no exact reference for the interpreter's fp32 GEMVs)."""
+    from freetoken_agents.engine.mxfp4 import decode_weight
+
+    t = w.tensors()
+    for name in ("gate_up", "down"):
+        scale = t.pop(f"{name}_scale")
+        q = t[name]
+        t[name] = (
+            decode_weight(q, scale, torch.float32) if q.dtype == torch.uint8 else q.float() * scale[:, None]
+        )
+    return ExpertWeights(**t)
+
+
+@pytest.mark.parametrize("codec", ["int8", "mxfp4"])
+def test_compact_experts_take_slots_of_their_own_layout(codec):
+    """An int8 or MXFP4 expert lives in a slot as its stored bytes (weights, scales and biases each
+    in its own dtype at an aligned byte offset); the stack views them per slot, and the
+    per-expert loop over the slot's views gives the bits of the expert it was copied from."""
+    spec = MoESpec(4, 2, COMPACT_INTER, "softmax_topk", activation="swiglu_clamped")  # type: ignore[arg-type]
+    experts = {(0, e): _compact(e, codec, bias=True) for e in range(4)}
+    slots = ExpertSlots(experts[(0, 0)], capacity=4, num_layers=1, num_experts=4, device="cpu")
+    for key in [(0, 2), (0, 0), (0, 3), (0, 1)]:
+        view = slots.assign(key, experts[key])
+        for name, t in experts[key].tensors().items():
+            got = getattr(view, name)
+            assert got.dtype == t.dtype and torch.equal(got, t), name
+            assert (got.data_ptr() - slots.buffer.data_ptr()) % 128 == 0
+    assert slots.stack.codec == codec and slots.row % 128 == 0
+    slot = slots.slot_of((0, 3))
+    assert torch.equal(slots.stack.gate_up_scale[slot], experts[(0, 3)].gate_up_scale)
+    hidden = torch.randn(1, H, generator=torch.Generator().manual_seed(3))
+    ids, weights = torch.tensor([[3, 1]]), torch.tensor([[0.75, 0.25]])
+    want = dispatch_experts(lambda e, x: expert_forward(experts[(0, e)], x, spec), hidden, ids, weights)
+    held = {e: slots.weights(slots.slot_of((0, e))) for e in range(4)}
+    got = dispatch_experts(lambda e, x: expert_forward(held[e], x, spec), hidden, ids, weights)
+    assert torch.equal(got, want)
+
+
+_COMPACT_RUN = textwrap.dedent(
+    """
+    import torch
+    from test_slots import H, _compact, _dequantized
+    from freetoken_agents.engine.experts import dispatch_experts, expert_forward
+    from freetoken_agents.engine.slots import ExpertSlots
+    from freetoken_agents.engine.spec import MoESpec
+
+    for codec in ("int8", "mxfp4"):
+        for bias, act in ((False, "silu"), (True, "swiglu_clamped")):
+            spec = MoESpec(6, 2, 32, "softmax_topk", activation=act)
+            experts = {(1, e): _compact(e, codec, bias) for e in range(6)}
+            floats = {k: _dequantized(w) for k, w in experts.items()}  # exact fp32 reference
+            slots = ExpertSlots(experts[(1, 0)], capacity=8, num_layers=2, num_experts=6, device="cpu")
+            for key in [(1, 4), (1, 0), (1, 2), (1, 5), (1, 1)]:
+                slots.assign(key, experts[key])
+            g = torch.Generator().manual_seed(9)
+            for t in (1, 3):
+                hidden = torch.randn(t, H, generator=g)
+                ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(t)])
+                ids[ids == 3] = 5
+                weights = torch.rand(t, 2, generator=g)
+                out, miss = slots.run(1, hidden, ids, weights, spec)
+                ref = lambda e, x: expert_forward(floats[(1, e)], x, spec)
+                want = dispatch_experts(ref, hidden, ids, weights)
+                assert not bool(miss)
+                torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+            _, miss = slots.run(1, hidden, torch.tensor([[3, 0]]).expand(t, 2), weights, spec)
+            assert bool(miss)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_compact_slots_run_as_grouped_gemvs_under_the_interpreter():
+    """A layer's routed int8 / MXFP4 experts in slots run as the grouped Triton GEMVs (what a GPU
+    decode step and its CUDA graph run), through Triton's interpreter here: the per-expert
+    loop's values, and the miss flag for an absent expert."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPACT_RUN], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

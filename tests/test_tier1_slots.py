@@ -42,6 +42,25 @@ def ftw_of(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def compact_ftw_of(tiny_checkpoint, tmp_path_factory):
+    """`compact_ftw_of(arch, codec)`: the tiny model with its experts stored as `codec` (int8 or
+    mxfp4; the dense part bf16)."""
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, codec: str) -> Path:
+        if (arch, codec) not in cache:
+            cache[(arch, codec)] = tmp_path_factory.mktemp("ftw") / f"{arch}-{codec}.ftw"
+            convert_checkpoint(tiny_checkpoint(arch), cache[(arch, codec)], quant=codec, progress=False)
+        return cache[(arch, codec)]
+
+    return get
+
+
+# What each stored codec keeps compact in tier 1: int8 by default, MXFP4 under "compact".
+_EXPERT_QUANT = {"int8": "auto", "mxfp4": "compact"}
+
+
+@pytest.fixture(scope="module")
 def mixtral_ftw(ftw_of) -> Path:
     return ftw_of("mixtral")
 
@@ -51,18 +70,19 @@ def _tiered(engine: Engine) -> TieredExpertProvider:
     return engine.experts
 
 
-def _slotted(ftw: Path, fast_bytes: int | None) -> Engine:
+def _slotted(ftw: Path, fast_bytes: int | None, expert_quant: str = "auto") -> Engine:
     return Engine.from_pretrained(
         ftw,
         memory=MemoryBudget(fast_bytes=fast_bytes),
         placement="qstar",
+        expert_quant=expert_quant,
         tiering=TieringOptions(prefetch=False, expert_slots=True),
     )
 
 
-def _expert_bytes(ftw: Path) -> tuple[int, int]:
+def _expert_bytes(ftw: Path, expert_quant: str = "auto") -> tuple[int, int]:
     """(one layer's top-k working set, one block of KV) of the tiny model."""
-    probe = Engine.from_pretrained(ftw, memory=MemoryBudget(), placement="qstar")
+    probe = Engine.from_pretrained(ftw, memory=MemoryBudget(), placement="qstar", expert_quant=expert_quant)
     out = _tiered(probe).min_working_set, probe.kv_pool.bytes_per_block
     _tiered(probe).close()
     return out
@@ -93,6 +113,35 @@ def test_a_slotted_tier_1_decodes_the_resident_engines_tokens(ftw_of, arch, room
         assert tp.fast.counters.evictions > 0
         unit = tp.fast_bytes[tp.keys()[0]]  # what tier 1 counts per expert
         assert pool.capacity == tp.fast.capacity_bytes // unit
+    tp.close()
+
+
+@pytest.mark.parametrize("codec", ["int8", "mxfp4"])
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss", "deepseek_v3"])
+def test_compact_experts_take_slots_of_their_own_layout_in_tier_1(compact_ftw_of, arch, codec):
+    """int8 / MXFP4 experts kept compact in tier 1 live in a pool of their own layout (weights,
+    scales and biases each in its dtype): tier 1 holds the slots' views, evictions free slots,
+    and the logits are the resident engine's on the same file (bit for bit: a CPU decode step
+    loops over the views, as the resident engine loops over its stack's)."""
+    ftw, expert_quant = compact_ftw_of(arch, codec), _EXPERT_QUANT[codec]
+    working_set, kv_block = _expert_bytes(ftw, expert_quant)
+    ref = Engine.from_pretrained(ftw, expert_quant=expert_quant)
+    # Room for two layers' working sets beside the 24 tokens' KV (compact experts are small:
+    # the KV blocks of the other tests' budgets would hold every expert here).
+    eng = _slotted(ftw, 2 * working_set + 3 * kv_block, expert_quant)
+    tp = _tiered(eng)
+    ids = [5, 3, 8, 1, 9, 2, 7, 4]
+    with ref.new_session() as a, eng.new_session() as b:
+        assert torch.equal(a.prefill(ids), b.prefill(ids))
+        for t in range(16):
+            assert torch.equal(a.decode(t), b.decode(t))
+    pool = tp.moves.slots.pool
+    assert tp.moves.tier1_codec == codec and pool is not None and pool.stack.codec == codec
+    assert len(pool) == len(tp.fast) and tp.fast.counters.evictions > 0
+    for key in tp.fast.keys():
+        w = tp.fast.peek(key)
+        assert w.gate_up_scale is not None
+        assert w.gate_up.data_ptr() == pool.stack.gate_up[pool.slot_of(key)].data_ptr()
     tp.close()
 
 
@@ -149,15 +198,19 @@ def test_slots_are_off_on_a_cpu_unless_asked_for(mixtral_ftw):
 _STATIC_TIERED = textwrap.dedent(
     """
     import sys, torch
-    from freetoken_agents.engine import Engine
+    from freetoken_agents.engine import Engine, int8
     from freetoken_agents.engine.cuda_graph import DecodeGraphs, StaticDecode
     from freetoken_agents.engine.memory import MemoryBudget, TieredExpertProvider
     from freetoken_agents.engine.options import TieringOptions
 
     path, fast = sys.argv[1], (None if sys.argv[2] == "all" else int(sys.argv[2]))
-    ref = Engine.from_pretrained(path)
+    expert_quant = sys.argv[3]
+    # The CPU's int8 kernel rounds activations to bf16; the fp32 dequantize path is the exact
+    # reference for the interpreter's fp32 GEMVs (the reference and the eager reruns take it).
+    int8.KERNEL_MAX_TOKENS = 0
+    ref = Engine.from_pretrained(path, expert_quant=expert_quant)
     eng = Engine.from_pretrained(
-        path, memory=MemoryBudget(fast_bytes=fast), placement="qstar",
+        path, memory=MemoryBudget(fast_bytes=fast), placement="qstar", expert_quant=expert_quant,
         tiering=TieringOptions(prefetch=False, expert_slots=True),
     )
     runner = eng.decode_runner
@@ -181,23 +234,36 @@ _STATIC_TIERED = textwrap.dedent(
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 @pytest.mark.parametrize(
-    ("arch", "room"), [("mixtral", "all"), ("mixtral", 2), ("gpt_oss", "all"), ("deepseek_v3", 2)]
+    ("arch", "codec", "room"),
+    [
+        ("mixtral", "fp32", "all"),
+        ("mixtral", "fp32", 2),
+        ("gpt_oss", "fp32", "all"),
+        ("deepseek_v3", "fp32", 2),
+        ("mixtral", "int8", "all"),
+        ("gpt_oss", "mxfp4", 2),
+    ],
 )
-def test_the_static_tiered_step_decodes_the_resident_engines_tokens(ftw_of, arch, room):
-    """Uncaptured static steps over the slot pool: the same tokens as the resident engine. With
-    every expert fitting, replays stop missing once tier 1 is warm; with room for two layers'
-    working sets, replays miss, are recomputed eagerly (q* decides for the misses), and the
-    store stops asking for replays while they would miss."""
-    ftw, fast = ftw_of(arch), "all"
+def test_the_static_tiered_step_decodes_the_resident_engines_tokens(
+    ftw_of, compact_ftw_of, arch, codec, room
+):
+    """Uncaptured static steps over the slot pool (float: the grouped GEMM; int8 / MXFP4 kept
+    compact: the grouped GEMVs): the same tokens as the resident engine. With every expert
+    fitting, replays stop missing once tier 1 is warm; with room for two layers' working sets,
+    replays miss, are recomputed eagerly (q* decides for the misses), and the store stops asking
+    for replays while they would miss."""
+    ftw = ftw_of(arch) if codec == "fp32" else compact_ftw_of(arch, codec)
+    expert_quant, fast = _EXPERT_QUANT.get(codec, "auto"), "all"
     if room != "all":
-        working_set, kv_block = _expert_bytes(ftw)
+        working_set, kv_block = _expert_bytes(ftw, expert_quant)
         fast = str(room * working_set + 8 * kv_block)
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-c", _STATIC_TIERED, str(ftw), fast]
+    cmd = [sys.executable, "-c", _STATIC_TIERED, str(ftw), fast, expert_quant]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
     _, _, replays, reruns, *_ = done.stdout.split()[:5]
     replays, reruns = int(replays), int(reruns)
+    assert replays > reruns  # some steps were served by the static step over the slots
     if room == "all":
         assert replays == 48 and reruns < replays // 2  # only the warm-up steps missed
     else:

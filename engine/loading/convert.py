@@ -47,6 +47,7 @@ from ..adapters.base import FP8_SCALE_SUFFIX, Adapter, fp8_encoded
 from ..checkpoint import SafetensorsCheckpoint
 from ..codecs import EncodedTensor, decode, encode, get_codec
 from ..errors import CheckpointError
+from ..expert_tensors import WEIGHT_NAMES
 from ..ftw.reader import FTWFile
 from ..ftw.writer import FTWWriter
 from ..spec import ModelSpec, MoESpec
@@ -73,7 +74,6 @@ EMBEDDED_FILES: tuple[str, ...] = (*TOKENIZER_FILES, GENERATION_CONFIG)
 """Files copied from the checkpoint folder into the manifest when present."""
 FALLBACK_CODEC = "bf16"
 """Codec used for a weight the requested codec cannot represent."""
-_WEIGHTS = ("gate_up", "gate", "up", "down")
 _BIASES = ("gate_up_bias", "down_bias")
 
 
@@ -321,7 +321,7 @@ def _encode_block(
     key: tuple[int, int],
 ) -> dict[str, EncodedTensor]:
     """One expert's block: weights in `codec` (carried over when already in it), biases in `bias_codec`."""
-    weights = {n: t for n, t in stored.items() if n in _WEIGHTS}
+    weights = {n: t for n, t in stored.items() if n in WEIGHT_NAMES}
     biases = {n: t for n, t in stored.items() if n in _BIASES}
     block: dict[str, EncodedTensor] = {}
     if weights and all(isinstance(t, EncodedTensor) and t.codec == codec for t in weights.values()):

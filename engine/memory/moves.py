@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from ..expert_tensors import kept_forms
+from ..expert_tensors import WEIGHT_NAMES, kept_forms
 from ..experts import ExpertKey, ExpertWeights
 from ..ftw import FTWFile
+from ..grouped_experts import StackCodec
 from ..int8 import ExpertQuant
 from .oracle import BandwidthOracle
 from .prefetch import SKIPPED
@@ -56,7 +57,7 @@ class TierMover:
     device decodes for q* (`ComputeTimer`, kind "decode/<codec>"); `codecs`: key -> codec name.
     `expert_quant`: what HOST compute keeps compact; `tier1_quant` (default the same): what tier 1
     keeps compact (on CUDA "none" unless "compact": the device decode then leaves the arrived
-    bytes as they are). `slots`: tier 1 keeps its float experts in one slot pool
+    bytes as they are). `slots`: tier 1 keeps its experts in one slot pool
     (`slot_pool.TierSlots`): a promotion copies the expert into a slot (on a CPU the stored bytes
     then stay in tier 2 instead of moving up), an eviction frees the slot.
     """
@@ -115,20 +116,21 @@ class TierMover:
         # tier 1 is demoted. CUDA with exclusive tiers: it is spilled back into pinned tier 2.
         on_host_evict = None if cuda else (lambda _key, value: reader.buffers.retire(value))
         on_fast_evict = (self.spill if exclusive else None) if cuda else self.demote
-        # Tier 1's float experts in one slot pool (the grouped, graph-capturable decode step).
+        # Tier 1's experts in one slot pool (the grouped, graph-capturable decode step).
         self.slots: TierSlots | None = None
-        self.uniform_float_tier1 = False  # with slots: the pool can hold every expert of the file
+        # With slots: the codec of the pool's layout when it can hold every expert of the file
+        # (one stored layout, both projections kept in one form), else None.
+        self.tier1_codec: StackCodec | None = None
         if slots and stored_bytes:
             layers, experts = (max(k[i] for k in stored_bytes) + 1 for i in (0, 1))
             self.slots = TierSlots(layers, experts, len(stored_bytes), device)
             on_fast_evict = self._releasing_slot(on_fast_evict)
-            shapes = {
-                tuple(sorted((n, t.shape) for n, t in ftw.expert_info(*k).tensors.items()))
+            stored = {
+                tuple(sorted((n, t.shape, t.codec) for n, t in ftw.expert_info(*k).tensors.items()))
                 for k in stored_bytes
             }
-            self.uniform_float_tier1 = len(shapes) == 1 and not any(
-                self._kept_compact(k) for k in stored_bytes
-            )
+            if len(stored) == 1:
+                self.tier1_codec = self._tier1_form(next(iter(stored_bytes)))
         if placement == "stream":
             self.fast: FastTier[ExpertWeights] = LayerLRUTier(
                 None, n_layers, on_evict=on_fast_evict, protected=protected
@@ -190,6 +192,14 @@ class TierMover:
     def _kept_compact(self, key: ExpertKey) -> bool:
         tensors = self.ftw.expert_info(*key).tensors
         return bool(kept_forms({n: t.codec for n, t in tensors.items()}, self.tier1_quant))
+
+    def _tier1_form(self, key: ExpertKey) -> StackCodec | None:
+        """How tier 1 holds `key`'s projections: "float" (decoded), "int8" or "mxfp4" (kept
+        compact), None when they differ (a mixed expert, which no slot pool holds)."""
+        tensors = self.ftw.expert_info(*key).tensors
+        kept = kept_forms({n: t.codec for n, t in tensors.items()}, self.tier1_quant)
+        forms = {kept.get(n, "float") for n in tensors if n in WEIGHT_NAMES}
+        return cast(StackCodec, forms.pop()) if len(forms) == 1 else None
 
     def read_block(
         self, key: ExpertKey, *, urgent: bool = True, still_wanted: Callable[[], bool] | None = None

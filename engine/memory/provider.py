@@ -65,7 +65,7 @@ from ..errors import EngineError, MemoryBudgetError
 from ..expert_tensors import kept_bytes
 from ..experts import ExpertKey, ExpertStore, ExpertWeights
 from ..ftw import FTWFile
-from ..grouped_experts import grouped_mm_capturable
+from ..grouped_experts import stack_capturable
 from ..int8 import ExpertQuant, check_expert_quant
 from ..routed import expert_forward
 from ..spec import MoESpec
@@ -419,11 +419,12 @@ class TieredExpertProvider(ExpertStore):
     @property
     def graph_safe(self) -> bool:  # type: ignore[override]
         """A decode step can run on the device alone: tier 1 is a slot pool that can hold every
-        expert of the file (one float layout) and the grouped GEMM is capturable there."""
-        slots = self.moves.slots
-        if slots is None or not self.cuda or not self.moves.uniform_float_tier1:
+        expert of the file (one layout: float, int8 or MXFP4) and its grouped kernels (GEMM or
+        GEMVs) are capturable there."""
+        codec = self.moves.tier1_codec
+        if self.moves.slots is None or not self.cuda or codec is None:
             return False
-        return grouped_mm_capturable(self.device, self.dtype)
+        return stack_capturable(codec, self.device, self.dtype)
 
     @property
     def graph_epoch(self) -> int:  # type: ignore[override]

@@ -1,14 +1,15 @@
-"""Tier 1's float experts in one slot pool (`slots.ExpertSlots`), sized to tier 1's room.
+"""Tier 1's experts in one slot pool (`slots.ExpertSlots`), sized to tier 1's room.
 
 `TierSlots` is what the tier mover (`moves.TierMover`) uses to keep tier 1 as slots: a promoted
-float expert is copied into a slot and tier 1 holds the slot's views; an evicted one frees its
-slot. The pool is allocated at the first float expert (its template) with as many slots as tier
+expert is copied into a slot and tier 1 holds the slot's views; an evicted one frees its slot.
+The pool takes the layout of the first expert (its template: float, or int8 / MXFP4 kept
+compact, each with its scales and biases) and is allocated with as many slots as tier
 1's byte capacity holds experts of that size (all experts when unbounded), and reallocated when
 that room changes (`fit`: the KV cache grew or shrank, so tier 1 did) or when tier 1 has room
 the pool lacks (`assign`). Each reallocation moves the buffer and bumps `epoch`: the mover then
 re-points tier 1 at the new views (`views`), and a captured CUDA graph, which compares the
-epoch, is captured again. Experts of another layout (int8
-or MXFP4 kept compact, another shape) stay outside the pool: `assign` returns None for them.
+epoch, is captured again. Experts of another layout (another shape or form, a mixed expert)
+stay outside the pool: `assign` returns None for them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 class TierSlots:
-    """The slot pool of tier 1 (None until the first float expert arrives).
+    """The slot pool of tier 1 (None until the first expert arrives).
 
     Args:
         num_layers / num_experts: the table's shape (max layer + 1, max expert + 1).
@@ -70,7 +71,8 @@ class TierSlots:
         return self.pool.assign(key, weights)
 
     def accepts(self, weights: ExpertWeights) -> bool:
-        """Whether `weights` can take a slot: a float expert, of the pool's layout once it has one."""
+        """Whether `weights` can take a slot: an expert whose projections share one form, of the
+        pool's layout once it has one."""
         return slot_compatible(weights) if self.pool is None else self.pool.holds_layout_of(weights)
 
     def release(self, key: ExpertKey) -> None:

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from ...adapters import adapter_for
 from ...checkpoint import config_from_dict
+from ...expert_tensors import WEIGHT_NAMES
 from ...ftw.writer import FTWWriter
 from ...spec import ModelSpec
 from ...transformer import MoETransformer
@@ -42,7 +43,6 @@ logger = logging.getLogger(__name__)
 SOURCE = "source"
 GGUF_QUANTS: tuple[str, ...] = (SOURCE, *QUANT_CODECS)
 """``quant`` values for a GGUF source: keep each weight's precision class, or one codec for all."""
-_WEIGHTS = ("gate_up", "gate", "up", "down")
 
 
 def convert_gguf(
@@ -120,8 +120,8 @@ def _write_dense(w: FTWWriter, tensors: TensorMap, spec: ModelSpec, dense_dtype:
 
 def _reencoded(block: dict, codec: str, stats: Counter[str], key: tuple[int, int]) -> dict:
     """Expert weights decoded to float32 and encoded in `codec` (biases kept as they are)."""
-    floats = float_block({n: t for n, t in block.items() if n in _WEIGHTS})
+    floats = float_block({n: t for n, t in block.items() if n in WEIGHT_NAMES})
     if "gate" in floats:
         floats = {"gate_up": torch.cat([floats.pop("gate"), floats.pop("up")]), **floats}
     out = {name: _encode_weight(t, codec, stats, key, name) for name, t in floats.items()}
-    return {**out, **{n: t for n, t in block.items() if n not in _WEIGHTS}}
+    return {**out, **{n: t for n, t in block.items() if n not in WEIGHT_NAMES}}
