@@ -23,6 +23,7 @@ and replay have never run in this repository's CI (no GPU): tests/test_cuda_deco
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Protocol
@@ -34,6 +35,9 @@ from .layers import StaticAttention, StepContext, rope_cos_sin
 if TYPE_CHECKING:
     from .kv import BlockTable
     from .spec import ModelSpec
+
+
+logger = logging.getLogger(__name__)
 
 
 class DecodeModel(Protocol):
@@ -179,23 +183,34 @@ class DecodeGraphs:
         self.captures = 0
         self.replays = 0
         self.reruns = 0
+        self.failed: str | None = None  # why a capture failed (then every step is eager)
 
     @property
     def wanted(self) -> bool:
         """Whether a replay is worth trying for the next step (the expert store's say: the
-        tiered one declines while its recent steps missed tier 1)."""
+        tiered one declines while its recent steps missed tier 1); never after a failed capture."""
+        if self.failed is not None:
+            return False
         provider = expert_provider(self.model)
         return provider is None or provider.graph_wanted
 
     def run(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
         """Logits [1, V] of the decode step, or None when the expert store found the replay
-        wrong (a routed expert missing from tier 1): the caller recomputes the step eagerly."""
+        wrong (a routed expert missing from tier 1) or the capture failed (logged once; `failed`
+        says why, and no replay is wanted again): the caller computes the step eagerly."""
         table = ctx.table
         if self.current is None or not self.current.fits(table):
             blocks = max(64, 1 << max(0, len(table.blocks) - 1).bit_length())
             self.current = None  # free the old graph's memory pool first
             step = self.step_cls(self.model, table, blocks, tokens.device)
-            step.prepare(tokens, ctx)
+            try:
+                step.prepare(tokens, ctx)
+            except RuntimeError as e:
+                # A kernel that cannot be captured here (a driver, torch or Triton version this
+                # repository never ran): decode eagerly from now on rather than fail the step.
+                self.failed = f"{type(e).__name__}: {e}"
+                logger.warning("capturing the decode step failed; decoding eagerly from now on (%s)", e)
+                return None
             self.current = step
             self.captures += 1
         self.replays += 1

@@ -157,3 +157,32 @@ def test_a_replay_found_wrong_is_recomputed_eagerly_and_an_unwanted_one_is_not_r
         assert wrong.replays == 2  # not asked while the store does not want replays
     for a, b in zip(want, got, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_capture_that_fails_leaves_decode_eager_and_correct(path, caplog):
+    """A capture that raises (a kernel this driver or torch cannot capture) is logged once and
+    decode goes on eagerly, with the eager logits; no capture is tried again."""
+    from freetoken_agents.engine.cuda_graph import DecodeGraphs, StaticDecode
+
+    class UncapturableStep(StaticDecode):
+        tries = 0
+
+        def prepare(self, tokens, ctx):
+            UncapturableStep.tries += 1
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    engine = Engine.from_pretrained(path)
+    want = _eager_steps(engine)
+    graphs = DecodeGraphs(engine.model, UncapturableStep)
+    engine.decode_runner.use_graphs(graphs)
+    with (
+        caplog.at_level(logging.WARNING, logger="freetoken_agents.engine.cuda_graph"),
+        engine.new_session() as s,
+    ):
+        s.prefill(PROMPT)
+        got = [s.decode(t) for t in (7, 8, 9)]
+    assert UncapturableStep.tries == 1 and graphs.captures == 0 and not graphs.wanted
+    assert "not permitted" in (graphs.failed or "")
+    assert sum("capturing the decode step failed" in r.message for r in caplog.records) == 1
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
