@@ -36,16 +36,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from . import gemv_triton
+from .codecs import get_codec
+from .int8 import quantize
+from .mxfp4 import decode_weight
 from .spec import MoESpec
-
-if TYPE_CHECKING:
-    from .experts import ExpertWeights
 
 logger = logging.getLogger(__name__)
 
@@ -274,35 +274,42 @@ def grouped_gemv_ok(device: torch.device, codec: StackCodec) -> bool:
 
 
 def _gemv_self_check(device: torch.device, codec: StackCodec) -> bool:
-    from .experts import ExpertWeights
-    from .routed import dispatch_experts, expert_forward
-
+    """Three random experts in `codec`, two tokens routed to two each: the grouped GEMVs against
+    the dequantized weights' float matmuls."""
     g = torch.Generator().manual_seed(0)
     spec = MoESpec(num_experts=3, top_k=2, intermediate_size=64, routing="softmax_topk")
-    experts = []
+    parts: dict[str, list[torch.Tensor]] = {}
+    floats: dict[str, list[torch.Tensor]] = {"gate_up": [], "down": []}
     for _ in range(3):
-        float_w = {"gate_up": torch.randn(128, 96, generator=g), "down": torch.randn(96, 64, generator=g)}
-        w = ExpertWeights.quantized(float_w, torch.float32) if codec == "int8" else _mxfp4_expert(float_w)
-        experts.append(w.to_device(device))
-    stack = ExpertStack.stack([w.tensors() for w in experts])
+        for name, shape in (("gate_up", (128, 96)), ("down", (96, 64))):
+            weight, scale, dequantized = compact_weight(torch.randn(*shape, generator=g), codec)
+            parts.setdefault(name, []).append(weight)
+            parts.setdefault(f"{name}_scale", []).append(scale)
+            floats[name].append(dequantized.to(device))
+    stack = ExpertStack(**{n: torch.stack(ts).to(device) for n, ts in parts.items()})
     x = torch.randn(2, 96, generator=g).to(device)
     ids = torch.tensor([[2, 0], [1, 2]], device=device)
     weights = torch.rand(2, 2, generator=g).to(device)
-    want = dispatch_experts(lambda e, h: expert_forward(experts[e], h, spec), x, ids, weights)
+    want = torch.zeros_like(x)
+    for t in range(2):
+        for a in range(2):
+            e = int(ids[t, a])
+            h = activation(F.linear(x[t : t + 1], floats["gate_up"][e]), spec)
+            want[t] += weights[t, a] * F.linear(h, floats["down"][e])[0]
     got = run_grouped_gemv(stack, x, ids, weights, spec)
     return bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())))
 
 
-def _mxfp4_expert(float_w: dict[str, torch.Tensor]) -> ExpertWeights:
-    from .codecs import get_codec
-    from .experts import ExpertWeights
-
-    parts: dict[str, torch.Tensor] = {}
-    for name, w in float_w.items():
-        enc = get_codec("mxfp4").encode(w)
-        parts[name] = enc.parts["blocks"].reshape(w.shape[0], w.shape[1] // 2)
-        parts[f"{name}_scale"] = enc.parts["scales"]
-    return ExpertWeights.packed_mixed(parts)
+def compact_weight(w: torch.Tensor, codec: StackCodec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] in `codec` ("int8" or "mxfp4") -> (weight, scale, its fp32 values):
+    int8 [N, K] with fp32 row scales [N], or MXFP4 blocks [N, K/2] with E8M0 scales [N, K/32]
+    (`experts.ExpertWeights`' compact forms)."""
+    if codec == "int8":
+        q, scale = quantize(w)
+        return q, scale, q.float() * scale[:, None]
+    enc = get_codec("mxfp4").encode(w)
+    blocks, scales = enc.parts["blocks"].reshape(w.shape[0], w.shape[1] // 2), enc.parts["scales"]
+    return blocks, scales, decode_weight(blocks, scales, torch.float32)
 
 
 def stack_capturable(codec: StackCodec, device: torch.device, dtype: torch.dtype) -> bool:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from freetoken_agents.engine.experts import ExpertWeights, dispatch_experts, expert_forward
+from freetoken_agents.engine.grouped_experts import compact_weight
 from freetoken_agents.engine.slots import ExpertSlots, SlotsFullError
 from freetoken_agents.engine.spec import MoESpec
 
@@ -109,14 +110,10 @@ def test_each_slot_tensor_starts_aligned_for_the_grouped_gemm():
 def _compact(seed: int, codec: str, bias: bool = False) -> ExpertWeights:
     """An int8 or MXFP4 expert (the forms tier 1 keeps compact), optionally with float biases;
     intermediate size `COMPACT_INTER` (MXFP4 blocks are 32 inputs)."""
-    from freetoken_agents.engine.grouped_experts import _mxfp4_expert
-
     t = _expert(seed, bias, COMPACT_INTER).tensors()
-    if codec == "int8":
-        return ExpertWeights.quantized(t, torch.float32)
-    w = _mxfp4_expert({"gate_up": t["gate_up"], "down": t["down"]})
-    biases = {n: t[n] for n in ("gate_up_bias", "down_bias") if n in t}
-    return ExpertWeights.packed_mixed({**w.tensors(), **biases})
+    for name in ("gate_up", "down"):
+        t[name], t[f"{name}_scale"], _ = compact_weight(t[name], codec)  # type: ignore[arg-type]
+    return ExpertWeights.packed_mixed(t)
 
 
 def _dequantized(w: ExpertWeights) -> ExpertWeights:
