@@ -241,7 +241,7 @@ _STATIC_TIERED = textwrap.dedent(
         ("gpt_oss", "fp32", "all"),
         ("deepseek_v3", "fp32", 2),
         ("mixtral", "int8", "all"),
-        ("gpt_oss", "mxfp4", 2),
+        ("gpt_oss", "mxfp4", "all"),
     ],
 )
 def test_the_static_tiered_step_decodes_the_resident_engines_tokens(
@@ -263,7 +263,6 @@ def test_the_static_tiered_step_decodes_the_resident_engines_tokens(
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
     _, _, replays, reruns, *_ = done.stdout.split()[:5]
     replays, reruns = int(replays), int(reruns)
-    assert replays > reruns  # some steps were served by the static step over the slots
     if room == "all":
         assert replays == 48 and reruns < replays // 2  # only the warm-up steps missed
     else:
