@@ -13,6 +13,7 @@ import torch
 from freetoken_agents.engine import Engine
 from freetoken_agents.engine.loading.convert import convert_checkpoint
 from freetoken_agents.engine.memory import FastTier, MemoryBudget
+from freetoken_agents.engine.memory.moves import shares_memory
 from freetoken_agents.engine.options import TieringOptions
 
 
@@ -124,3 +125,46 @@ def test_decisions_are_made_for_misses_only(mixtral):
     assert tp.fast.counters.evictions > 0  # type: ignore[attr-defined]  # the budget was tight
     assert len(asked) == misses > 0  # one decision per tier-1 miss, none for hits
     tp.close()  # type: ignore[attr-defined]
+
+
+def test_a_tier_2_block_is_parsed_once_while_it_stays_in_tier_2(mixtral, monkeypatch):
+    """A HOST computation reads the expert's tier-2 block as zero-copy views; the views are kept
+    with the block, so computing it again does not parse and validate the block again. When the
+    block leaves tier 2 the views go too (its read buffer may then be reused), and a block read
+    again is parsed again."""
+    _, ftw = mixtral
+    engine = Engine.from_pretrained(
+        ftw,
+        memory=MemoryBudget(fast_bytes=1 << 20),
+        placement="qstar",
+        tiering=TieringOptions(prefetch=False),
+    )
+    moves = engine.experts.moves
+    parsed: list[tuple[int, int]] = []
+    real = moves.ftw.encoded_stored
+
+    def counting(layer, expert, stored, **kw):
+        parsed.append((layer, expert))
+        return real(layer, expert, stored, **kw)
+
+    monkeypatch.setattr(moves.ftw, "encoded_stored", counting)
+    key = (1, 3)
+    value = moves.host_value(key)
+    first = moves.decode(key, value)
+    again = moves.decode(key, value)
+    assert again is first and parsed == [key]
+    assert shares_memory(first, value)  # views of the block's bytes, no copy
+    moves.host.resize(0)  # tier 2 drops every block (as an eviction would)
+    assert key not in moves.host and key not in moves._host_weights
+    moves.host.resize(None)
+    value = moves.host_value(key)
+    assert moves.decode(key, value) is not first and parsed == [key, key]
+    # Promoted, its bytes move up into tier 1 (zero-copy); evicted, they come back to tier 2
+    # with their views: the next use parses nothing.
+    lifted = moves.promote(key, None)
+    assert key in moves.backing and key not in moves.host
+    with moves.lock:
+        moves.fast.resize(0)
+    assert key in moves.host and moves.decode(key, moves.host.peek(key)) is lifted
+    assert parsed == [key, key]
+    engine.experts.close()

@@ -114,7 +114,11 @@ class TierMover:
             self.copies = CopyEngine(device, self.fast_link)
         # CPU: tier-2 values are the reader's buffers, reused once dropped; an expert leaving
         # tier 1 is demoted. CUDA with exclusive tiers: it is spilled back into pinned tier 2.
-        on_host_evict = None if cuda else (lambda _key, value: reader.buffers.retire(value))
+        on_host_evict = None if cuda else self._retire_host
+        # CPU: tier-2 values whose decode is zero-copy (fp32 stored for fp32 compute, int8 kept
+        # int8), with the weights last decoded from them: a HOST computation or a promotion of
+        # the same value does not parse and validate its block again (~50 us an expert here).
+        self._host_weights: dict[ExpertKey, tuple[Any, ExpertWeights]] = {}
         on_fast_evict = (self.spill if exclusive else None) if cuda else self.demote
         # Tier 1's experts in one slot pool (the grouped, graph-capturable decode step).
         self.slots: TierSlots | None = None
@@ -248,12 +252,25 @@ class TierMover:
     def decode(self, key: ExpertKey, stored: Any) -> ExpertWeights:
         """A tier-2 value as weights where its bytes are (CUDA tier 2: pinned raw bytes or a
         spilled decoded expert; CPU: stored bytes), int8 projections kept per `expert_quant`
-        (zero-copy views of the stored int8 parts)."""
+        (zero-copy views of the stored int8 parts; kept with the value while it is in tier 2)."""
         if isinstance(stored, ExpertWeights):
             return stored
         if isinstance(stored, torch.Tensor):
             return decode_raw(self.ftw, key, stored, self.dtype, self.expert_quant)
-        return decode_block(self.ftw, key, stored, self.dtype, self.expert_quant)
+        cached = self._host_weights.get(key)
+        if cached is not None and cached[0] is stored:
+            return cached[1]
+        w = decode_block(self.ftw, key, stored, self.dtype, self.expert_quant)
+        with self.lock:
+            if self.host.peek(key) is stored and shares_memory(w, stored):
+                self._host_weights[key] = (stored, w)
+        return w
+
+    def _retire_host(self, key: ExpertKey, value: Any) -> None:
+        """CPU (tier 2's `on_evict`): the value left RAM; its read buffer may be reused once
+        nothing refers to it (its decoded views included)."""
+        self._host_weights.pop(key, None)
+        self.reader.buffers.retire(value)
 
     def _device_decode(self, key: ExpertKey, arrived: Any) -> ExpertWeights:
         """CUDA: what a copy brought to the device -> tier-1 weights. Compact bytes are decoded
@@ -267,7 +284,7 @@ class TierMover:
         self.timer.stop(start, 1, kind=f"decode/{self.codecs[key]}")
         return w
 
-    def demote(self, key: ExpertKey, _w: ExpertWeights) -> None:
+    def demote(self, key: ExpertKey, w: ExpertWeights) -> None:
         """CPU (`fast.on_evict`): a zero-copy block leaving tier 1 goes back to tier 2 (its bytes
         are in RAM); a decoded copy is simply dropped."""
         stored = self.backing.pop(key, None)
@@ -276,6 +293,8 @@ class TierMover:
         self.host.put(key, stored, self.stored_bytes[key])
         if key not in self.host:  # tier 2 cannot take it: it leaves RAM
             self.reader.buffers.retire(stored)
+        elif shares_memory(w, stored):  # its views come back with it: no parse on the next use
+            self._host_weights[key] = (stored, w)
 
     def spill(self, key: ExpertKey, w: ExpertWeights) -> None:
         """CUDA, exclusive tiers (`fast.on_evict`): an expert that moved up goes back to tier 2,
@@ -322,6 +341,7 @@ class TierMover:
             self.bytes_moved["host->fast"] += n
             if shares:
                 self.host.pop(key)  # the bytes move up, they are not copied
+                self._host_weights.pop(key, None)
                 self.backing[key] = stored
             elif key not in self.host:  # a decoded copy: the compact bytes stay in tier 2
                 self.host.put(key, stored, n)
