@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -94,7 +95,7 @@ class ExpertStack:
     def slots(self) -> int:
         return self.gate_up.shape[0]
 
-    @property
+    @cached_property
     def codec(self) -> StackCodec:
         codec = stack_codec(self.tensors(0))
         assert codec is not None

@@ -83,7 +83,9 @@ def use_grouped(stack: ExpertStack, tokens: int) -> bool:
     (a GPU: `grouped_gemv_ok`)."""
     w = stack.gate_up
     if stack.gate_up_scale is not None:
-        return tokens <= GEMV_MAX_TOKENS and grouped_gemv_ok(w.device, stack.codec)
+        return (
+            tokens <= GEMV_MAX_TOKENS and w.device.type == "cuda" and grouped_gemv_ok(w.device, stack.codec)
+        )
     return grouped_mm_available(w.device, w.dtype) and not (w.device.type == "cpu" and tokens == 1)
 
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,17 +27,11 @@ class PhaseTimer:
         self.seconds: dict[str, float] = {}
         self.counts: Counter[str] = Counter()
 
-    @contextmanager
-    def time(self, name: str) -> Iterator[Callable[[], float]]:
-        """Time the body as phase `name`; yields a function returning its seconds once it ended."""
-        box = [0.0]
-        t0 = time.perf_counter()
-        try:
-            yield lambda: box[0]
-        finally:
-            box[0] = time.perf_counter() - t0
-            self.seconds[name] = self.seconds.get(name, 0.0) + box[0]
-            self.counts[name] += 1
+    def time(self, name: str) -> _Phase:
+        """Time the body as phase `name`; `as` gives a function returning its seconds once it
+        ended. (A class, not a generator context manager: ~1 us less per use, a few uses per layer
+        of a decode step.)"""
+        return _Phase(self, name)
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """`phase_s` (seconds per phase) and `phase_calls` (times each ran)."""
@@ -57,3 +50,25 @@ class PhaseTimer:
                 self.counts[name] += 1
 
         return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+
+class _Phase:
+    """One timed use of `PhaseTimer.time`."""
+
+    __slots__ = ("timer", "name", "t0", "seconds")
+
+    def __init__(self, timer: PhaseTimer, name: str) -> None:
+        self.timer, self.name, self.seconds = timer, name, 0.0
+
+    def __enter__(self) -> Callable[[], float]:
+        self.t0 = time.perf_counter()
+        return self.took
+
+    def took(self) -> float:
+        return self.seconds
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.t0
+        timer = self.timer
+        timer.seconds[self.name] = timer.seconds.get(self.name, 0.0) + self.seconds
+        timer.counts[self.name] += 1
