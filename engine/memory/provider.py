@@ -307,7 +307,8 @@ class TieredExpertProvider(ExpertStore):
             return self.graph_steps.run(layer, hidden, expert_ids, weights, spec)
         if self._timer is not None:
             self._timer.poll()
-        used = sorted(set(expert_ids.reshape(-1).tolist()))
+        decode = hidden.shape[0] == 1
+        used = sorted(set(expert_ids.tolist()[0] if decode else expert_ids.reshape(-1).tolist()))
         self.planner.note_routing(layer, used)
         # Pre-gating (its router runs cost ~1 ms a token on a small CPU model) only while there is
         # something to prefetch. In RAM: tier 2's blocks and, with exclusive tiers, the tier-1
@@ -317,7 +318,7 @@ class TieredExpertProvider(ExpertStore):
             self.planner.begin_layer(layer, used)
             self.prefetcher.begin_layer(layer, used)
             self._prefetch_next(layer, hidden)
-        if hidden.shape[0] == 1:
+        if decode:
             with self._lock:
                 resident = self.fast.get_all([(layer, e) for e in used])
             if self.graph_steps is not None:
@@ -353,8 +354,10 @@ class TieredExpertProvider(ExpertStore):
             run = lambda: routed.run_routed(  # noqa: E731
                 hidden, slot_ids, weights, spec, stack=pool.stack, get=pool.weights
             )
-        else:
-            run = lambda: routed.run_routed(hidden, expert_ids, weights, spec, get=experts.__getitem__)  # noqa: E731
+        else:  # the per-expert loop over tier 1's weights (what `run_routed` picks without a stack)
+            run = lambda: routed.dispatch_experts(  # noqa: E731
+                lambda e, x: expert_forward(experts[e], x, spec), hidden, expert_ids, weights
+            )
         if self._timer is not None:
             start = self._timer.start()
             y = run()
