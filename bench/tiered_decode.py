@@ -2,7 +2,7 @@
 
     python bench/tiered_decode.py            # Mixtral-shaped, ~101M parameters, ~1.5 min on 2 cores
     python bench/tiered_decode.py --json     # also print the summary as JSON
-    python bench/tiered_decode.py --slots    # fp32 also with tier 1 as a slot pool (off on CPUs)
+    python bench/tiered_decode.py --slots    # also with tier 1 as a slot pool (off on CPUs)
 
 Model: a random Mixtral-shaped checkpoint (defaults: hidden 512, intermediate 1024, 7 layers, 8
 experts, top-2, vocab 8192: ~101M parameters, 88M of them in experts; unit-std embeddings so the
@@ -156,8 +156,8 @@ def run_format(quant: str, folder: Path, tmp: Path, args: argparse.Namespace) ->
     kv_room = (math.ceil((args.prompt + args.tokens) / pool.block_size) + 2) * pool.bytes_per_block
     engines: dict[str, Any] = {"resident": resident}
     budgets: dict[str, dict[str, int]] = {}
-    # Tier 1 as a slot pool (float experts only: an int8 file's experts stay outside it).
-    slotted = [False, True] if args.slots and quant == "fp32" else [False]
+    # Tier 1 as a slot pool (float experts, or int8 ones in slots of their own layout).
+    slotted = [False, True] if args.slots else [False]
     for f in args.fractions:
         budget = MemoryBudget(fast_bytes=int(f * x_bytes) + kv_room, host_bytes=s_bytes + (16 << 20))
         for slots in slotted:
@@ -244,7 +244,7 @@ def main() -> int:
         "--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25], help="tier-1 budgets (x expert bytes)"
     )
     ap.add_argument("--formats", nargs="+", default=["fp32", "int8"], choices=["fp32", "int8"])
-    ap.add_argument("--slots", action="store_true", help="fp32: each fraction also with tier 1 as slots")
+    ap.add_argument("--slots", action="store_true", help="each fraction also with tier 1 as slots")
     ap.add_argument("--json", action="store_true", help="also print the summary as JSON")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
