@@ -36,13 +36,21 @@ class RMSNorm(nn.Module):
                 self._eps = torch.full((1,), self.eps, dtype=torch.float32, device=x.device)
         return self._eps
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether `norm_triton`'s kernel serves `x` (CUDA, a weight it takes, the kernel checked)."""
+        fusable = self.weight_in_fp32 or self.weight.dtype == x.dtype
+        return x.is_cuda and fusable and norm_triton.kernel_ok(x.device)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, this norm of it): one kernel on CUDA (`norm_triton.add_rms_norm`)."""
+        if self._fused(x) and residual.dtype == x.dtype:
+            return norm_triton.add_rms_norm(x, residual, self.weight, self.eps, self.weight_in_fp32)
+        s = x + residual
+        return s, self.forward(s)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if (
-            x.is_cuda
-            and (self.weight_in_fp32 or self.weight.dtype == dtype)
-            and norm_triton.kernel_ok(x.device)
-        ):
+        if self._fused(x):
             # One kernel instead of ~7 (`norm_triton`): the same arithmetic but for the order of
             # the sum of squares.
             return norm_triton.rms_norm(x, self.weight, self.eps, self.weight_in_fp32)

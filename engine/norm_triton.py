@@ -8,6 +8,8 @@ the same arithmetic in one kernel, a program per row: the sum of squares in fp32
 by rsqrt(mean + eps) in fp32, then, as `RMSNorm.forward`, either rounded to the activation dtype
 and multiplied by the weight in that dtype, or multiplied by an fp32 weight and rounded
 (`weight_in_fp32`, gpt-oss). Only the order of the sum of squares differs from the PyTorch ops.
+`add_rms_norm` also does the residual add before it (a decoder layer's `x + attention(...)`
+and its post-attention norm: one kernel instead of two).
 
 Arithmetic checked on CPU under Triton's interpreter (tests/test_norm_triton.py); on a device,
 `usable` runs the self-check once and a kernel that fails or disagrees is logged once, and the
@@ -42,13 +44,20 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(
-        X, W, Out, H, s_x, s_o, eps,
-        BLOCK: tl.constexpr, W_FP32: tl.constexpr, BF16: tl.constexpr,
+        X, R, Sum, W, Out, H, s_x, s_r, s_sum, s_o, eps,
+        BLOCK: tl.constexpr, W_FP32: tl.constexpr, BF16: tl.constexpr, ADD: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
         x = tl.load(X + row * s_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if ADD:  # the residual add first: x + r rounded to the activation dtype, stored, normed
+            x = x + tl.load(R + row * s_r + cols, mask=mask, other=0.0).to(tl.float32)
+            if BF16:
+                x = _bf16_grid(x)
+            else:
+                x = x.to(Sum.dtype.element_ty).to(tl.float32)
+            tl.store(Sum + row * s_sum + cols, x.to(Sum.dtype.element_ty), mask=mask)
         h = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         if not W_FP32:  # h rounded to the activation dtype first, as RMSNorm does
@@ -67,19 +76,35 @@ if triton is not None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool) -> torch.Tensor:
     """x [..., H] -> RMSNorm(x) [..., H] in x.dtype (module doc). `weight` [H]: in x.dtype, or fp32
     with `weight_in_fp32`. On CPU only under Triton's interpreter."""
+    return _launch(x, None, weight, eps, weight_in_fp32)[1]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, RMSNorm(s)) for s = x + residual in x.dtype, in one kernel (a decoder layer's residual
+    add and the norm after it)."""
+    s, h = _launch(x, residual, weight, eps, weight_in_fp32)
+    assert s is not None
+    return s, h
+
+
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, weight_in_fp32: bool
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     shape = x.shape
-    rows = x.reshape(-1, shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = x.reshape(-1, shape[-1]).contiguous()
+    res = rows if residual is None else residual.reshape(-1, shape[-1]).contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    total = out if residual is None else torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     h = shape[-1]
     block = triton.next_power_of_2(h)
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, weight, out, h, rows.stride(0), out.stride(0), eps,
-        BLOCK=block, W_FP32=weight_in_fp32, BF16=x.dtype == torch.bfloat16,
+        rows, res, total, weight, out, h, rows.stride(0), res.stride(0), total.stride(0), out.stride(0), eps,
+        BLOCK=block, W_FP32=weight_in_fp32, BF16=x.dtype == torch.bfloat16, ADD=residual is not None,
         num_warps=min(16, max(1, block // 256)),
     )  # fmt: skip
-    return out.view(shape)
+    return (None if residual is None else total.view(shape)), out.view(shape)
 
 
 def kernel_ok(device: torch.device) -> bool:

@@ -19,7 +19,7 @@ _CHECK = textwrap.dedent(
     """
     import torch
     from freetoken_agents.engine.layers import RMSNorm
-    from freetoken_agents.engine.norm_triton import rms_norm
+    from freetoken_agents.engine.norm_triton import add_rms_norm, rms_norm
 
     g = torch.Generator().manual_seed(0)
     # Hidden sizes that are and are not powers of two (gpt-oss 2880), one and several rows,
@@ -44,6 +44,19 @@ _CHECK = textwrap.dedent(
                 if dtype == torch.bfloat16:  # the scale's few fp32 ulps rarely move a bf16 rounding
                     same = float((got == want).float().mean())
                     assert same > 0.97, (h, in_fp32, same)
+    # The residual add fused in front: the sum exactly as PyTorch adds (rounded to the dtype),
+    # the norm of it as above.
+    for dtype in (torch.bfloat16, torch.float32):
+        norm = RMSNorm(2880, 1e-5)
+        norm.weight.data = (torch.rand(2880, generator=g) + 0.5).to(dtype)
+        x = torch.randn(2, 2880, generator=g).to(dtype)
+        r = (torch.randn(2, 2880, generator=g) * 3).to(dtype)
+        want_s, want_h = norm.add_forward(x, r)  # the PyTorch ops on CPU
+        got_s, got_h = add_rms_norm(x, r, norm.weight, norm.eps, False)
+        assert torch.equal(got_s, want_s), dtype
+        tol = 2**-6 if dtype == torch.bfloat16 else 1e-6
+        err = (got_h.float() - want_h.float()).abs() / want_h.float().abs().clamp(min=1e-30)
+        assert float(err.max()) <= tol, (dtype, float(err.max()))
     x3 = torch.randn(2, 3, 64, generator=g)  # any leading shape
     norm = RMSNorm(64, 1e-5)
     assert torch.allclose(rms_norm(x3, norm.weight, 1e-5, False), norm.forward(x3), rtol=1e-6, atol=1e-6)
