@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -130,17 +131,8 @@ def mxfp4_grouped_gemv(
 def _mxfp4(
     x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor | None, x_div: int
 ) -> torch.Tensor:
-    x = x.contiguous()
-    _check_rows(blocks, scales)
-    n, half = blocks.shape[1], blocks.shape[2]
-    routes = x.shape[0] if slots is None else slots.shape[0]
-    out = torch.empty(routes, n, dtype=torch.float32, device=x.device)
-    _mxfp4_kernel[(triton.cdiv(n, BLOCK_N), routes)](
-        x, blocks, scales, blocks if slots is None else slots, out, n, half, x_div,
-        x.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
-        BLOCK_N=BLOCK_N, BLOCK_BYTES=BLOCK_K // 2, GROUPED=slots is not None,
-    )  # fmt: skip
-    return out
+    strides = (blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1))
+    return _launch(_mxfp4_kernel, x, blocks, scales, slots, x_div, strides, BLOCK_BYTES=BLOCK_K // 2)
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -160,15 +152,32 @@ def int8_grouped_gemv(
 def _int8(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor | None, x_div: int
 ) -> torch.Tensor:
+    strides = (q.stride(0), q.stride(1), scale.stride(0))
+    return _launch(_int8_kernel, x, q, scale, slots, x_div, strides, BLOCK_K=BLOCK_K)
+
+
+def _launch(
+    kernel: Any,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    slots: torch.Tensor | None,
+    x_div: int,
+    strides: tuple[int, ...],
+    **meta: int,
+) -> torch.Tensor:
+    """Run `kernel` over weights [S, N, K'] (K' the stored row: K int8 bytes, K/2 MXFP4 bytes):
+    a program per `BLOCK_N` output rows and route -> [routes, N] fp32. `strides`: the weight's
+    (slot, row) and the scale's (slot[, row]) strides."""
     x = x.contiguous()
-    _check_rows(q, scale)
-    n, k = q.shape[1], q.shape[2]
+    _check_rows(weight, scale)
+    n, k = weight.shape[1], weight.shape[2]
     routes = x.shape[0] if slots is None else slots.shape[0]
     out = torch.empty(routes, n, dtype=torch.float32, device=x.device)
-    _int8_kernel[(triton.cdiv(n, BLOCK_N), routes)](
-        x, q, scale, q if slots is None else slots, out, n, k, x_div,
-        x.stride(0), q.stride(0), q.stride(1), scale.stride(0), out.stride(0),
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUPED=slots is not None,
+    kernel[(triton.cdiv(n, BLOCK_N), routes)](
+        x, weight, scale, weight if slots is None else slots, out, n, k, x_div,
+        x.stride(0), *strides, out.stride(0),
+        BLOCK_N=BLOCK_N, GROUPED=slots is not None, **meta,
     )  # fmt: skip
     return out
 

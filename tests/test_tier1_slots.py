@@ -88,6 +88,24 @@ def _expert_bytes(ftw: Path, expert_quant: str = "auto") -> tuple[int, int]:
     return out
 
 
+def _decode_alike(ref: Engine, eng: Engine, steps: int) -> None:
+    """The same prompt and `steps` decode steps give bit-identical logits on both engines."""
+    ids = [5, 3, 8, 1, 9, 2, 7, 4]
+    with ref.new_session() as a, eng.new_session() as b:
+        assert torch.equal(a.prefill(ids), b.prefill(ids))
+        for t in range(steps):
+            assert torch.equal(a.decode(t), b.decode(t))
+
+
+def _holds_slot_views(tp: TieredExpertProvider):
+    """Tier 1 holds exactly the pool's experts, as views of their slots; the pool."""
+    pool = tp.moves.slots.pool
+    assert pool is not None and len(pool) == len(tp.fast)
+    for key in tp.fast.keys():
+        assert tp.fast.peek(key).gate_up.data_ptr() == pool.stack.gate_up[pool.slot_of(key)].data_ptr()
+    return pool
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("room", [None, 2])
 def test_a_slotted_tier_1_decodes_the_resident_engines_tokens(ftw_of, arch, room):
@@ -99,16 +117,8 @@ def test_a_slotted_tier_1_decodes_the_resident_engines_tokens(ftw_of, arch, room
     fast = None if room is None else room * working_set + 8 * kv_block
     ref, eng = Engine.from_pretrained(ftw), _slotted(ftw, fast)
     tp = _tiered(eng)
-    ids = [5, 3, 8, 1, 9, 2, 7, 4]
-    with ref.new_session() as a, eng.new_session() as b:
-        assert torch.equal(a.prefill(ids), b.prefill(ids))
-        for t in range(24):
-            assert torch.equal(a.decode(t), b.decode(t))
-    pool = tp.moves.slots.pool
-    assert pool is not None and len(pool) == len(tp.fast)
-    for key in tp.fast.keys():
-        w = tp.fast.peek(key)
-        assert w.gate_up.data_ptr() == pool.stack.gate_up[pool.slot_of(key)].data_ptr()
+    _decode_alike(ref, eng, 24)
+    pool = _holds_slot_views(tp)
     if room is not None:
         assert tp.fast.counters.evictions > 0
         unit = tp.fast_bytes[tp.keys()[0]]  # what tier 1 counts per expert
@@ -130,18 +140,10 @@ def test_compact_experts_take_slots_of_their_own_layout_in_tier_1(compact_ftw_of
     # the KV blocks of the other tests' budgets would hold every expert here).
     eng = _slotted(ftw, 2 * working_set + 3 * kv_block, expert_quant)
     tp = _tiered(eng)
-    ids = [5, 3, 8, 1, 9, 2, 7, 4]
-    with ref.new_session() as a, eng.new_session() as b:
-        assert torch.equal(a.prefill(ids), b.prefill(ids))
-        for t in range(16):
-            assert torch.equal(a.decode(t), b.decode(t))
-    pool = tp.moves.slots.pool
-    assert tp.moves.tier1_codec == codec and pool is not None and pool.stack.codec == codec
-    assert len(pool) == len(tp.fast) and tp.fast.counters.evictions > 0
-    for key in tp.fast.keys():
-        w = tp.fast.peek(key)
-        assert w.gate_up_scale is not None
-        assert w.gate_up.data_ptr() == pool.stack.gate_up[pool.slot_of(key)].data_ptr()
+    _decode_alike(ref, eng, 16)
+    pool = _holds_slot_views(tp)
+    assert tp.moves.tier1_codec == codec and pool.stack.codec == codec and tp.fast.counters.evictions > 0
+    assert all(tp.fast.peek(key).gate_up_scale is not None for key in tp.fast.keys())
     tp.close()
 
 

@@ -354,10 +354,8 @@ class TieredExpertProvider(ExpertStore):
             run = lambda: routed.run_routed(  # noqa: E731
                 hidden, slot_ids, weights, spec, stack=pool.stack, get=pool.weights
             )
-        else:  # the per-expert loop over tier 1's weights (what `run_routed` picks without a stack)
-            run = lambda: routed.dispatch_experts(  # noqa: E731
-                lambda e, x: expert_forward(experts[e], x, spec), hidden, expert_ids, weights
-            )
+        else:
+            run = lambda: routed.run_routed(hidden, expert_ids, weights, spec, get=experts.__getitem__)  # noqa: E731
         if self._timer is not None:
             start = self._timer.start()
             y = run()
