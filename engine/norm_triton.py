@@ -40,7 +40,8 @@ if triton is not None:
         the grid converts exactly either way, so tests under the interpreter see a GPU's bits."""
         bits = x.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+        # Shifts, not a 0xFFFF0000 mask: a literal above 2**31 would make the bits int64.
+        return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _rms_norm_kernel(
