@@ -62,14 +62,15 @@ class ExpertSlots:
             self._layout[name] = (offset, tuple(t.shape), t.dtype)
             offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
         self.row = offset
-        # Normal tensors even when the pool is made during a forward (inference mode): it is
-        # written outside one too (a rollback re-warms tier 1), which an inference tensor refuses.
+        # Normal tensors (the buffer, the table, the stack's views, which `weights` indexes) even
+        # when the pool is made during a forward (inference mode): it is written outside one too
+        # (a rollback re-warms tier 1), which an inference tensor refuses.
         with torch.inference_mode(False):
             self.buffer = torch.zeros(capacity, self.row, dtype=torch.uint8, device=self.device)
             self.table = torch.full((num_layers, num_experts), -1, dtype=torch.long, device=self.device)
+            self.stack = ExpertStack(**{n: self._strided(n) for n in self._layout})
         self._slot_of: dict[ExpertKey, int] = {}
         self._free = list(reversed(range(capacity)))
-        self.stack = ExpertStack(**{n: self._strided(n) for n in self._layout})
 
     @property
     def row_bytes(self) -> int:
@@ -108,7 +109,7 @@ class ExpertSlots:
     def _strided(self, name: str) -> torch.Tensor:
         """All slots' `name` tensor as one strided view [S, *shape] of the buffer, in its dtype."""
         offset, shape, dtype = self._layout[name]
-        size = _itemsize(dtype)
+        size = dtype.itemsize
         strides = [self.row // size]
         step = 1
         for dim in reversed(shape):
@@ -150,12 +151,7 @@ class ExpertSlots:
 
     def weights(self, slot: int) -> ExpertWeights:
         """One slot's tensors as views of the buffer (what tier 1 holds for the expert)."""
-        row = self.buffer[slot]
-        views = {
-            n: row[o : o + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
-            for n, (o, shape, dtype) in self._layout.items()
-        }
-        return ExpertWeights(**views)
+        return ExpertWeights(**self.stack.tensors(slot))
 
     def views(self) -> dict[ExpertKey, ExpertWeights]:
         """Every held expert's weights as views of its slot."""
@@ -180,14 +176,3 @@ def slot_compatible(weights: ExpertWeights) -> bool:
     """Whether an expert can live in a slot pool: both projections in one form (float, or int8 /
     MXFP4 with their scales: a stack's codec); a mixed expert stays outside."""
     return stack_codec(weights.tensors()) is not None
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

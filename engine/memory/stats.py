@@ -33,6 +33,11 @@ class PhaseTimer:
         of a decode step.)"""
         return _Phase(self, name)
 
+    def add(self, name: str, seconds: float) -> None:
+        """Count one run of phase `name` that took `seconds`."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.counts[name] += 1
+
     def stats(self) -> dict[str, dict[str, Any]]:
         """`phase_s` (seconds per phase) and `phase_calls` (times each ran)."""
         return {"phase_s": dict(self.seconds), "phase_calls": dict(self.counts)}
@@ -46,8 +51,7 @@ class PhaseTimer:
 
         def post(_mod: torch.nn.Module, _args: Any, _out: Any) -> None:
             if started:
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started.pop()
-                self.counts[name] += 1
+                self.add(name, time.perf_counter() - started.pop())
 
         return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
@@ -69,6 +73,4 @@ class _Phase:
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.t0
-        timer = self.timer
-        timer.seconds[self.name] = timer.seconds.get(self.name, 0.0) + self.seconds
-        timer.counts[self.name] += 1
+        self.timer.add(self.name, self.seconds)
