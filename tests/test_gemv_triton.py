@@ -107,3 +107,20 @@ def test_the_kernels_pass_their_self_checks_and_serve_decode_on_the_gpu():
     want = dequant_linear(x.float(), q, scale)
     tol = 2e-2 * float(want.abs().max())  # bf16 activations and output
     torch.testing.assert_close(int8_linear(x, q, scale).float(), want, rtol=2e-2, atol=tol)
+
+
+def test_weights_with_strided_rows_are_refused_with_a_named_error():
+    """The kernels step along a row one element at a time: a weight or scale whose rows are not
+    contiguous is a ValueError before any launch (no wrong values read through strides)."""
+    import torch
+
+    from freetoken_agents.engine.gemv_triton import int8_grouped_gemv, mxfp4_grouped_gemv
+
+    x, slots = torch.randn(1, 8), torch.zeros(1, dtype=torch.long)
+    q = torch.zeros(2, 4, 16, dtype=torch.int8)[:, :, ::2]  # every other input: stride 2
+    with pytest.raises(ValueError, match="contiguous along their last dimension"):
+        int8_grouped_gemv(x, q, torch.ones(2, 4), slots)
+    blocks = torch.zeros(2, 4, 4, dtype=torch.uint8)
+    scales = torch.zeros(2, 4, 2, dtype=torch.uint8)[:, :, ::2]
+    with pytest.raises(ValueError, match="contiguous along their last dimension"):
+        mxfp4_grouped_gemv(x, blocks, scales, slots)
