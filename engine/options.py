@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import EngineError
 from .int8 import DenseQuantPart, ExpertQuant, check_dense_quant, check_expert_quant
-from .memory import MemoryBudget
+from .memory import ROUTING_DECAY, MemoryBudget
 
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
 """What `device` may name: "cpu", "cuda" or "cuda:N"."""
@@ -58,7 +58,7 @@ class TieringOptions:
     prefetch_thread: bool = True
     prefetch_depth: int = 3
     hot_every: int = 16
-    decay: float = 0.9
+    decay: float = ROUTING_DECAY
     max_pinned_fraction: float = 0.5
     direct_io: bool = True
     policy: Any = None

@@ -7,6 +7,7 @@ from .oracle import BandwidthOracle, ManualClock, ThrottledLink
 from .policy import AlwaysStreamPolicy, ComputeCostModel, ExpertCase, Placement, QStarPolicy
 from .prefetch import PrefetchCounters, Prefetcher
 from .provider import TieredExpertProvider
+from .routing import ROUTING_DECAY
 from .stats import PhaseTimer
 from .storage import BlockReader, new_block_buffer
 from .tiers import FastTier, HostTier, LayerLRUTier, LRUTier, TierCounters
@@ -28,6 +29,7 @@ __all__ = [
     "PrefetchCounters",
     "Prefetcher",
     "QStarPolicy",
+    "ROUTING_DECAY",
     "ThrottledLink",
     "TierCounters",
     "TieredExpertProvider",

@@ -76,7 +76,7 @@ from .oracle import BandwidthOracle, Clock
 from .planner import ExpertPlanner
 from .policy import AlwaysStreamPolicy, ComputeCostModel, Placement, QStarPolicy
 from .prefetch import Prefetcher
-from .routing import RoutingFrequency
+from .routing import ROUTING_DECAY, RoutingFrequency
 from .stats import PhaseTimer
 from .storage import BlockReader
 from .weights import codec_name
@@ -128,7 +128,7 @@ class TieredExpertProvider(ExpertStore):
         policy: QStarPolicy | None = None,
         clock: Clock = time.monotonic,
         hot_every: int = 16,
-        decay: float = 0.9,
+        decay: float = ROUTING_DECAY,
         max_pinned_fraction: float = 0.5,
         placement: str = "qstar",
         direct_io: bool = True,

@@ -36,7 +36,7 @@ from ..memory.oracle import BandwidthOracle, ManualClock
 from ..memory.planner import ExpertPlanner
 from ..memory.policy import AlwaysStreamPolicy, ComputeCostModel, Placement, QStarPolicy
 from ..memory.prefetch import Prefetcher
-from ..memory.routing import RoutingFrequency
+from ..memory.routing import ROUTING_DECAY, RoutingFrequency
 from ..memory.tiers import FastTier, HostTier, LayerLRUTier
 from ..routing_trace import RoutingRecord
 from .machine import ExpertCosts, Timeline, moves_whole
@@ -213,7 +213,7 @@ class TieredReplay:
         recall: float = 0.8,
         seed: int = 0,
         hot_every: int = 16,
-        decay: float = 0.9,
+        decay: float = ROUTING_DECAY,
         policy: QStarPolicy | None = None,
         costs: ExpertCosts | None = None,
         warm_host: bool = True,
