@@ -192,3 +192,38 @@ def expert_forward(w: ExpertProjections, x: torch.Tensor, spec: MoESpec) -> torc
     through `mxfp4_linear`)."""
     gate_up = _project(x, w.gate_up, w.gate_up_scale, w.gate_up_bias)  # [T, 2I]
     return _project(activation(gate_up, spec), w.down, w.down_scale, w.down_bias)
+
+
+def split_rows(out_features: int, share: float, align: int = 8) -> int:
+    """How many of a projection's `out_features` rows `share` of them is: rounded to `align`
+    (whole GEMV tiles on the device), 0 < rows < out_features (both sides get work)."""
+    rows = int(round(out_features * share / align)) * align
+    return max(align, min(out_features - align, rows)) if out_features > 2 * align else out_features // 2
+
+
+def expert_forward_split(
+    w: ExpertProjections, x: torch.Tensor, spec: MoESpec, device: torch.device, device_rows: int
+) -> torch.Tensor:
+    """One expert's MLP computed mostly where `w` is (the host) with the last `device_rows` rows of
+    its down projection on `device`: `x [T, H]` (on `device`) -> [T, H] on `device`.
+
+    The link copies those rows (in `w`'s form, compact ones compact; from pinned memory the copy
+    is asynchronous) while the host computes gate/up and the other rows, so one missed expert
+    keeps both the link and the CPU busy (q*'s SPLIT). Each output row is the same dot product as
+    in `expert_forward`, computed on one side or the other."""
+    keep = w.down.shape[0] - device_rows
+
+    def tail(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[keep:].to(device, non_blocking=True)
+
+    down, scale, bias = tail(w.down), tail(w.down_scale), tail(w.down_bias)  # copies start first
+    x_host = x.to(w.down.device)
+    gate_up = _project(x_host, w.gate_up, w.gate_up_scale, w.gate_up_bias)  # [T, 2I]
+    h = activation(gate_up, spec)  # [T, I]
+    y_device = _project(h.to(device), down, scale, bias)  # [T, device_rows]
+
+    def head(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[:keep]
+
+    y_host = _project(h, head(w.down), head(w.down_scale), head(w.down_bias))  # [T, H - device_rows]
+    return torch.cat([y_host.to(device), y_device], dim=-1)

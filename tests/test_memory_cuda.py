@@ -11,7 +11,13 @@ import torch
 
 from freetoken_agents.engine import Engine
 from freetoken_agents.engine.loading.convert import convert_checkpoint
-from freetoken_agents.engine.memory import BandwidthOracle, MemoryBudget, TieredExpertProvider
+from freetoken_agents.engine.memory import (
+    BandwidthOracle,
+    MemoryBudget,
+    Placement,
+    QStarPolicy,
+    TieredExpertProvider,
+)
 from freetoken_agents.engine.memory.oracle import cuda_timed_copy
 from freetoken_agents.engine.options import TieringOptions
 
@@ -251,4 +257,44 @@ def test_cuda_staged_copies_are_computed_once_without_entering_tier_1(mixtral_ft
     want = ref.generate(ids, max_new_tokens=12, stop_token_ids=()).token_ids
     assert eng.generate(ids, max_new_tokens=12, stop_token_ids=()).token_ids == want
     assert tp.policy.decisions[Placement.STAGED.value] > 0
+    tp.close()
+
+
+class _AlwaysSplit(QStarPolicy):
+    """q* that splits every miss it may, half the down rows on the device."""
+
+    def split_share(self, case):
+        return 0.5 if case.can_split else 0.0
+
+    def decide(self, key, case):
+        if not case.resident and case.can_split:
+            self.decisions[Placement.SPLIT.value] += 1
+            return Placement.SPLIT
+        return super().decide(key, case)
+
+
+@pytest.mark.parametrize("quant", ["fp32", "int8", "mxfp4"])
+def test_cuda_split_misses_give_the_resident_engines_tokens(tiny_checkpoint, tmp_path, quant):
+    """SPLIT: the CPU computes gate/up and most down rows from the pinned tier-2 bytes while the
+    last rows are copied and computed on the GPU; the greedy tokens are the resident engine's."""
+    folder = tiny_checkpoint("mixtral")
+    ftw = tmp_path / f"mixtral-{quant}.ftw"
+    convert_checkpoint(folder, ftw, quant=quant, progress=False, dense_dtype=torch.float32)
+    ref = Engine.from_pretrained(ftw, device="cuda", dtype=torch.float32, placement="resident")
+    policy = _AlwaysSplit(
+        BandwidthOracle("storage->host"), BandwidthOracle("host->fast"), BandwidthOracle("activations"),
+        fast_device="cuda", host_device="cpu-host",
+    )  # fmt: skip
+    eng = Engine.from_pretrained(
+        ftw, device="cuda", dtype=torch.float32, memory=MemoryBudget(), placement="qstar",
+        tiering=TieringOptions(prefetch=False, policy=policy),
+    )  # fmt: skip
+    tp = eng.experts
+    tp.fast.resize(tp.min_working_set)
+    ids = [1, 2, 3, 4]
+    want = ref.generate(ids, max_new_tokens=6, stop_token_ids=()).token_ids
+    got = eng.generate(ids, max_new_tokens=6, stop_token_ids=()).token_ids
+    assert got == want
+    assert tp.policy.decisions["split"] > 0
+    assert tp.stats()["bytes_moved"]["host->fast"] > 0
     tp.close()

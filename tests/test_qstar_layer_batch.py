@@ -108,13 +108,21 @@ def _planner(clock: ManualClock, capacity_experts: int = 4, layers: int = 2) -> 
 
 def test_a_layers_misses_are_spread_over_the_cpu_and_the_link() -> None:
     """Eight misses in one prefill layer: one at a time each is cheaper on the CPU, but the CPU's
-    queue grows with every one given to it, so some go to the idle link."""
+    queue grows with every one given to it, so some go to the idle link. Without SPLIT: whole
+    experts; with it, the first miss already gives the link a share of its rows."""
     clock = ManualClock(10.0)
     planner = _planner(clock)
+    planner.policy.split_share = lambda case: 0.0  # type: ignore[method-assign]
     planner.note_routing(0, list(range(8)))
     places = [planner.decide((0, e), 1, staged=False).value for e in range(8)]
     assert places[0] == "host" and places[1] == "host"  # 1.4 ms, then 2.8 ms < a 4 ms copy
     assert "stream" in places and "host" in places
+    assert planner.link_free_at > clock.now and planner.host_free_at > clock.now
+
+    planner = _planner(clock)
+    planner.note_routing(0, list(range(8)))
+    places = [planner.decide((0, e), 1, staged=False).value for e in range(8)]
+    assert places[0] == "split"
     assert planner.link_free_at > clock.now and planner.host_free_at > clock.now
 
 

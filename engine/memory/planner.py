@@ -10,12 +10,12 @@ Per step of a MoE layer it
   the policy for a `Placement`;
 - on CUDA, where copies and host computations run beside the device, keeps when the link and the
   CPU will be free (each copy and host computation it decides or stages adds its predicted
-  seconds), so q* spreads a layer's misses over both, and a prefetch stages a copy only when the
-  link can land it before the CPU could have computed the expert. When that layer starts is
-  predicted layer by layer: the mean layer time, plus the CPU time of the misses predicted there
-  beyond the mean number per layer (a layer whose experts are all in tier 1 takes a fraction of
-  one with two host computations; a mean for every layer staged copies that landed late, wasting
-  the link, and skipped ones that would have landed in time).
+  seconds), so q* spreads a layer's misses over both (and one miss: SPLIT), and a prefetch stages
+  a copy only when the link can land it before the CPU could have computed the expert. When that
+  layer starts is predicted layer by layer: the mean layer time, plus the CPU time of the misses
+  predicted there beyond the mean number per layer (a layer whose experts are all in tier 1 takes
+  a fraction of one with two host computations; a mean for every layer staged copies that landed
+  late, wasting the link, and skipped ones that would have landed in time).
 
 It never moves a byte. The live `TieredExpertProvider` carries its decisions out with `TierMover`
 (real reads, decodes and copies); the simulator (`engine.simulate.replay`) with a virtual mover
@@ -32,7 +32,7 @@ from typing import Any
 
 from ..experts import ExpertKey
 from .oracle import Clock
-from .policy import ExpertCase, Placement, QStarPolicy
+from .policy import DOWN_SHARE, ExpertCase, Placement, QStarPolicy
 from .routing import RoutingFrequency
 from .tiers import FastTier, HostTier
 
@@ -84,6 +84,7 @@ class ExpertPlanner:
         self.clock = clock
         self.link_free_at = self.host_free_at = 0.0  # CUDA: when the link / the CPU is free
         self.arrives: dict[ExpertKey, float] = {}  # CUDA: when a staged copy lands
+        self.splits: dict[ExpertKey, float] = {}  # CUDA: a SPLIT's device share, until it runs
         self.layer_s = 0.0  # CUDA: EMA of the time from one MoE layer's start to the next one's
         self.host_per_layer = 0.0  # CUDA: EMA of the host computations q* decides per layer
         self._last_start: float | None = None
@@ -144,19 +145,32 @@ class ExpertPlanner:
         case = self.case(key, tokens, staged=staged, activation_bytes=activation_bytes)
         place = self.policy.decide(key, case)
         if self.cuda:
+            share = self.policy.split_share(case) if place is Placement.SPLIT else 0.0
             with self.lock:
-                self._book(key, place, staged, tokens, self.clock())
+                self._book(key, place, staged, tokens, self.clock(), share)
         return place
 
-    def _book(self, key: ExpertKey, place: Placement, staged: bool, tokens: int, now: float) -> None:
-        """The link or the CPU is busy with what was just decided for `key` (CUDA)."""
+    def take_split(self, key: ExpertKey) -> float:
+        """SPLIT: the share of `key`'s down projection rows the device computes (decided last)."""
+        with self.lock:
+            return self.splits.pop(key)
+
+    def _book(
+        self, key: ExpertKey, place: Placement, staged: bool, tokens: int, now: float, share: float = 0.0
+    ) -> None:
+        """The link or the CPU is busy with what was just decided for `key` (CUDA); a SPLIT's
+        `share` of the down rows is the link's, the rest the CPU's."""
         self.arrives.pop(key, None)
         if place is Placement.STREAM and not staged:
             self.link_free_at = max(now, self.link_free_at) + self.copy_s(key)
-        elif place is Placement.HOST:
+        elif place in (Placement.HOST, Placement.SPLIT):
             self._host_now += key[0] == self._running
             compute = self.policy.compute.estimate(self.policy.host_device, self.codecs[key], tokens)
-            self.host_free_at = max(now, self.host_free_at) + compute
+            self.host_free_at = max(now, self.host_free_at) + (1 - DOWN_SHARE * share) * compute
+            if share:
+                self.splits[key] = share
+                rows = self.policy.host_fast.seconds_for(int(DOWN_SHARE * share * self.fast_bytes[key]))
+                self.link_free_at = max(now, self.link_free_at) + rows
 
     def should_stage(self, key: ExpertKey) -> bool:
         """CUDA prefetch: whether to copy `key`, predicted for a coming layer, into the staging
@@ -217,6 +231,7 @@ class ExpertPlanner:
             staged_wait_s=max(0.0, self.arrives.get(key, now) - now) if on_device else 0.0,
             link_wait_s=max(0.0, self.link_free_at - now) if self.cuda else 0.0,
             host_wait_s=max(0.0, self.host_free_at - now) if self.cuda else 0.0,
+            can_split=self.cuda and not staged,
         )
 
     def decode_s(self, key: ExpertKey) -> float:

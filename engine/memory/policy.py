@@ -7,12 +7,20 @@ Costs in seconds for one expert and T tokens routed to it (DESIGN.md section 5):
                  + t_compute(fast, T) + loss - gain
     t_staged   = wait(staged copy) + t_compute(fast, T)                  (CUDA, a prefetched copy)
     t_host     = t_fetch + wait(cpu) + t_compute(host, T) + activation bytes / bw(activations)
+    t_split    = t_fetch + max(wait(cpu) + (1 - d s) t_compute(host, T),
+                               wait(link) + d s x tier-1 bytes / bw(host->fast))
+                 + 1.5 x activation bytes / bw(activations) + d s t_compute(fast, T)   (CUDA)
 
 The waits (CUDA only, where the link and the CPU work in parallel with the device) are how long
 the link and the CPU are still busy with the copies and host computations already decided or
 staged (`ExpertPlanner` keeps them): a layer's misses are spread over both instead of queueing on
 the one that is cheaper for a single expert. A STAGED expert is computed from the prefetch's copy
 in the staging buffer and not kept, so it evicts nothing; a STREAM of it keeps it (loss - gain).
+SPLIT spreads one miss over both: the CPU computes it but for the last share `s` of its down
+projection's rows (d = `DOWN_SHARE` of its weights), which the link copies meanwhile (in the form
+the CPU computes them in: tier 1's) and the device computes (`routed.expert_forward_split`); `s`
+makes the two finish together (`split_share`), so a link whose copy of a whole expert takes 3x
+the CPU's compute of it still takes up to a quarter of that compute off the CPU. Nothing is kept.
 
 `t_fetch` = stored bytes / bw(storage->host) when the block is not in tier 2 (else 0); link bytes
 are what the copy moves (CUDA: the compact raw bytes, which the GPU then decodes in t_decode,
@@ -54,6 +62,16 @@ class Placement(str, Enum):
     STREAM = "stream"  # copy tier 2/3 -> tier 1 (cached there), compute there
     STAGED = "staged"  # compute from a prefetch's staged copy on the device, not kept in tier 1
     HOST = "host"  # compute where the weights are (host), move only activations
+    SPLIT = (
+        "split"  # CUDA: HOST but for the down projection's last rows, copied to and computed on the device
+    )
+
+
+DOWN_SHARE = 1 / 3
+"""The down projection's share of an expert's weights: [H, I] of gate [I, H], up [I, H] and down
+(every gated MoE MLP the engine runs; biases are a rounding error). A SPLIT moves and computes a
+share of it, so the CPU's work shrinks by at most this much."""
+MIN_SPLIT_SHARE = 0.05  # a smaller device share saves less than its extra transfers cost
 
 
 _RESIDENT = Placement.RESIDENT.value
@@ -123,6 +141,7 @@ class ExpertCase:
     CUDA, where the link and the CPU work beside each other: `staged` (a prefetch copied it into
     the staging buffer on the device; `staged_wait_s` until that copy lands), `link_wait_s` (until
     the link is free for a new copy) and `host_wait_s` (until the CPU is free for its compute).
+    `can_split`: SPLIT is an option (CUDA, not staged; `QStarPolicy.split_share`).
     """
 
     tokens: int
@@ -144,6 +163,7 @@ class ExpertCase:
     staged_wait_s: float = 0.0
     link_wait_s: float = 0.0
     host_wait_s: float = 0.0
+    can_split: bool = False  # CUDA, not staged: SPLIT is an option
 
 
 class QStarPolicy:
@@ -198,7 +218,29 @@ class QStarPolicy:
             act = self.activations.seconds_for(case.activation_bytes)
         compute = self.compute.estimate(self.host_device, case.codec, case.tokens)
         out[Placement.HOST] = fetch + case.host_wait_s + compute + act
+        share = self.split_share(case)
+        if share:
+            rows_copy = self.host_fast.seconds_for(int(DOWN_SHARE * share * case.fast_bytes))
+            out[Placement.SPLIT] = (
+                fetch
+                + max(case.host_wait_s + (1 - DOWN_SHARE * share) * compute, case.link_wait_s + rows_copy)
+                + 1.5 * act  # the hidden state to the CPU, its output back, and the down input across
+                + DOWN_SHARE * share * t_fast
+            )
         return out
+
+    def split_share(self, case: ExpertCase) -> float:
+        """SPLIT: the share of the down projection's rows the device computes, so that the CPU
+        (after what it is busy with) and the link (after its copies) finish together; 0 when SPLIT
+        is no option or the share would be under `MIN_SPLIT_SHARE`."""
+        if not case.can_split:
+            return 0.0
+        compute = self.compute.estimate(self.host_device, case.codec, case.tokens)
+        down_copy = self.host_fast.seconds_for(int(DOWN_SHARE * case.fast_bytes))  # every row
+        # host_wait + (1 - d s) compute = link_wait + s down_copy
+        share = (case.host_wait_s + compute - case.link_wait_s) / (DOWN_SHARE * compute + down_copy)
+        share = min(1.0, share)
+        return share if share >= MIN_SPLIT_SHARE and math.isfinite(share) else 0.0
 
     def count_resident(self, experts: int, tokens: int) -> None:
         """Record `experts` RESIDENT placements without pricing them: for an expert in tier 1
@@ -207,9 +249,10 @@ class QStarPolicy:
         self.decisions_by_phase[_RESIDENT_DECODE if tokens == 1 else _RESIDENT_PREFILL] += experts
 
     def decide(self, key: tuple[int, int], case: ExpertCase) -> Placement:
-        """The cheapest placement (ties: RESIDENT, STREAM, STAGED, HOST); counted and logged at debug."""
+        """The cheapest placement (ties: RESIDENT, STREAM, STAGED, HOST, SPLIT); counted, logged at
+        debug."""
         costs = self.costs(case)
-        order = (Placement.RESIDENT, Placement.STREAM, Placement.STAGED, Placement.HOST)
+        order = (Placement.RESIDENT, Placement.STREAM, Placement.STAGED, Placement.HOST, Placement.SPLIT)
         if case.free_room and Placement.STREAM in costs:
             # Free fast memory is never better left empty: fill it (this also seeds the
             # fast-compute measurements the later, contested decisions need).

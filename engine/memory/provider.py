@@ -74,7 +74,7 @@ from .graph_steps import GraphSteps
 from .moves import TierMover
 from .oracle import BandwidthOracle, Clock
 from .planner import ExpertPlanner
-from .policy import AlwaysStreamPolicy, ComputeCostModel, Placement, QStarPolicy
+from .policy import DOWN_SHARE, AlwaysStreamPolicy, ComputeCostModel, Placement, QStarPolicy
 from .prefetch import Prefetcher
 from .routing import ROUTING_DECAY, RoutingFrequency
 from .stats import PhaseTimer
@@ -387,6 +387,8 @@ class TieredExpertProvider(ExpertStore):
             return self._host_compute(key, x, spec, staged)
         if place is Placement.STAGED:  # computed from the prefetch's copy, not kept in tier 1
             return self._fast_compute(self.moves.use_staged(key, staged), x, spec)
+        if place is Placement.SPLIT:
+            return self._split_compute(key, x, spec, self.planner.take_split(key))
         return self._fast_compute(self.moves.promote(key, staged), x, spec)
 
     def _fast_compute(self, w: ExpertWeights, x: torch.Tensor, spec: MoESpec) -> torch.Tensor:
@@ -414,6 +416,24 @@ class TieredExpertProvider(ExpertStore):
             with self.phases.time("experts"):
                 y = expert_forward(self.moves.decode(key, value), x, spec)
         self.policy.compute.observe("cpu-host", self.codec[key], x.shape[0], time.perf_counter() - t0)
+        return y
+
+    def _split_compute(self, key: ExpertKey, x: torch.Tensor, spec: MoESpec, share: float) -> torch.Tensor:
+        """SPLIT (CUDA): HOST, but the last `share` of the down projection's rows are copied (from
+        the pinned tier-2 bytes where the CPU's form of them is a view, so asynchronously) and
+        computed on the device (`routed.expert_forward_split`). The CPU's time is observed as a
+        whole expert's: divided by the share of the expert it computed."""
+        value = self.moves.host_value(key)
+        t0 = time.perf_counter()
+        w = self.moves.decode(key, value)
+        rows = routed.split_rows(w.down.shape[0], share)
+        y = routed.expert_forward_split(w, x, spec, self.device, rows)
+        cpu_share = 1 - DOWN_SHARE * rows / w.down.shape[0]
+        took = (time.perf_counter() - t0) / cpu_share
+        self.policy.compute.observe("cpu-host", self.codec[key], x.shape[0], took)
+        moved = sum(t[-rows:].nbytes for t in (w.down, w.down_scale, w.down_bias) if t is not None)
+        with self._lock:
+            self.moves.bytes_moved["host->fast"] += moved
         return y
 
     # ---- static (CUDA-graph) decode steps ----------------------------------------------------

@@ -77,6 +77,8 @@ class ExpertCosts:
     tier_overhead_s: float = 0.0
     miss_overhead_s: float = 0.0
     copy_s: float = 0.0  # CPU: a promotion that copies the block into tier 1 (CUDA: = link_s)
+    link_bps: float = 0.0  # CUDA: the host -> device link (`rows_copy_s`)
+    link_latency_s: float = 0.0
 
     @classmethod
     def of(cls, shape: ModelShape, profile: HardwareProfile, codec: str) -> ExpertCosts:
@@ -124,6 +126,8 @@ class ExpertCosts:
             tier_overhead_s=profile.tier_overhead_us * 1e-6,
             miss_overhead_s=profile.miss_overhead_us * 1e-6,
             copy_s=copy_s,
+            link_bps=profile.link_gbps * 1e9,
+            link_latency_s=profile.link_latency_us * 1e-6,
         )
 
     def fast_compute_s(self, tokens: int) -> float:
@@ -138,6 +142,10 @@ class ExpertCosts:
         """Tier 2 -> tier 1 of a block that moves up (its bytes become tier 1's) or not (tier 1
         gets its own copy); on a GPU both cross the link (`link_s`)."""
         return self.link_s if moves_up or self.device == "cuda" else self.copy_s
+
+    def rows_copy_s(self, nbytes: int) -> float:
+        """CUDA: one copy of `nbytes` host -> device (a SPLIT's rows), its latency included."""
+        return self.link_latency_s + nbytes / self.link_bps
 
     def dense_s(self, tokens: int) -> float:
         """One MoE layer's share of the dense part of a step of `tokens` tokens, its share of the

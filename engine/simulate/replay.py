@@ -34,7 +34,7 @@ from ..errors import EngineError
 from ..experts import ExpertKey
 from ..memory.oracle import BandwidthOracle, ManualClock
 from ..memory.planner import ExpertPlanner
-from ..memory.policy import AlwaysStreamPolicy, ComputeCostModel, Placement, QStarPolicy
+from ..memory.policy import DOWN_SHARE, AlwaysStreamPolicy, ComputeCostModel, Placement, QStarPolicy
 from ..memory.prefetch import Prefetcher
 from ..memory.routing import ROUTING_DECAY, RoutingFrequency
 from ..memory.tiers import FastTier, HostTier, LayerLRUTier
@@ -185,6 +185,11 @@ class VirtualMover:
             self._record(self.fast_link, c.stored_bytes, c.link_s)
             return self.timeline.run("link", ready, c.link_s)
         return None if c.device == "cuda" else ready
+
+    def copy_rows(self, nbytes: int, at: float) -> float:
+        """A SPLIT's rows host -> device (not timed by the live engine: no oracle record)."""
+        self.bytes["host->fast"] += nbytes
+        return self.timeline.run("link", at, self.costs.rows_copy_s(nbytes))
 
     def warm_host(self, keys: Sequence[ExpertKey]) -> None:
         """Tier 2 as a machine that has run the model for a while has it (`warm`)."""
@@ -338,7 +343,7 @@ class TieredReplay:
             tally.bytes.update(self.mover.bytes - before[1])
             delta = self.policy.decisions - before[2]
             tally.decisions.update(delta)
-            tally.cpu_experts += delta[Placement.HOST.value]
+            tally.cpu_experts += delta[Placement.HOST.value] + delta[Placement.SPLIT.value]  # SPLIT: mostly
         return tally
 
     def _run_step(self, step: Step) -> int:
@@ -407,8 +412,27 @@ class TieredReplay:
             return self.timeline.run("cpu", max(ready, hidden), s), 1
         if place is Placement.STAGED:  # the staged copy, used and let go
             return self._fast_compute(hidden, staged or 0.0, tokens), 1
+        if place is Placement.SPLIT:
+            return self._split(key, tokens, start, hidden), 1
         ready = self.mover.promote(key, start, staged)
         if c.decode_s and key not in self.mover.moves_up:
             self.policy.compute.observe(c.device, f"decode/{c.codec}", 1, c.decode_s)
             ready = self.timeline.run("device", ready, c.decode_s)
         return self._fast_compute(hidden, ready, tokens), 1
+
+    def _split(self, key: ExpertKey, tokens: int, start: float, hidden: float) -> float:
+        """A SPLIT as `TieredExpertProvider._split_compute` runs it: the link copies the device's
+        share of the down projection's rows while the CPU computes gate/up and the other rows;
+        the device computes its rows once they and the CPU's gate/up output are there."""
+        c, share = self.costs, self.planner.take_split(key)
+        ready = self.mover.host_value(key, start)
+        hidden += c.activation_s * tokens  # hidden states device -> host and back
+        s = c.host_compute_s(tokens)
+        self.policy.compute.observe("cpu-host", c.codec, tokens, s)  # live: its time / its CPU share
+        cpu_start = max(ready, hidden, self.timeline.free["cpu"])
+        cpu_end = self.timeline.run("cpu", cpu_start, (1 - DOWN_SHARE * share) * s)
+        gate_up = cpu_start + (1 - DOWN_SHARE) * s
+        rows = self.mover.copy_rows(int(DOWN_SHARE * share * c.fast_bytes), ready)
+        across = c.activation_s * tokens / 2  # the down projection's input to the device
+        device = c.fast_compute_s(tokens) * DOWN_SHARE * share
+        return max(cpu_end, self.timeline.run("device", max(rows, gate_up + across), device))
