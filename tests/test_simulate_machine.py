@@ -134,3 +134,23 @@ def test_a_tiered_replay_charges_each_tier1_miss_its_overhead() -> None:
     cheap, slow = run(base), run(costly)
     assert slow.fast_misses > 0
     assert slow.seconds > cheap.seconds + 0.5 * slow.fast_misses * 1e-3  # at least half of them serial
+
+
+def test_int8_and_mxfp4_experts_on_the_cpu_run_at_the_measured_kernel_rates() -> None:
+    """A profile's `host_int8_gbps` / `host_mxfp4_gbps` (the engine's CPU kernels, measured by
+    `measure_profile`) price int8 / MXFP4 experts on the CPU; 0 (built-ins) reads them at
+    host_mem_gbps. The CPU decodes MXFP4 before its matmul: ~0.3 GB/s where fp32 reads ~27."""
+    plain = _profile("cuda")
+    rated = _profile("cuda", host_int8_gbps=2.5, host_mxfp4_gbps=0.5)
+    mx, mx_rated = ExpertCosts.of(SHAPE, plain, "mxfp4"), ExpertCosts.of(SHAPE, rated, "mxfp4")
+    assert mx.host_compute_s(1) == pytest.approx(mx.stored_bytes / 10e9)
+    assert mx_rated.host_compute_s(1) == pytest.approx(mx.stored_bytes / 0.5e9)
+    assert mx_rated.fast_compute_s(1) == mx.fast_compute_s(1)  # the GPU's kernel: not the CPU's rate
+    # A CPU profile: tier 1 (the same CPU) computes int8 at the int8 rate too; fp32 is unchanged.
+    cpu = _profile("cpu", device_lowp_tflops=1e3, host_int8_gbps=2.5)
+    q = ExpertCosts.of(SHAPE, cpu, "int8")
+    assert q.fast_compute_s(1) == q.host_compute_s(1) == pytest.approx(q.stored_bytes / 2.5e9)
+    f = ExpertCosts.of(SHAPE, cpu, "fp32")
+    assert f.host_compute_s(1) == pytest.approx(f.stored_bytes / 10e9)
+    with pytest.raises(ProfileError, match="host_mxfp4_gbps"):
+        _profile("cpu", host_mxfp4_gbps=-1.0)

@@ -35,6 +35,7 @@ def test_quick_profile_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert p.device_bf16_tflops == p.device_lowp_tflops == pytest.approx(p.cpu_gflops / 1000)
     assert p.link_latency_us >= 0.1
     assert p.layer_overhead_us > 0 and p.expert_overhead_us > 0  # >= 0.1 us by construction
+    assert p.host_int8_gbps > 0 and p.host_mxfp4_gbps > 0  # the engine's CPU kernels, measured
     assert list(scratch.iterdir()) == []  # the scratch file (and its folder) is gone
 
     path = tmp_path / "here.toml"

@@ -7,7 +7,9 @@ the resources that run those steps in parallel.
   fp32/bf16 are used as stored (fp8 is decoded to bf16);
 - compute of T tokens on the device or the CPU: the larger of reading its weights once at the
   memory bandwidth and 2 x params x T FLOPs at the processor's rate (decode is weight-read bound),
-  plus the profile's fixed `expert_overhead_us` per expert call;
+  plus the profile's fixed `expert_overhead_us` per expert call; int8 and MXFP4 weights on the
+  CPU are read at the profile's measured kernel rate for the codec (`host_int8_gbps`,
+  `host_mxfp4_gbps`) where it has one;
 - a disk read of its FTW block (tier 3 -> tier 2), a copy of its stored bytes over the host ->
   device link (latency included) and, on the GPU, a decode of the copied bytes at device memory
   speed; on a CPU-only machine "the link" is the decode into tier 1: `expert_overhead_us` of
@@ -77,6 +79,8 @@ class ExpertCosts:
     tier_overhead_s: float = 0.0
     miss_overhead_s: float = 0.0
     copy_s: float = 0.0  # CPU: a promotion that copies the block into tier 1 (CUDA: = link_s)
+    host_codec_bps: float = 0.0  # the CPU's rate through the stored codec's weights (0: host_bps)
+    fast_codec_bps: float = 0.0  # a "cpu" device's rate through tier 1's codec (0: device_bps)
     link_bps: float = 0.0  # CUDA: the host -> device link (`rows_copy_s`)
     link_latency_s: float = 0.0
 
@@ -126,17 +130,19 @@ class ExpertCosts:
             tier_overhead_s=profile.tier_overhead_us * 1e-6,
             miss_overhead_s=profile.miss_overhead_us * 1e-6,
             copy_s=copy_s,
+            host_codec_bps=_codec_gbps(profile, c) * 1e9,
+            fast_codec_bps=_codec_gbps(profile, fast_codec) * 1e9 if dev == "cpu" else 0.0,
             link_bps=profile.link_gbps * 1e9,
             link_latency_s=profile.link_latency_us * 1e-6,
         )
 
     def fast_compute_s(self, tokens: int) -> float:
-        weights = max(self.fast_bytes / self.device_bps, 2 * self.params * tokens / self.device_flops)
-        return weights + self.expert_overhead_s
+        read = self.fast_bytes / (self.fast_codec_bps or self.device_bps)
+        return max(read, 2 * self.params * tokens / self.device_flops) + self.expert_overhead_s
 
     def host_compute_s(self, tokens: int) -> float:
-        weights = max(self.stored_bytes / self.host_bps, 2 * self.params * tokens / self.host_flops)
-        return weights + self.expert_overhead_s
+        read = self.stored_bytes / (self.host_codec_bps or self.host_bps)
+        return max(read, 2 * self.params * tokens / self.host_flops) + self.expert_overhead_s
 
     def promote_s(self, moves_up: bool) -> float:
         """Tier 2 -> tier 1 of a block that moves up (its bytes become tier 1's) or not (tier 1
@@ -152,6 +158,11 @@ class ExpertCosts:
         layers' fixed overhead included."""
         weights = max(self.dense_layer_s, self.dense_layer_flops * tokens / self.device_flops)
         return weights + self.layer_overhead_s
+
+
+def _codec_gbps(profile: HardwareProfile, codec: str) -> float:
+    """The profile's measured CPU rate through `codec`'s weights (0: none, read at memory speed)."""
+    return {"int8": profile.host_int8_gbps, "mxfp4": profile.host_mxfp4_gbps}.get(codec, 0.0)
 
 
 class Timeline:

@@ -10,6 +10,13 @@ Each figure, and how it is measured (rates decimal GB/s = 1e9 bytes/s, sizes byt
   another rate). The rate depends on the row length on CPUs: on the 2-core dev machine (AMD
   EPYC, 2 threads) K = 512 read ~10 GB/s, 1024 ~14, 4096 ~19; measure with the hidden size of the
   model to be simulated (`matmul_k`) where it is small.
+- host_int8_gbps, host_mxfp4_gbps: the same one-token product through the engine's own
+  `int8_linear` (int8 weights, fp32 row scales) and `mxfp4_linear` (E2M1 blocks, E8M0 scales) on
+  the CPU under inference mode, the codec's bytes / seconds (weights of a quarter of `read_bytes`
+  each, cycled): where a kernel does more than read its weights (the int8 one dequantizes in
+  registers, the MXFP4 path decodes the whole weight before its matmul) this is below
+  host_mem_gbps. On the 2-core Xeon dev machine at K = 512: int8 ~10-15 GB/s against fp32's
+  ~27, MXFP4 ~0.3 GB/s (the CPU has no MXFP4 kernel yet: the weight is decoded first).
 - link_gbps of a "cpu" profile (a copy within RAM: a decode or a copy into tier 1): repeated copies
   of a large buffer (256 MiB; quick: 32 MiB) with ``Tensor.copy_``, into an oracle; a copy reads
   and writes its size, so it counts 2x its size of memory traffic (the STREAM "copy" convention).
@@ -132,6 +139,8 @@ def measure_profile(
     sz = _QUICK if quick else _FULL
     host_gbps = _read_gbps(sz, matmul_k)
     logger.info("host memory: %.1f GB/s (one-token matmul reads)", host_gbps)
+    int8_gbps, mxfp4_gbps = _codec_read_gbps(sz, matmul_k)
+    logger.info("cpu kernels: int8 %.1f GB/s, mxfp4 %.1f GB/s (one token)", int8_gbps, mxfp4_gbps)
     copy_gbps = _copy_gbps(sz)
     logger.info("host copy: %.1f GB/s (2x bytes)", copy_gbps)
     layer_us, expert_us = _overheads_us(sz.overhead_reps, host_gbps)
@@ -153,6 +162,7 @@ def measure_profile(
     host.update(cpu_gflops=cpu_gflops, cpu_cores=cores)
     host.update(layer_overhead_us=layer_us, expert_overhead_us=expert_us)
     host.update(tier_overhead_us=tier_us, miss_overhead_us=miss_us)
+    host.update(host_int8_gbps=int8_gbps, host_mxfp4_gbps=mxfp4_gbps)
     if torch.cuda.is_available():
         return HardwareProfile(name=name, device="cuda", **_cuda_figures(sz), **host)
     small, dst = torch.ones(1024, dtype=torch.float32), torch.empty(1024, dtype=torch.float32)
@@ -215,6 +225,43 @@ def _read_gbps(sz: _Sizes, k: int) -> float:
                 with oracle.time_transfer(w.nbytes):
                     F.linear(x, w)
     return _gbps(oracle)
+
+
+def _codec_read_gbps(sz: _Sizes, k: int) -> tuple[float, float]:
+    """Weight bytes / seconds of one-token products through `int8_linear` and `mxfp4_linear` on
+    the CPU (weights of `read_bytes` / 4 each, `read_weights` of them cycled)."""
+    from ..int8 import int8_linear
+    from ..mxfp4 import mxfp4_linear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, k, generator=g)
+    n = max(1, sz.read_bytes // 4 // k)
+    int8 = [
+        (torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g) / 64)
+        for _ in range(sz.read_weights)
+    ]
+    k_mx = max(32, k // 32 * 32)
+    mx_rows = max(1, sz.read_bytes // 4 // (k_mx // 2))
+    xm = torch.randn(1, k_mx, generator=g)
+    mxfp4 = [
+        (
+            torch.randint(0, 256, (mx_rows, k_mx // 2), dtype=torch.uint8, generator=g),
+            torch.randint(120, 131, (mx_rows, k_mx // 32), dtype=torch.uint8, generator=g),
+        )
+        for _ in range(sz.read_weights)
+    ]
+    rates = []
+    for name, weights, inp, linear in (("int8", int8, x, int8_linear), ("mxfp4", mxfp4, xm, mxfp4_linear)):
+        oracle = BandwidthOracle(f"cpu {name}", clock=time.perf_counter)
+        with torch.inference_mode():  # as the engine runs them (the int8 kernel: ~1.8x grad mode's)
+            for w, scale in weights:
+                linear(inp, w, scale)  # warm-up
+            for _ in range(sz.reps):
+                for w, scale in weights:
+                    with oracle.time_transfer(w.nbytes + scale.nbytes):
+                        linear(inp, w, scale)
+        rates.append(_gbps(oracle))
+    return rates[0], rates[1]
 
 
 def _overheads_us(reps: int, host_gbps: float) -> tuple[float, float]:

@@ -20,13 +20,15 @@ a TOML file with every field (`load_profile`), for example a 4090 box with 128 G
     cpu_gflops = 1000.0          # sustained fp32 GFLOP/s, all cores
     cpu_cores = 16
 
-Three fixed costs are optional (default 0: not modelled), in microseconds: `layer_overhead_us`
+Four fixed costs are optional (default 0: not modelled), in microseconds: `layer_overhead_us`
 (per transformer layer per step besides reading its weights: op launches, Python around norms,
 attention, the router), `expert_overhead_us` (per routed expert call: its ops and the Python
 around them), `tier_overhead_us` (per MoE layer of a tiered step: the tiered provider's
 bookkeeping and pre-gating) and `miss_overhead_us` (per routed expert a tiered step finds outside
 tier 1: q*'s decision, the tier moves and evictions around it). `measure_profile` measures
-them on the machine it runs on.
+them on the machine it runs on, and two optional rates: `host_int8_gbps` and `host_mxfp4_gbps`,
+how fast the CPU runs int8 / MXFP4 experts with the engine's kernels (default 0: as fast as
+reading their bytes, `host_mem_gbps`).
 
 For ``device = "cpu"`` the device IS the host: its memory figures are the host's, the link is a
 memory copy (copy bandwidth) and its compute the CPU's; `fast` and host tiers then share one RAM.
@@ -77,6 +79,11 @@ class HardwareProfile:
             microseconds; optional, default 0.
         miss_overhead_us: fixed cost per routed expert a tiered step finds outside tier 1 (the
             decision, tier moves and evictions), microseconds; optional, default 0.
+        host_int8_gbps, host_mxfp4_gbps: the CPU's rate through int8 / MXFP4 expert weights on
+            one token with the engine's own kernels, GB/s of those weights; optional, default 0:
+            weight-read bound at host_mem_gbps (what a fused kernel reaches on a desktop CPU).
+            Measured by `measure_profile`: on the 2-core Xeon dev machine the int8 kernel reads
+            ~11 GB/s where fp32 reads 28, and MXFP4 is decoded before its matmul.
     """
 
     name: str
@@ -96,6 +103,8 @@ class HardwareProfile:
     expert_overhead_us: float = 0.0
     tier_overhead_us: float = 0.0
     miss_overhead_us: float = 0.0
+    host_int8_gbps: float = 0.0
+    host_mxfp4_gbps: float = 0.0
 
     def __post_init__(self) -> None:
         for key, value in _validate(_as_dict(self), f"profile {self.name!r}").items():
@@ -132,14 +141,19 @@ _TYPES: dict[str, type] = {
     "expert_overhead_us": float,
     "tier_overhead_us": float,
     "miss_overhead_us": float,
+    "host_int8_gbps": float,
+    "host_mxfp4_gbps": float,
 }
 _OPTIONAL: dict[str, float] = {
     "layer_overhead_us": 0.0,
     "expert_overhead_us": 0.0,
     "tier_overhead_us": 0.0,
     "miss_overhead_us": 0.0,
+    "host_int8_gbps": 0.0,
+    "host_mxfp4_gbps": 0.0,
 }
-"""Keys a profile may leave out (their defaults): fixed costs, >= 0 (0: not modelled)."""
+"""Keys a profile may leave out (their defaults), >= 0: fixed costs (0: not modelled) and the
+CPU's per-codec rates (0: at host_mem_gbps)."""
 _DEVICES = ("cuda", "cpu")
 
 
