@@ -12,11 +12,12 @@ Each figure, and how it is measured (rates decimal GB/s = 1e9 bytes/s, sizes byt
   model to be simulated (`matmul_k`) where it is small.
 - host_int8_gbps, host_mxfp4_gbps: the same one-token product through the engine's own
   `int8_linear` (int8 weights, fp32 row scales) and `mxfp4_linear` (E2M1 blocks, E8M0 scales) on
-  the CPU under inference mode, the codec's bytes / seconds (weights of a quarter of `read_bytes`
-  each, cycled): where a kernel does more than read its weights (the int8 one dequantizes in
-  registers, the MXFP4 path decodes the whole weight before its matmul) this is below
-  host_mem_gbps. On the 2-core Xeon dev machine at K = 512: int8 ~10-15 GB/s against fp32's
-  ~27, MXFP4 ~0.3 GB/s (the CPU has no MXFP4 kernel yet: the weight is decoded first).
+  the CPU under inference mode, the codec's bytes / seconds, each weight shaped as an expert's
+  gate/up projection ([4K, K]: a kernel's fixed cost per call counts as in an expert), cycled past
+  the caches as the fp32 weights. Where a kernel does more than read its weights (the int8 one
+  dequantizes in registers, the MXFP4 path decodes the whole weight before its matmul) this is
+  below host_mem_gbps: on the 2-core Xeon dev machine at K = 512 int8 reads ~12 GB/s where fp32
+  reads ~27, MXFP4 ~0.9 (~0.25 at K = 4096; the CPU has no MXFP4 kernel yet).
 - link_gbps of a "cpu" profile (a copy within RAM: a decode or a copy into tier 1): repeated copies
   of a large buffer (256 MiB; quick: 32 MiB) with ``Tensor.copy_``, into an oracle; a copy reads
   and writes its size, so it counts 2x its size of memory traffic (the STREAM "copy" convention).
@@ -229,37 +230,38 @@ def _read_gbps(sz: _Sizes, k: int) -> float:
 
 def _codec_read_gbps(sz: _Sizes, k: int) -> tuple[float, float]:
     """Weight bytes / seconds of one-token products through `int8_linear` and `mxfp4_linear` on
-    the CPU (weights of `read_bytes` / 4 each, `read_weights` of them cycled)."""
+    the CPU, each weight shaped as an expert's gate/up projection of hidden `k`: [4k, k] (a kernel's
+    fixed cost per call counts as it does in an expert), cycled over `read_weights` x `read_bytes`
+    of int8 (MXFP4: a quarter of that) to read past the caches."""
     from ..int8 import int8_linear
     from ..mxfp4 import mxfp4_linear
 
     g = torch.Generator().manual_seed(0)
+    k = max(32, k // 32 * 32)
+    n = 4 * k
+    count = max(2, sz.read_weights * sz.read_bytes // (n * k))  # past the caches, as the fp32 reads
     x = torch.randn(1, k, generator=g)
-    n = max(1, sz.read_bytes // 4 // k)
     int8 = [
         (torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g) / 64)
-        for _ in range(sz.read_weights)
+        for _ in range(count)
     ]
-    k_mx = max(32, k // 32 * 32)
-    mx_rows = max(1, sz.read_bytes // 4 // (k_mx // 2))
-    xm = torch.randn(1, k_mx, generator=g)
     mxfp4 = [
         (
-            torch.randint(0, 256, (mx_rows, k_mx // 2), dtype=torch.uint8, generator=g),
-            torch.randint(120, 131, (mx_rows, k_mx // 32), dtype=torch.uint8, generator=g),
+            torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
+            torch.randint(120, 131, (n, k // 32), dtype=torch.uint8, generator=g),
         )
-        for _ in range(sz.read_weights)
+        for _ in range(max(2, count // 4))  # decoded per call: a quarter of them is plenty
     ]
     rates = []
-    for name, weights, inp, linear in (("int8", int8, x, int8_linear), ("mxfp4", mxfp4, xm, mxfp4_linear)):
+    for name, weights, linear in (("int8", int8, int8_linear), ("mxfp4", mxfp4, mxfp4_linear)):
         oracle = BandwidthOracle(f"cpu {name}", clock=time.perf_counter)
         with torch.inference_mode():  # as the engine runs them (the int8 kernel: ~1.8x grad mode's)
             for w, scale in weights:
-                linear(inp, w, scale)  # warm-up
+                linear(x, w, scale)  # warm-up
             for _ in range(sz.reps):
                 for w, scale in weights:
                     with oracle.time_transfer(w.nbytes + scale.nbytes):
-                        linear(inp, w, scale)
+                        linear(x, w, scale)
         rates.append(_gbps(oracle))
     return rates[0], rates[1]
 
