@@ -298,3 +298,33 @@ def test_cuda_split_misses_give_the_resident_engines_tokens(tiny_checkpoint, tmp
     assert tp.policy.decisions["split"] > 0
     assert tp.stats()["bytes_moved"]["host->fast"] > 0
     tp.close()
+
+
+def test_cuda_staging_room_follows_the_link_and_bounds_the_staged_copies(mixtral_ftw):
+    """The spare buffer starts with room for every expert predicted for the next layers; once a
+    layer time is measured it holds what the link can land meanwhile plus a layer's top-k, and no
+    more copies than the room holds are staged at once."""
+    folder, ftw = mixtral_ftw
+    ref = Engine.from_pretrained(folder, device="cuda")
+    ws = TieredExpertProvider(ftw, MemoryBudget(), top_k=2, device="cuda").min_working_set
+    fast = max(8 * ws, ref.experts.nbytes // 2) + 8 * ref.kv_pool.bytes_per_block  # type: ignore[attr-defined]
+    eng = Engine.from_pretrained(
+        ftw, device="cuda", memory=MemoryBudget(fast_bytes=fast), placement="qstar",
+        tiering=TieringOptions(prefetch_thread=False),
+    )  # fmt: skip
+    tp = eng.experts
+    staged: list[tuple[int, int | None]] = []  # (copies waiting, room) after each copy staged
+    should_stage = tp.planner.should_stage
+
+    def spy(key):
+        ok = should_stage(key)
+        if ok:
+            staged.append((len(tp.planner.arrives), tp.planner.room))
+        return ok
+
+    tp.planner.should_stage = spy
+    eng.generate([1, 2, 3, 4], max_new_tokens=40, stop_token_ids=())
+    assert tp.planner.layer_s > 0 and tp.spare_bytes > 0
+    assert tp.planner.room == tp.spare_bytes // tp._staging_slot
+    assert all(room is not None and waiting <= room for waiting, room in staged)
+    tp.close()

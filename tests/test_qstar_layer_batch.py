@@ -199,3 +199,24 @@ def test_a_staged_copy_nobody_used_is_forgotten_when_its_layer_has_run() -> None
     planner.expect(2, [5])
     missing = planner.starts_at(3, HOST_S) - planner.starts_at(2, HOST_S)
     assert missing > planner.layer_s  # (2, 5) is a host computation again
+
+
+def test_the_staging_room_holds_what_the_link_can_land_in_the_lookahead() -> None:
+    """A room for every expert predicted for the next 3 layers (6 Mixtral experts) held back from
+    tier 1 what the link could never fill: with 4 ms copies and 1.3 ms layers, the copy the link
+    lands in 3 layers and the next layer's two wait at once."""
+    clock = ManualClock(10.0)
+    planner = _planner(clock, layers=4)
+    assert planner.staging_room(3, 2) == 6  # no layer time yet: every predicted expert
+    planner.layer_s = 1.3e-3
+    assert planner.staging_room(3, 2) == 3  # ceil(3 x 1.3 / 4) + 2
+    planner.layer_s = 20e-3
+    assert planner.staging_room(3, 2) == 6  # slow layers: capped at every predicted expert
+    # A full room stages nothing more, whatever the link could land.
+    planner.note_routing(0, [])
+    planner.room = 1
+    assert planner.should_stage((3, 5))
+    planner.link_free_at = clock.now  # the link is free again: only the room is in the way
+    assert not planner.should_stage((3, 6))
+    planner.decide((3, 5), 1, staged=True)  # its layer used it: the room has space again
+    assert planner.should_stage((3, 6))

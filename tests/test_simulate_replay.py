@@ -213,3 +213,19 @@ def test_the_predictor_misses_the_same_experts_of_a_layer_from_every_nearer_laye
     # Routed experts predicted: those drawn (recall 0.5), and some as fillers (the most used).
     share = sum(len(next(iter(sets))) for sets in kept.values()) / (len(kept) * shape.top_k)
     assert 0.5 < share < 0.75
+
+
+def test_the_replays_staging_room_shrinks_to_what_the_link_fills_and_tier1_gets_the_rest() -> None:
+    shape = shape_for("mixtral-8x7b")
+    budget = shape.total_expert_bytes("mxfp4") // 2
+    replay = TieredReplay(
+        shape, load_profile("rtx4090-pcie4"), codec="mxfp4", fast_bytes=budget, host_bytes=None
+    )
+    expert = replay.costs.fast_bytes
+    assert replay.planner.room == 6 and replay.fast.capacity_bytes == budget - 6 * expert
+    replay.run(group_steps(preset_trace(MIXTRAL_8X7B, tokens=40, seed=0)))
+    # ~1.1-1.6 ms layers, 3.75 ms copies, 3 layers ahead: the copy landed meanwhile and a layer's two
+    # wait at once (the room follows the layer time, refitted every 16 tokens); tier 1 holds the rest.
+    room = replay.planner.room
+    assert room is not None and 3 <= room < 6
+    assert replay.fast.capacity_bytes == budget - room * expert

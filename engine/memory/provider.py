@@ -168,6 +168,8 @@ class TieredExpertProvider(ExpertStore):
         self.kv_bytes = self.spare_bytes = 0
         self.exclusive = placement == "qstar"
         self._prefetch_wanted = prefetch
+        self.hot_every = hot_every
+        self._staging_slot = max(self.fast_bytes.values(), default=0)  # one staged copy's room
         self.storage_link = BandwidthOracle("storage->host", clock=clock, prior_bps=1e9)
         self.fast_link = BandwidthOracle("host->fast", clock=clock, prior_bps=1e10)
         # The transfer alone is timed (not queueing or checksums).
@@ -251,6 +253,7 @@ class TieredExpertProvider(ExpertStore):
         total = self.budget.fast_bytes
         if total is None:
             self.spare_bytes = self._staging_bytes()
+            self.planner.room = self.spare_bytes // self._staging_slot if self.spare_bytes else None
             self.fast.resize(None)
             return
         avail = total - self.kv_bytes
@@ -267,16 +270,35 @@ class TieredExpertProvider(ExpertStore):
         # Prefetch staging (the spare half of the double buffer) goes first under pressure. On a
         # CPU-only machine prefetch reads ahead into tier 2 only: HOST computes straight from the
         # stored bytes, so decoded staging copies would only take room from tier 1.
-        wanted = self._staging_bytes()
-        self.spare_bytes = wanted if avail - wanted >= self.min_working_set else 0
+        self.spare_bytes = self._spare_bytes(avail)
+        self.planner.room = self.spare_bytes // self._staging_slot if self.spare_bytes else None
         evicted = self.fast.resize(avail - self.spare_bytes)  # `moves` demotes or spills them
         self.moves.fit_slots()
         if evicted:
             logger.debug("fast tier shrank to %d bytes: evicted %s", avail - self.spare_bytes, evicted)
 
     def _staging_bytes(self) -> int:
-        """CUDA prefetch staging: room for one layer's top-k experts per layer of prefetch depth."""
-        return self.prefetch_depth * self.min_working_set if self._prefetch_wanted and self.cuda else 0
+        """CUDA prefetch staging: room for the copies that wait at once (`ExpertPlanner.staging_room`:
+        every expert predicted for the next `prefetch_depth` layers until a layer time is measured,
+        then what the link can land in that time), each the size of the largest expert."""
+        if not (self._prefetch_wanted and self.cuda):
+            return 0
+        return self.planner.staging_room(self.prefetch_depth, max(self.top_k.values())) * self._staging_slot
+
+    def _spare_bytes(self, avail: int) -> int:
+        """The staging room out of `avail` bytes of fast memory: none if tier 1 would be left less
+        than the minimum working set."""
+        wanted = self._staging_bytes()
+        return wanted if avail - wanted >= self.min_working_set else 0
+
+    def _refit_staging(self) -> None:
+        """CUDA, every `hot_every` steps: the staging room follows what the link can fill; what it
+        no longer needs goes back to tier 1 (and what it needs again comes from tier 1)."""
+        total = self.budget.fast_bytes
+        spare = self._staging_bytes() if total is None else self._spare_bytes(total - self.kv_bytes)
+        if spare != self.spare_bytes:
+            with self._lock:
+                self._apply_fast_budget()
 
     def on_kv_resize(self, kv_bytes: int) -> None:
         """BlockPool.on_resize: KV now needs `kv_bytes` of fast memory; resize the expert tier."""
@@ -310,6 +332,9 @@ class TieredExpertProvider(ExpertStore):
         decode = hidden.shape[0] == 1
         used = sorted(set(expert_ids.tolist()[0] if decode else expert_ids.reshape(-1).tolist()))
         self.planner.note_routing(layer, used)
+        if self.cuda and self._prefetch_wanted and layer == self.layers[0]:
+            if self.planner.steps % self.hot_every == 0:
+                self._refit_staging()
         # Pre-gating (its router runs cost ~1 ms a token on a small CPU model) only while there is
         # something to prefetch. In RAM: tier 2's blocks and, with exclusive tiers, the tier-1
         # experts whose bytes moved up (not in tier 2 any more).

@@ -249,10 +249,11 @@ class TieredReplay:
                 f"fast memory of {fast_bytes} bytes cannot hold the minimum expert working set of "
                 f"{min_ws} bytes ({'one layer' if exclusive else 'every layer'}'s top-{self.top_k})"
             )
-        # CUDA prefetch stages copies for the next `prefetch_depth` layers, room taken from tier 1.
+        # CUDA prefetch stages copies for the next `prefetch_depth` layers, room taken from tier 1:
+        # for every predicted expert until a layer time is measured (`_refit_staging`).
         depth = max(0, prefetch_depth)
-        wanted = depth * min_ws if dev == "cuda" else 0
-        self.spare = wanted if fast_bytes - wanted >= min_ws else 0
+        self.fast_total, self.min_ws = fast_bytes, min_ws
+        self.spare = self._spare_for(depth * self.top_k if dev == "cuda" and depth else 0)
         protected = self._needed_soon
         if exclusive:
             fast: FastTier[Any] = FastTier(None, protected=protected)
@@ -294,10 +295,28 @@ class TieredReplay:
         )
         self.prefetcher = Prefetcher(self._prefetch_load, use_thread=False) if prefetch_depth else None
         self.prefetch_depth = depth
+        self.hot_every = hot_every
+        self.planner.room = self.spare // c.fast_bytes if self.spare else None
+        self.spare_wanted = dev == "cuda" and bool(depth) and self.prefetcher is not None
         self.recall = recall
         self.rng = random.Random(seed)
         self.now = 0.0
         self._draws: dict[ExpertKey, float] = {}  # the predictor's draw per routed expert, this step
+
+    def _spare_for(self, room: int) -> int:
+        """Bytes of a staging room of `room` experts: none if tier 1 would be left less than the
+        minimum working set (as the live provider's `_spare_bytes`)."""
+        wanted = room * self.costs.fast_bytes
+        return wanted if self.fast_total - wanted >= self.min_ws else 0
+
+    def _refit_staging(self) -> None:
+        """As the live provider's: every `hot_every` steps the staging room follows what the link
+        can fill (`ExpertPlanner.staging_room`), the rest is tier 1's."""
+        spare = self._spare_for(self.planner.staging_room(self.prefetch_depth, self.top_k))
+        if spare != self.spare:
+            self.spare = spare
+            self.planner.room = spare // self.costs.fast_bytes if spare else None
+            self.fast.resize(self.fast_total - spare)
 
     def _needed_soon(self, key: Any) -> bool:
         return self.planner.needed_soon(key)
@@ -363,6 +382,8 @@ class TieredReplay:
                 "device", start, c.dense_s(t) + (c.tier_overhead_s if pregating else 0.0)
             )
             self.planner.note_routing(layer, used)
+            if pos == 0 and self.spare_wanted and self.planner.steps % self.hot_every == 0:
+                self._refit_staging()
             if pregating:
                 self.planner.begin_layer(layer, used)
                 self.prefetcher.begin_layer(layer, used)
