@@ -21,12 +21,13 @@ Each figure, and how it is measured (rates decimal GB/s = 1e9 bytes/s, sizes byt
 - link_gbps of a "cpu" profile (a copy within RAM: a decode or a copy into tier 1): repeated copies
   of a large buffer (256 MiB; quick: 32 MiB) with ``Tensor.copy_``, into an oracle; a copy reads
   and writes its size, so it counts 2x its size of memory traffic (the STREAM "copy" convention).
-- layer_overhead_us: a synthetic decode layer on one token at hidden 64 (the engine's RMSNorm,
-  a fused qkv linear, the engine's rope, two KV-cache writes, softmax attention over 16 cached
-  positions, o-proj, residual adds, a second norm, the router: linear, softmax, top-2, the ids
-  to Python), median wall time less its weights' bytes at host_mem_gbps (>= 0.1 us): what a
-  layer costs besides its weights (op launches, Python). The engine's own layer has more Python
-  around these ops, so this is a lower bound of it.
+- layer_overhead_us: the engine's own decode step of a tiny random Mixtral (hidden 64, 8 layers,
+  8 experts, top-2; written by transformers into `scratch_dir` and loaded as a user's checkpoint),
+  median wall time less its weights' bytes at host_mem_gbps and its 16 routed experts (each at
+  expert_overhead_us plus its bytes), per layer (>= 0.1 us): what a layer costs besides its
+  weights (op launches, the Python around them), the token's own (final norm, lm_head, the step)
+  shared out over its layers. A synthetic layer of the same ops measured half of it on the 2-core
+  Xeon dev machine (83 us against the engine's ~170): the engine's layer has more Python.
 - expert_overhead_us: one routed expert of hidden 64, intermediate 64, fp32, on one token through
   the engine's `expert_forward` plus the weighted accumulate (``add_``) the decode loop runs,
   median wall time less its bytes at host_mem_gbps (>= 0.1 us).
@@ -144,7 +145,7 @@ def measure_profile(
     logger.info("cpu kernels: int8 %.1f GB/s, mxfp4 %.1f GB/s (one token)", int8_gbps, mxfp4_gbps)
     copy_gbps = _copy_gbps(sz)
     logger.info("host copy: %.1f GB/s (2x bytes)", copy_gbps)
-    layer_us, expert_us = _overheads_us(sz.overhead_reps, host_gbps)
+    layer_us, expert_us = _overheads_us(sz.overhead_reps, host_gbps, scratch_dir)
     tier_us, miss_us = _tiered_overheads_us(sz.overhead_reps, scratch_dir)
     logger.info(
         "overheads (us): %.1f per layer, %.1f per expert, %.1f per tiered layer, %.1f per tier-1 miss",
@@ -266,62 +267,74 @@ def _codec_read_gbps(sz: _Sizes, k: int) -> tuple[float, float]:
     return rates[0], rates[1]
 
 
-def _overheads_us(reps: int, host_gbps: float) -> tuple[float, float]:
-    """(per layer, per expert) fixed costs in microseconds: tiny fp32 ops on one token timed, less
-    their weights' bytes at `host_gbps` (module docstring)."""
-    from ..layers import RMSNorm, apply_rope_half, rope_tables
+def _overheads_us(
+    reps: int, host_gbps: float, scratch_dir: str | os.PathLike[str] | None
+) -> tuple[float, float]:
+    """(per layer, per expert) fixed costs in microseconds (module docstring): one routed expert
+    through `expert_forward` and its accumulate, and the engine's own decode step of a tiny
+    random Mixtral, each less its weights' bytes at `host_gbps`."""
     from ..routed import expert_forward
     from ..spec import MoESpec
 
-    h, heads, kv_heads, d, ctx, n_exp, inter = 64, 4, 2, 16, 16, 8, 64
+    h, n_exp, inter = 64, 8, 64
     g = torch.Generator().manual_seed(0)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * 0.1
-
-    norm1, norm2 = RMSNorm(h, 1e-6), RMSNorm(h, 1e-6)
-    w_qkv, w_o, w_router = rand((heads + 2 * kv_heads) * d, h), rand(h, heads * d), rand(n_exp, h)
-    k_cache, v_cache = rand(ctx + 1, kv_heads, d), rand(ctx + 1, kv_heads, d)
-    slot = torch.tensor([ctx])
-    angles = torch.arange(d // 2, dtype=torch.float32)[None, :] * 0.01
-    cos2, sin2 = rope_tables(angles.cos(), angles.sin())
-    x = rand(1, h)
-
-    def layer() -> list[list[int]]:
-        a = norm1.forward(x)
-        qkv = F.linear(a, w_qkv).view(1, heads + 2 * kv_heads, d)
-        qk = apply_rope_half(qkv[:, : heads + kv_heads], cos2, sin2)
-        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
-        k_cache.index_copy_(0, slot, k)
-        v_cache.index_copy_(0, slot, v)
-        keys = k_cache.transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)  # [N, S, D]
-        values = v_cache.transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
-        scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * d**-0.5  # [N, 1, S]
-        attn = torch.matmul(torch.softmax(scores, dim=-1), values)  # [N, 1, D]
-        y = x + F.linear(attn.transpose(0, 1).reshape(1, heads * d), w_o)
-        b = norm2.forward(y)
-        probs = torch.softmax(F.linear(b, w_router), dim=-1)
-        top_w, top_i = torch.topk(probs, 2, dim=-1)
-        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        return top_i.tolist() + top_w.tolist()
-
+    x = torch.randn(1, h, generator=g)
     spec = MoESpec(num_experts=n_exp, top_k=2, intermediate_size=inter, routing="softmax_topk")
     expert = SimpleNamespace(
-        gate_up=rand(2 * inter, h), down=rand(h, inter), gate_up_bias=None, down_bias=None,
-        gate_up_scale=None, down_scale=None,
+        gate_up=torch.randn(2 * inter, h, generator=g) * 0.1, down=torch.randn(h, inter, generator=g) * 0.1,
+        gate_up_bias=None, down_bias=None, gate_up_scale=None, down_scale=None,
     )  # fmt: skip
     acc = torch.zeros_like(x)
 
     def one_expert() -> None:
         acc.add_(expert_forward(expert, x, spec), alpha=0.5)
 
-    layer_bytes = 4 * (w_qkv.numel() + w_o.numel() + w_router.numel() + 2 * h + 2 * k_cache.numel())
-    expert_bytes = 4 * (expert.gate_up.numel() + expert.down.numel())
     bps = host_gbps * 1e9
-    with torch.no_grad():
-        layer_s = median_seconds(layer, reps) - layer_bytes / bps
-        expert_s = median_seconds(one_expert, reps) - expert_bytes / bps
-    return max(layer_s * 1e6, 0.1), max(expert_s * 1e6, 0.1)
+    with torch.inference_mode():
+        expert_s = max(median_seconds(one_expert, reps) - 4 * 3 * h * inter / bps, 0.1e-6)
+    layer_s = _engine_layer_s(reps, bps, expert_s, scratch_dir)
+    return max(layer_s * 1e6, 0.1), expert_s * 1e6
+
+
+def _engine_layer_s(
+    reps: int, bps: float, expert_s: float, scratch_dir: str | os.PathLike[str] | None
+) -> float:
+    """Seconds a decoder layer of the engine costs in a decode step besides its weights and its
+    routed experts: decode steps of a tiny random Mixtral (hidden 64, 8 layers, 8 experts, top-2;
+    written by transformers, loaded by the engine as a user's checkpoint is), less the weights'
+    bytes at `bps` and the two experts per layer at `expert_s` plus their bytes, per layer. The
+    token's own costs (final norm, lm_head, the step's Python) are shared out over its layers, as
+    the machine model has no term of its own for them."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from ..engine import Engine
+
+    layers, h, inter, vocab = 8, 64, 64, 256
+    cfg = MixtralConfig(
+        vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=4 * reps + 64, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a scratch model: no "Writing model shards" bar
+    try:
+        with tempfile.TemporaryDirectory(prefix="freetoken-measure-", dir=scratch_dir) as tmp:
+            MixtralForCausalLM(cfg).save_pretrained(tmp)
+            engine = Engine.from_pretrained(tmp, device="cpu", dtype=torch.float32, placement="resident")
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    dense = sum(p.numel() for p in engine.model.parameters()) * 4 - vocab * h * 4 + h * 4  # one embedding row
+    expert_bytes = 4 * 3 * h * inter
+    with engine.new_session() as session:
+        session.prefill([1, 2, 3, 4])
+        tokens = iter(range(10**9))
+        step_s = median_seconds(lambda: session.decode(5 + next(tokens) % (vocab - 5)), reps)
+    engine.close()
+    experts = layers * 2 * (expert_s + expert_bytes / bps)
+    return (step_s - dense / bps - experts) / layers
 
 
 def _tiered_overheads_us(reps: int, scratch_dir: str | os.PathLike[str] | None) -> tuple[float, float]:
