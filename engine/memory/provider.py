@@ -283,6 +283,8 @@ class TieredExpertProvider(ExpertStore):
         then what the link can land in that time), each the size of the largest expert."""
         if not (self._prefetch_wanted and self.cuda):
             return 0
+        if not self.exclusive:  # the "stream" baseline (per-layer LRU) as it was measured
+            return self.prefetch_depth * self.min_working_set
         return self.planner.staging_room(self.prefetch_depth, max(self.top_k.values())) * self._staging_slot
 
     def _spare_bytes(self, avail: int) -> int:
@@ -332,7 +334,7 @@ class TieredExpertProvider(ExpertStore):
         decode = hidden.shape[0] == 1
         used = sorted(set(expert_ids.tolist()[0] if decode else expert_ids.reshape(-1).tolist()))
         self.planner.note_routing(layer, used)
-        if self.cuda and self._prefetch_wanted and layer == self.layers[0]:
+        if self.cuda and self.exclusive and self._prefetch_wanted and layer == self.layers[0]:
             if self.planner.steps % self.hot_every == 0:
                 self._refit_staging()
         # Pre-gating (its router runs cost ~1 ms a token on a small CPU model) only while there is

@@ -253,7 +253,11 @@ class TieredReplay:
         # for every predicted expert until a layer time is measured (`_refit_staging`).
         depth = max(0, prefetch_depth)
         self.fast_total, self.min_ws = fast_bytes, min_ws
-        self.spare = self._spare_for(depth * self.top_k if dev == "cuda" and depth else 0)
+        if exclusive:
+            self.spare = self._spare_for(depth * self.top_k if dev == "cuda" and depth else 0)
+        else:  # the "stream" baseline (per-layer LRU) as measured: every layer's top-k per layer ahead
+            wanted = depth * min_ws if dev == "cuda" else 0
+            self.spare = wanted if fast_bytes - wanted >= min_ws else 0
         protected = self._needed_soon
         if exclusive:
             fast: FastTier[Any] = FastTier(None, protected=protected)
@@ -297,7 +301,7 @@ class TieredReplay:
         self.prefetch_depth = depth
         self.hot_every = hot_every
         self.planner.room = self.spare // c.fast_bytes if self.spare else None
-        self.spare_wanted = dev == "cuda" and bool(depth) and self.prefetcher is not None
+        self.spare_wanted = exclusive and dev == "cuda" and bool(depth) and self.prefetcher is not None
         self.recall = recall
         self.rng = random.Random(seed)
         self.now = 0.0
