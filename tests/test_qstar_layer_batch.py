@@ -1,9 +1,12 @@
 """q* on a GPU machine, where the link and the CPU work beside the device: a layer's misses are
 spread over both (each decision sees what the link and the CPU are already busy with), a
 prefetched copy is computed once without evicting anything (STAGED), a copy is staged only when it
-lands in time, and residency is worth what a later miss would cost, not a copy plus a compute."""
+lands in time, one miss is split over both (SPLIT), and residency is worth what a later miss would
+cost, not a copy plus a compute."""
 
 from __future__ import annotations
+
+import pytest
 
 from freetoken_agents.engine.memory import (
     BandwidthOracle,
@@ -16,6 +19,7 @@ from freetoken_agents.engine.memory import (
     QStarPolicy,
 )
 from freetoken_agents.engine.memory.planner import ExpertPlanner
+from freetoken_agents.engine.memory.policy import DOWN_SHARE
 from freetoken_agents.engine.memory.routing import RoutingFrequency
 
 MB = 10**6
@@ -220,3 +224,38 @@ def test_the_staging_room_holds_what_the_link_can_land_in_the_lookahead() -> Non
     assert not planner.should_stage((3, 6))
     planner.decide((3, 5), 1, staged=True)  # its layer used it: the room has space again
     assert planner.should_stage((3, 6))
+
+
+def test_q_star_splits_a_miss_so_that_the_cpu_and_the_link_finish_together() -> None:
+    p = _policy()
+    case = _case(can_split=True)
+    share = p.split_share(case)
+    # The CPU's part and the link's part of the rows take the same time.
+    cpu = (1 - DOWN_SHARE * share) * HOST_S
+    link = DOWN_SHARE * share * COPY_S
+    assert share > 0.5 and cpu == pytest.approx(link)
+    costs = p.costs(case)
+    assert costs[Placement.SPLIT] < costs[Placement.HOST]
+    assert p.decide((0, 1), case) is Placement.SPLIT
+    # A busy CPU moves more rows to the link (all of them, at most); a busy link fewer, then none.
+    assert p.split_share(_case(can_split=True, host_wait_s=1e-3)) == 1.0
+    assert p.split_share(_case(can_split=True, link_wait_s=0.8e-3)) < share
+    assert p.split_share(_case(can_split=True, link_wait_s=2e-3)) == 0.0
+    assert p.decide((0, 2), _case(can_split=True, link_wait_s=2e-3)) is Placement.HOST
+    # No option where the planner says so (a CPU-only machine, a staged copy).
+    assert Placement.SPLIT not in p.costs(_case())
+
+
+def test_the_planner_books_a_split_on_the_cpu_and_the_link() -> None:
+    clock = ManualClock()
+    planner = _planner(clock)
+    planner.note_routing(0, [2, 3])
+    assert planner.decide((0, 2), 1, staged=False) is Placement.SPLIT
+    share = planner.take_split((0, 2))
+    assert planner.host_free_at == pytest.approx((1 - DOWN_SHARE * share) * HOST_S)
+    assert planner.link_free_at == pytest.approx(DOWN_SHARE * share * COPY_S)
+    # The next miss sees both busy: still split, the same balance from where each is.
+    second = planner.case((0, 3), 1, staged=False)
+    assert second.host_wait_s > 0 and second.link_wait_s > 0
+    with pytest.raises(KeyError):
+        planner.take_split((0, 2))  # taken once

@@ -10,18 +10,9 @@ import torch
 from freetoken_agents.engine.codecs import get_codec
 from freetoken_agents.engine.experts import ExpertWeights
 from freetoken_agents.engine.memory import (
-    BandwidthOracle,
-    ComputeCostModel,
     ExpertCase,
-    FastTier,
-    HostTier,
-    ManualClock,
-    Placement,
     QStarPolicy,
 )
-from freetoken_agents.engine.memory.planner import ExpertPlanner
-from freetoken_agents.engine.memory.policy import DOWN_SHARE
-from freetoken_agents.engine.memory.routing import RoutingFrequency
 from freetoken_agents.engine.routed import expert_forward, expert_forward_split, split_rows
 from freetoken_agents.engine.simulate.profiles import load_profile
 from freetoken_agents.engine.simulate.replay import TieredReplay, group_steps
@@ -29,10 +20,6 @@ from freetoken_agents.engine.simulate.shapes import shape_for
 from freetoken_agents.engine.simulate.synthetic import MIXTRAL_8X7B, preset_trace
 from freetoken_agents.engine.spec import MoESpec
 
-MB = 10**6
-COPY_S = 4e-3  # 100 MB of tier-1 form over a 25 GB/s link
-HOST_S = 1.4e-3  # computing it on the CPU
-FAST_S = 0.1e-3  # computing it on the GPU
 SPEC = MoESpec(num_experts=4, top_k=2, intermediate_size=64, routing="softmax_topk")
 
 
@@ -72,89 +59,6 @@ def test_split_rows_leave_work_on_both_sides() -> None:
     assert split_rows(4096, 0.3) == 1232
     assert split_rows(4096, 0.001) == 8 and split_rows(4096, 1.0) == 4088
     assert split_rows(10, 0.9) == 5
-
-
-def _policy() -> QStarPolicy:
-    compute = ComputeCostModel()
-    compute.set("cuda", "decoded", 1, FAST_S)
-    compute.set("cpu-host", "mxfp4", 1, HOST_S)
-    return QStarPolicy(
-        BandwidthOracle("storage->host", prior_bps=5e9),
-        BandwidthOracle("host->fast", prior_bps=100 * MB / COPY_S),
-        BandwidthOracle("activations", prior_bps=25e9),
-        compute,
-        fast_device="cuda",
-        host_device="cpu-host",
-    )
-
-
-def _case(**kw) -> ExpertCase:
-    base = dict(
-        tokens=1,
-        codec="mxfp4",
-        resident=False,
-        in_host=True,
-        stored_bytes=100 * MB,
-        fast_bytes=100 * MB,
-        activation_bytes=16_384,
-        can_split=True,
-    )
-    base.update(kw)
-    return ExpertCase(**base)
-
-
-def test_q_star_splits_a_miss_so_that_the_cpu_and_the_link_finish_together() -> None:
-    p = _policy()
-    case = _case()
-    share = p.split_share(case)
-    # The CPU's part and the link's part of the rows take the same time.
-    cpu = (1 - DOWN_SHARE * share) * HOST_S
-    link = DOWN_SHARE * share * COPY_S
-    assert share > 0.5 and cpu == pytest.approx(link)
-    costs = p.costs(case)
-    assert costs[Placement.SPLIT] < costs[Placement.HOST]
-    assert p.decide((0, 1), case) is Placement.SPLIT
-    # A busy CPU moves more rows to the link (all of them, at most); a busy link fewer, then none.
-    assert p.split_share(_case(host_wait_s=1e-3)) == 1.0
-    assert p.split_share(_case(link_wait_s=0.8e-3)) < share
-    assert p.split_share(_case(link_wait_s=2e-3)) == 0.0
-    assert p.decide((0, 2), _case(link_wait_s=2e-3)) is Placement.HOST
-    # No option where the planner says so (a CPU-only machine, a staged copy).
-    assert Placement.SPLIT not in p.costs(_case(can_split=False))
-
-
-def test_the_planner_books_a_split_on_the_cpu_and_the_link() -> None:
-    clock = ManualClock()
-    keys = [(0, e) for e in range(4)]
-    fast: FastTier = FastTier(2 * 100 * MB)
-    host: HostTier = HostTier(None)
-    for k in keys:
-        host.put(k, True, 100 * MB)
-    for k in keys[:2]:
-        fast.put(k, True, 100 * MB)
-    planner = ExpertPlanner(
-        fast=fast,
-        host=host,
-        policy=_policy(),
-        routing=RoutingFrequency([0]),
-        layers=[0],
-        stored_bytes=dict.fromkeys(keys, 100 * MB),
-        fast_bytes=dict.fromkeys(keys, 100 * MB),
-        codecs=dict.fromkeys(keys, "mxfp4"),
-        link_bytes=lambda _k: 100 * MB,
-        device="cuda",
-        clock=clock,
-    )
-    planner.note_routing(0, [2, 3])
-    assert planner.decide((0, 2), 1, staged=False) is Placement.SPLIT
-    share = planner.take_split((0, 2))
-    assert planner.host_free_at == pytest.approx((1 - DOWN_SHARE * share) * HOST_S)
-    assert planner.link_free_at == pytest.approx(DOWN_SHARE * share * COPY_S)
-    # The next miss sees both busy: still split, the same balance from where each is.
-    second = planner.case((0, 3), 1, staged=False)
-    assert second.host_wait_s > 0 and second.link_wait_s > 0
-    with pytest.raises(KeyError):
-        planner.take_split((0, 2))  # taken once
 
 
 def test_the_replay_splits_misses_and_is_faster_for_it() -> None:
