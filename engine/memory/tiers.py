@@ -9,7 +9,7 @@ for matmul and tier 2 the stored FTW block bytes. The tiers only count bytes and
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
 
@@ -63,7 +63,8 @@ class LRUTier(Generic[K, V]):
         self.used_bytes = 0
         self.counters = TierCounters()
         self._items: OrderedDict[K, tuple[V, int]] = OrderedDict()
-        self.pinned: set[K] = set()
+        self.pinned: set[K] = set()  # change it through _pin / _unpin / _unpin_all only
+        self._pinned_bytes = 0  # their bytes, kept as they change: every tier-1 miss asks
         self.on_evict = on_evict
         self.protected = protected  # needed soon: evicted last
         self.rank = rank  # eviction order (lowest first)
@@ -78,11 +79,27 @@ class LRUTier(Generic[K, V]):
         """Keys, coldest (least recently used) first."""
         return list(self._items)
 
-    def eviction_order(self) -> list[K]:
+    def eviction_order(self) -> Iterable[K]:
         """Keys in the order evictions take them: by `rank` (stable, so least recently used first
-        among equals), or least recently used first without one."""
-        keys = list(self._items)
-        return keys if self.rank is None else sorted(keys, key=self.rank)
+        among equals), or least recently used first without one. Without a rank this iterates
+        the tier lazily (no copy): evictions look at the first few keys only, and a tier 1 of
+        thousands of experts was copied whole for every miss. Do not change the tier while
+        iterating."""
+        return iter(self._items) if self.rank is None else sorted(self._items, key=self.rank)
+
+    def _pin(self, key: K) -> None:
+        if key not in self.pinned:
+            self.pinned.add(key)
+            self._pinned_bytes += self._items[key][1]
+
+    def _unpin(self, key: K) -> None:
+        if key in self.pinned:
+            self.pinned.discard(key)
+            self._pinned_bytes -= self._items[key][1]
+
+    def _unpin_all(self) -> None:
+        self.pinned.clear()
+        self._pinned_bytes = 0
 
     def get(self, key: K, *, count: bool = True) -> V | None:
         """The value (marked most recently used) or None; counts a hit or a miss."""
@@ -138,9 +155,8 @@ class LRUTier(Generic[K, V]):
         need = self.used_bytes + nbytes - self.capacity_bytes
         out: list[K] = []
         protected = self.protected
-        order = self.eviction_order()
         for second_pass in (False, True):
-            for k in order:
+            for k in self.eviction_order():
                 if need <= 0:
                     return out
                 if k in self.pinned or k in out or (not second_pass and protected and protected(k)):
@@ -172,17 +188,17 @@ class LRUTier(Generic[K, V]):
 
     def pop(self, key: K) -> V | None:
         """Remove `key` (not counted as an eviction); returns its value."""
-        item = self._items.pop(key, None)
-        if item is None:
+        if key not in self._items:
             return None
+        self._unpin(key)
+        item = self._items.pop(key)
         self.used_bytes -= item[1]
-        self.pinned.discard(key)
         return item[0]
 
     def _drop(self, key: K) -> None:
+        self._unpin(key)
         value, size = self._items.pop(key)
         self.used_bytes -= size
-        self.pinned.discard(key)
         self.counters.evictions += 1
         self.counters.bytes_out += size
         if self.on_evict is not None:
@@ -190,15 +206,16 @@ class LRUTier(Generic[K, V]):
 
     def evict_coldest(self, *, include_pinned: bool = False) -> K | None:
         """Evict the first unpinned key of `eviction_order` (or pinned, if none and allowed)."""
-        order = self.eviction_order()
-        for key in order:
+        first = None
+        for key in self.eviction_order():
             if key not in self.pinned:
                 self._drop(key)
                 return key
-        if include_pinned and order:
-            key = order[0]
-            self._drop(key)
-            return key
+            if first is None:
+                first = key
+        if include_pinned and first is not None:
+            self._drop(first)
+            return first
         return None
 
     def resize(self, capacity_bytes: int | None) -> list[K]:
@@ -219,7 +236,7 @@ class LRUTier(Generic[K, V]):
         return evicted
 
     def pinned_bytes(self) -> int:
-        return sum(self._items[k][1] for k in self.pinned if k in self._items)
+        return self._pinned_bytes
 
     def stats(self) -> dict[str, int | None]:
         return {
@@ -253,15 +270,15 @@ class FastTier(LRUTier[ExpertKey, V]):
             cap = int(self.capacity_bytes * self.max_pinned_fraction)
             if self.pinned_bytes() + size > cap:
                 return False
-        self.pinned.add(key)
+        self._pin(key)
         return True
 
     def unpin(self, key: ExpertKey) -> None:
-        self.pinned.discard(key)
+        self._unpin(key)
 
     def set_hot(self, keys: list[ExpertKey]) -> list[ExpertKey]:
         """Pin the resident keys of `keys` (hottest first) within the cap; returns the pinned set."""
-        self.pinned.clear()
+        self._unpin_all()
         for key in keys:
             self.pin(key)
         return sorted(self.pinned)
@@ -328,5 +345,5 @@ class LayerLRUTier(FastTier[V]):
 
     def set_hot(self, keys: list[ExpertKey]) -> list[ExpertKey]:
         """No hot set in this design."""
-        self.pinned.clear()
+        self._unpin_all()
         return []
