@@ -224,6 +224,11 @@ def test_the_staging_room_holds_what_the_link_can_land_in_the_lookahead() -> Non
     assert not planner.should_stage((3, 6))
     planner.decide((3, 5), 1, staged=True)  # its layer used it: the room has space again
     assert planner.should_stage((3, 6))
+    # A refit reallocates tier 1's slot pool on a GPU: a room wavering by one stays as it is.
+    planner.room = 3
+    assert planner.room_settled(4) and planner.room_settled(2) and not planner.room_settled(6)
+    planner.room = 12
+    assert planner.room_settled(15) and not planner.room_settled(16)
 
 
 def test_q_star_splits_a_miss_so_that_the_cpu_and_the_link_finish_together() -> None:

@@ -207,6 +207,13 @@ class ExpertPlanner:
             return most
         return max(1, min(most, math.ceil(depth * self.layer_s / copy) + top_k))
 
+    def room_settled(self, room: int) -> bool:
+        """Whether a staging room of `room` copies is near enough the current one to keep it: a
+        refit reallocates tier 1's slot pool on a GPU (and its graphs are captured again), so a
+        room wavering by one with the layer time must not move it."""
+        current = self.room
+        return current is not None and abs(room - current) <= max(1, current // 4)
+
     def starts_at(self, layer: int, host_s: float) -> float:
         """CUDA: when `layer` is predicted to start (clock seconds): from the running layer's start,
         each layer before it takes the mean layer time plus `host_s` for each expert predicted

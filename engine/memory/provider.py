@@ -296,6 +296,9 @@ class TieredExpertProvider(ExpertStore):
     def _refit_staging(self) -> None:
         """CUDA, every `hot_every` steps: the staging room follows what the link can fill; what it
         no longer needs goes back to tier 1 (and what it needs again comes from tier 1)."""
+        room = self.planner.staging_room(self.prefetch_depth, max(self.top_k.values()))
+        if self.planner.room_settled(room):
+            return
         total = self.budget.fast_bytes
         spare = self._staging_bytes() if total is None else self._spare_bytes(total - self.kv_bytes)
         if spare != self.spare_bytes:

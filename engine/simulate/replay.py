@@ -316,7 +316,10 @@ class TieredReplay:
     def _refit_staging(self) -> None:
         """As the live provider's: every `hot_every` steps the staging room follows what the link
         can fill (`ExpertPlanner.staging_room`), the rest is tier 1's."""
-        spare = self._spare_for(self.planner.staging_room(self.prefetch_depth, self.top_k))
+        room = self.planner.staging_room(self.prefetch_depth, self.top_k)
+        if self.planner.room_settled(room):
+            return
+        spare = self._spare_for(room)
         if spare != self.spare:
             self.spare = spare
             self.planner.room = spare // self.costs.fast_bytes if spare else None
