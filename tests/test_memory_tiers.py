@@ -423,24 +423,18 @@ def test_a_prefetch_finds_a_block_another_load_brought_in_while_it_waited(built)
     tp.close()
 
 
-class _CountingItems(OrderedDict):
-    """A tier's items that count the keys anyone iterates over."""
+def _counting(container: type) -> type:
+    """`container` (a dict or set type) counting, on the class, the keys anyone iterates over."""
 
-    seen = 0
+    class Counting(container):
+        seen = 0
 
-    def __iter__(self):
-        for key in super().__iter__():
-            _CountingItems.seen += 1
-            yield key
+        def __iter__(self):
+            for key in super().__iter__():
+                Counting.seen += 1
+                yield key
 
-
-class _CountingSet(set):
-    seen = 0
-
-    def __iter__(self):
-        for key in super().__iter__():
-            _CountingSet.seen += 1
-            yield key
+    return Counting
 
 
 def test_a_tier1_miss_looks_at_a_few_keys_not_the_whole_tier():
@@ -451,13 +445,12 @@ def test_a_tier1_miss_looks_at_a_few_keys_not_the_whole_tier():
     for i in range(1000):
         t.put((i // 100, i % 100), "x", 10)
     assert t.set_hot([(9, e) for e in range(50)])  # hot, recently used: pinned
-    t._items = _CountingItems(t._items)
-    t.pinned = _CountingSet(t.pinned)
-    _CountingItems.seen = _CountingSet.seen = 0
+    items, pinned = _counting(OrderedDict), _counting(set)
+    t._items, t.pinned = items(t._items), pinned(t.pinned)
     assert t.fits(10, (99, 0)) and not t.has_room(10, (99, 0))
     assert t.victims_for(10, (99, 0)) == [(0, 0)]
     assert t.put((99, 0), "y", 10) == [(0, 0)]
-    assert _CountingItems.seen <= 4 and _CountingSet.seen == 0
+    assert items.seen <= 4 and pinned.seen == 0
     assert t.pinned_bytes() == 50 * 10
 
 

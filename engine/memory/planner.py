@@ -87,8 +87,7 @@ class ExpertPlanner:
         self.arrives: dict[ExpertKey, float] = {}  # CUDA: when a staged copy lands
         self.splits: dict[ExpertKey, float] = {}  # CUDA: a SPLIT's device share, until it runs
         self.room: int | None = None  # CUDA: staged copies that may wait at once (None: no cap)
-        biggest = max(fast_bytes, key=fast_bytes.__getitem__) if fast_bytes else None
-        self._biggest = biggest  # the expert a staging slot is sized for
+        self._biggest = max(fast_bytes, key=fast_bytes.__getitem__, default=None)  # a staging slot's size
         self.layer_s = 0.0  # CUDA: EMA of the time from one MoE layer's start to the next one's
         self.host_per_layer = 0.0  # CUDA: EMA of the host computations q* decides per layer
         self._last_start: float | None = None

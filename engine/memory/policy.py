@@ -62,9 +62,7 @@ class Placement(str, Enum):
     STREAM = "stream"  # copy tier 2/3 -> tier 1 (cached there), compute there
     STAGED = "staged"  # compute from a prefetch's staged copy on the device, not kept in tier 1
     HOST = "host"  # compute where the weights are (host), move only activations
-    SPLIT = (
-        "split"  # CUDA: HOST but for the down projection's last rows, copied to and computed on the device
-    )
+    SPLIT = "split"  # CUDA: HOST, but the down projection's last rows copied to and run on the device
 
 
 DOWN_SHARE = 1 / 3

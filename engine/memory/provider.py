@@ -170,6 +170,7 @@ class TieredExpertProvider(ExpertStore):
         self._prefetch_wanted = prefetch
         self.hot_every = hot_every
         self._staging_slot = max(self.fast_bytes.values(), default=0)  # one staged copy's room
+        self._adaptive_staging = self.cuda and self.exclusive and prefetch  # q*'s room follows the link
         self.storage_link = BandwidthOracle("storage->host", clock=clock, prior_bps=1e9)
         self.fast_link = BandwidthOracle("host->fast", clock=clock, prior_bps=1e10)
         # The transfer alone is timed (not queueing or checksums).
@@ -252,8 +253,7 @@ class TieredExpertProvider(ExpertStore):
     def _apply_fast_budget(self) -> None:
         total = self.budget.fast_bytes
         if total is None:
-            self.spare_bytes = self._staging_bytes()
-            self.planner.room = self.spare_bytes // self._staging_slot if self.spare_bytes else None
+            self._set_spare(self._target_spare())
             self.fast.resize(None)
             return
         avail = total - self.kv_bytes
@@ -270,8 +270,7 @@ class TieredExpertProvider(ExpertStore):
         # Prefetch staging (the spare half of the double buffer) goes first under pressure. On a
         # CPU-only machine prefetch reads ahead into tier 2 only: HOST computes straight from the
         # stored bytes, so decoded staging copies would only take room from tier 1.
-        self.spare_bytes = self._spare_bytes(avail)
-        self.planner.room = self.spare_bytes // self._staging_slot if self.spare_bytes else None
+        self._set_spare(self._target_spare())
         evicted = self.fast.resize(avail - self.spare_bytes)  # `moves` demotes or spills them
         self.moves.fit_slots()
         if evicted:
@@ -287,21 +286,25 @@ class TieredExpertProvider(ExpertStore):
             return self.prefetch_depth * self.min_working_set
         return self.planner.staging_room(self.prefetch_depth, max(self.top_k.values())) * self._staging_slot
 
-    def _spare_bytes(self, avail: int) -> int:
-        """The staging room out of `avail` bytes of fast memory: none if tier 1 would be left less
-        than the minimum working set."""
+    def _target_spare(self) -> int:
+        """The staging room the fast budget gives now: none if tier 1 would be left less than the
+        minimum working set."""
         wanted = self._staging_bytes()
-        return wanted if avail - wanted >= self.min_working_set else 0
+        total = self.budget.fast_bytes
+        if total is None or total - self.kv_bytes - wanted >= self.min_working_set:
+            return wanted
+        return 0
+
+    def _set_spare(self, spare: int) -> None:
+        """The staging room is `spare` bytes: as many staged copies may wait at once."""
+        self.spare_bytes = spare
+        self.planner.room = spare // self._staging_slot if spare else None
 
     def _refit_staging(self) -> None:
         """CUDA, every `hot_every` steps: the staging room follows what the link can fill; what it
         no longer needs goes back to tier 1 (and what it needs again comes from tier 1)."""
         room = self.planner.staging_room(self.prefetch_depth, max(self.top_k.values()))
-        if self.planner.room_settled(room):
-            return
-        total = self.budget.fast_bytes
-        spare = self._staging_bytes() if total is None else self._spare_bytes(total - self.kv_bytes)
-        if spare != self.spare_bytes:
+        if not self.planner.room_settled(room) and self._target_spare() != self.spare_bytes:
             with self._lock:
                 self._apply_fast_budget()
 
@@ -337,9 +340,8 @@ class TieredExpertProvider(ExpertStore):
         decode = hidden.shape[0] == 1
         used = sorted(set(expert_ids.tolist()[0] if decode else expert_ids.reshape(-1).tolist()))
         self.planner.note_routing(layer, used)
-        if self.cuda and self.exclusive and self._prefetch_wanted and layer == self.layers[0]:
-            if self.planner.steps % self.hot_every == 0:
-                self._refit_staging()
+        if self._adaptive_staging and layer == self.layers[0] and self.planner.steps % self.hot_every == 0:
+            self._refit_staging()
         # Pre-gating (its router runs cost ~1 ms a token on a small CPU model) only while there is
         # something to prefetch. In RAM: tier 2's blocks and, with exclusive tiers, the tier-1
         # experts whose bytes moved up (not in tier 2 any more).

@@ -252,12 +252,11 @@ class TieredReplay:
         # CUDA prefetch stages copies for the next `prefetch_depth` layers, room taken from tier 1:
         # for every predicted expert until a layer time is measured (`_refit_staging`).
         depth = max(0, prefetch_depth)
+        # The "stream" baseline (per-layer LRU) keeps the room it was measured with: every layer's
+        # top-k per layer ahead.
         self.fast_total, self.min_ws = fast_bytes, min_ws
-        if exclusive:
-            self.spare = self._spare_for(depth * self.top_k if dev == "cuda" and depth else 0)
-        else:  # the "stream" baseline (per-layer LRU) as measured: every layer's top-k per layer ahead
-            wanted = depth * min_ws if dev == "cuda" else 0
-            self.spare = wanted if fast_bytes - wanted >= min_ws else 0
+        per_layer = c.fast_bytes * self.top_k if exclusive else min_ws
+        self.spare = self._spare_for(depth * per_layer if dev == "cuda" else 0)
         protected = self._needed_soon
         if exclusive:
             fast: FastTier[Any] = FastTier(None, protected=protected)
@@ -307,10 +306,9 @@ class TieredReplay:
         self.now = 0.0
         self._draws: dict[ExpertKey, float] = {}  # the predictor's draw per routed expert, this step
 
-    def _spare_for(self, room: int) -> int:
-        """Bytes of a staging room of `room` experts: none if tier 1 would be left less than the
-        minimum working set (as the live provider's `_spare_bytes`)."""
-        wanted = room * self.costs.fast_bytes
+    def _spare_for(self, wanted: int) -> int:
+        """A staging room of `wanted` bytes, or none if tier 1 would be left less than the minimum
+        working set (as the live provider's `_target_spare`)."""
         return wanted if self.fast_total - wanted >= self.min_ws else 0
 
     def _refit_staging(self) -> None:
@@ -319,7 +317,7 @@ class TieredReplay:
         room = self.planner.staging_room(self.prefetch_depth, self.top_k)
         if self.planner.room_settled(room):
             return
-        spare = self._spare_for(room)
+        spare = self._spare_for(room * self.costs.fast_bytes)
         if spare != self.spare:
             self.spare = spare
             self.planner.room = spare // self.costs.fast_bytes if spare else None
