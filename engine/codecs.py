@@ -314,6 +314,25 @@ def _luts(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch
     return _LUTS[key]
 
 
+_SCALED_PAIRS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_PAIR_AS_INT = {torch.float32: torch.int64, torch.bfloat16: torch.int32}
+
+
+def mxfp4_scaled_pairs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The MXFP4 decode as one table, for decoding with a single gather: entry ``s * 256 + b``
+    holds byte b's two values (low nibble first) times E8M0 scale s, computed as
+    `MXFP4Codec.decode` computes them (the same products, so the same bits), each pair viewed
+    as one integer so a gather moves both values at once -> [65536] int64 (`dtype` float32) or
+    int32 (bfloat16; the only dtypes the codec computes in directly)."""
+    key = (dtype, device)
+    table = _SCALED_PAIRS.get(key)
+    if table is None:
+        pairs, scales = _luts(dtype, device)
+        table = (pairs.view(1, 256, 2) * scales.view(256, 1, 1)).contiguous()  # [s, b, 2]
+        table = _SCALED_PAIRS.setdefault(key, table.view(_PAIR_AS_INT[dtype]).view(-1))
+    return table
+
+
 class MXFP4Codec(Codec):
     """OCP MX FP4 (E2M1 elements, E8M0 scale per 32 input values), gpt-oss's on-disk layout."""
 
