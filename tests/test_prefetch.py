@@ -185,6 +185,26 @@ def _plant_router_bias(eng: Engine, hot: tuple[int, ...], scale: float) -> None:
             w.data[list(hot)] *= scale
 
 
+def test_one_tokens_pregate_is_its_routed_experts_in_expert_order():
+    """Decode takes the ids in one read (one sync on a GPU); prefill ranks by votes."""
+    from freetoken_agents.engine.memory.prefetch import pregate
+    from freetoken_agents.engine.moe import Router
+    from freetoken_agents.engine.spec import MoESpec
+
+    spec = MoESpec(num_experts=16, top_k=4, intermediate_size=8, routing="softmax_topk")
+    router = Router(spec, 12).to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    torch.nn.init.normal_(router.weight, generator=g)
+    for _ in range(20):
+        h = torch.randn(1, 12, generator=g)
+        ids = router(h)[0][0].tolist()
+        assert pregate(router, h, 4) == sorted(ids) and pregate(router, h, 2) == sorted(ids)[:2]
+    h = torch.randn(3, 12, generator=g)
+    votes = Counter(router(h)[0].reshape(-1).tolist())
+    want = sorted(votes, key=lambda e: (-votes[e], e))  # most voted first, ties by expert id
+    assert pregate(router, h, 8) == want[:8] and all(isinstance(e, int) for e in want)
+
+
 def test_pregating_beats_frequency_baseline_on_non_uniform_routing(tiny_checkpoint, tmp_path):
     folder = tiny_checkpoint("mixtral")
     ftw = tmp_path / "mixtral.ftw"

@@ -52,3 +52,22 @@ def test_quick_profile_on_cuda(tmp_path: Path) -> None:
     assert p.device_mem_bytes == torch.cuda.get_device_properties(0).total_memory
     assert p.device_lowp_tflops == pytest.approx(2 * p.device_bf16_tflops)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_tiered_overheads_pregate_with_real_router_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-layer figure is pre-gating's cost: its routers had meta weights, so every pregate
+    ran Python meta kernels (+19 us a layer, 97 instead of 78 us on the 2-core Xeon)."""
+    from freetoken_agents.engine.memory import prefetch
+    from freetoken_agents.engine.simulate.measure import _tiered_overheads_us
+
+    devices: list[str] = []
+    pregate = prefetch.pregate
+
+    def spy(router: torch.nn.Module, hidden: torch.Tensor, limit: int) -> list[int]:
+        devices.append(router.weight.device.type)
+        return pregate(router, hidden, limit)
+
+    monkeypatch.setattr(prefetch, "pregate", spy)
+    tier_us, miss_us = _tiered_overheads_us(3, None)
+    assert devices and set(devices) == {"cpu"}
+    assert tier_us >= 0 and miss_us >= 0

@@ -69,9 +69,11 @@ def pregate(router: torch.nn.Module, hidden: torch.Tensor, limit: int) -> list[i
     """Experts layer L+1's `router` would pick for `hidden [T, H]`, most-voted first, <= limit."""
     with torch.inference_mode():
         ids, _ = router(hidden)  # [T, A]
+    if ids.shape[0] == 1:  # decode: one vote each, so ties, taken in expert order
+        return sorted(ids[0].tolist())[:limit]  # one read of the ids (one sync on a GPU, not A + 1)
     votes = torch.bincount(ids.reshape(-1))
     order = torch.argsort(votes, descending=True, stable=True)
-    return [int(e) for e in order[: min(limit, int((votes > 0).sum()))]]
+    return order[: min(limit, int((votes > 0).sum()))].tolist()
 
 
 class LayerOrderedLoaders:
