@@ -153,6 +153,8 @@ class LRUTier(Generic[K, V]):
         if self.capacity_bytes is None:
             return []
         need = self.used_bytes + nbytes - self.capacity_bytes
+        if need <= 0:  # before the order: a ranked order sorts every key, and filling a tier
+            return []  # sorted it on each put (3,000 puts: 4.5 M rank calls, 0.5 s)
         out: list[K] = []
         protected = self.protected
         for second_pass in (False, True):
