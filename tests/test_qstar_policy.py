@@ -85,6 +85,19 @@ def test_free_room_fills_fast_memory():
     assert p.decide((0, 0), _case(free_room=True)) is Placement.STREAM
 
 
+def test_free_room_is_not_filled_by_queueing_behind_a_busy_link():
+    """A cold tier 1 was filled by demand copies however long the link's queue: each waited for
+    the copies ahead of it while the CPU could have computed the expert at once."""
+    p = _policy()
+    p.compute.set("cpu", "bf16", 1, 0.1e-3)
+    busy = _case(free_room=True, link_wait_s=2e-3)
+    assert p.decide((0, 0), busy) is Placement.STREAM  # the device not measured yet: seed it
+    p.compute.set("cuda", "decoded", 1, 50e-6)
+    assert p.decide((0, 1), busy) is Placement.HOST  # 0.1 ms on the CPU, not 2.4 ms
+    assert p.decide((0, 2), _case(free_room=True)) is Placement.STREAM  # an idle link: fill
+    assert p.decide((0, 3), _case(free_room=True, link_wait_s=2e-3, frequency=50.0)) is Placement.STREAM
+
+
 def test_throttled_link_mid_run_oracle_follows_within_300ms_and_qstar_flips_and_back():
     """One decision per transfer, as a run makes them. The host->fast link drops from 25 GB/s to
     1 GB/s mid-run and comes back: within 300 ms of transfers the estimate is within 10% of the
