@@ -76,9 +76,9 @@ class BandwidthOracle:
         self.bytes_total += nbytes
         self.seconds_total += seconds
         rate = nbytes / seconds
-        if len(self._rates) >= 3 and self._is_outlier(rate):
+        if len(self._rates) >= 3 and self._is_outlier(rate, med := self._median()):
             self.outliers += 1
-            if self._suspects and (rate > self._median()) != (self._suspects[-1] > self._median()):
+            if self._suspects and (rate > med) != (self._suspects[-1] > med):
                 self._suspects, self._suspect_s = [], 0.0
             self._suspects.append(rate)
             self._suspect_s += seconds
@@ -100,10 +100,13 @@ class BandwidthOracle:
     def _median(self) -> float:
         return statistics.median(self._rates)
 
-    def _is_outlier(self, rate: float) -> bool:
-        med = self._median()
+    def _is_outlier(self, rate: float, med: float) -> bool:
+        """Whether `rate` lies beyond the window's spread around its median `med`."""
+        off = abs(rate - med)
+        if off <= self.rel_tol * med:  # inside the floor: no spread can make it an outlier
+            return False
         mad = statistics.median(abs(r - med) for r in self._rates)
-        return abs(rate - med) > max(self.k_mad * 1.4826 * mad, self.rel_tol * med)
+        return off > max(self.k_mad * 1.4826 * mad, self.rel_tol * med)
 
     @contextmanager
     def time_transfer(self, nbytes: int) -> Iterator[None]:

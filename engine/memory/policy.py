@@ -78,7 +78,7 @@ _RESIDENT_DECODE, _RESIDENT_PREFILL = f"decode/{_RESIDENT}", f"prefill/{_RESIDEN
 
 def tokens_bucket(tokens: int) -> int:
     """The power of two >= tokens (1, 2, 4, ...)."""
-    return 1 << max(0, math.ceil(math.log2(max(1, tokens))))
+    return 1 << (max(1, tokens) - 1).bit_length()
 
 
 class ComputeCostModel:
