@@ -44,9 +44,9 @@ logger = logging.getLogger(__name__)
 KERNEL_MAX_TOKENS = 8
 """Largest T computed by the GEMV kernel; more tokens (prefill) decode and run a float GEMM."""
 DECODE_BLOCK = 1 << 18
-"""Weights decoded at once on the CPU (1 MiB of fp32). One token through [16384, 4096] on the
-2-core Xeon: blocks of 2^16 / 2^18 / 2^20 weights gave 0.5 / 0.9 / 0.9 GB/s of stored bytes (a
-block's fixed cost against its staying in cache)."""
+"""Weights decoded at once on the CPU (1 MiB of fp32; its scratch, 1.5 MiB a thread). One token
+through [16384, 4096] on the 2-core Xeon: blocks of 2^16 / 2^18 / 2^20 weights gave 0.7 / 1.0 /
+1.0 GB/s of stored bytes (a block's fixed cost against its staying in cache)."""
 
 _local = threading.local()
 
@@ -130,11 +130,9 @@ def _scratch(n_index: int, n_scale: int, pair: torch.dtype) -> tuple[torch.Tenso
     held = bufs.get(pair)
     if held is None or held[0].numel() < n_index or held[2].numel() < n_scale:
         # normal tensors (not inference tensors): written in place inside and outside inference mode
+        if held is not None:  # grow, never shrink: the other size may be the larger one
+            n_index, n_scale = max(n_index, held[0].numel()), max(n_scale, held[2].numel())
         with torch.inference_mode(False):
-            n_index, n_scale = (
-                max(n_index, held[0].numel() if held else 0),
-                max(n_scale, held[2].numel() if held else 0),
-            )
             held = bufs[pair] = (
                 torch.empty(n_index, dtype=torch.int32),
                 torch.empty(n_index, dtype=pair),

@@ -56,7 +56,7 @@ def test_quick_profile_on_cuda(tmp_path: Path) -> None:
 
 def test_the_tiered_overheads_pregate_with_real_router_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """The per-layer figure is pre-gating's cost: its routers had meta weights, so every pregate
-    ran Python meta kernels (+19 us a layer, 97 instead of 78 us on the 2-core Xeon)."""
+    ran Python meta kernels (97 instead of 78-83 us a layer on the 2-core Xeon)."""
     from freetoken_agents.engine.memory import prefetch
     from freetoken_agents.engine.simulate.measure import _tiered_overheads_us
 

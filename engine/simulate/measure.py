@@ -350,7 +350,7 @@ def _tiered_overheads_us(reps: int, scratch_dir: str | os.PathLike[str] | None) 
     g = torch.Generator().manual_seed(0)
     routers = {layer: Router(spec, h).to_empty(device="cpu") for layer in range(layers)}
     for router in routers.values():  # real weights: a router left on the meta device pre-gated
-        torch.nn.init.normal_(router.weight, generator=g)  # through Python meta kernels (+19 us)
+        torch.nn.init.normal_(router.weight, generator=g)  # through Python meta kernels (~15 us a layer)
     x = torch.randn(1, h, generator=g)
     pairs = [torch.tensor([[0, 1]]), torch.tensor([[2, 3]])]
     weights = torch.tensor([[0.6, 0.4]])
