@@ -15,9 +15,10 @@ Each figure, and how it is measured (rates decimal GB/s = 1e9 bytes/s, sizes byt
   the CPU under inference mode, the codec's bytes / seconds, each weight shaped as an expert's
   gate/up projection ([4K, K]: a kernel's fixed cost per call counts as in an expert), cycled past
   the caches as the fp32 weights. Where a kernel does more than read its weights (the int8 one
-  dequantizes in registers, the MXFP4 path decodes the whole weight before its matmul) this is
-  below host_mem_gbps: on the 2-core Xeon dev machine at K = 512 int8 reads ~12 GB/s where fp32
-  reads ~27, MXFP4 ~0.9 (~0.25 at K = 4096; the CPU has no MXFP4 kernel yet).
+  dequantizes in registers, the MXFP4 path decodes a block of rows at a time before each block's
+  matmul) this is below host_mem_gbps: on the 2-core Xeon dev machine at K = 512 int8 reads ~12
+  GB/s where fp32 reads ~27, MXFP4 ~1.0 (~1.0 at K = 4096 too; 0.25 there when it decoded the
+  whole weight; the CPU has no fused MXFP4 kernel yet).
 - link_gbps of a "cpu" profile (a copy within RAM: a decode or a copy into tier 1): repeated copies
   of a large buffer (256 MiB; quick: 32 MiB) with ``Tensor.copy_``, into an oracle; a copy reads
   and writes its size, so it counts 2x its size of memory traffic (the STREAM "copy" convention).
