@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from typing import Any
 
 import torch
@@ -39,18 +37,9 @@ SHAPES = {
 }
 
 
-def median_ms(fn: Any, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def run_shape(n: int, k: int, tokens: int, reps: int) -> dict[str, Any]:
     from freetoken_agents.engine.mxfp4 import decode_weight, mxfp4_linear
+    from freetoken_agents.engine.simulate.measure import median_seconds
 
     g = torch.Generator().manual_seed(0)
     weights = [
@@ -78,8 +67,8 @@ def run_shape(n: int, k: int, tokens: int, reps: int) -> dict[str, Any]:
     with torch.inference_mode():
         got, want = mxfp4_linear(x, *weights[0]), whole(x, *weights[0])
         rel = float((got - want).abs().max() / want.abs().max())
-        block_ms = median_ms(contender(mxfp4_linear), reps)
-        whole_ms = median_ms(contender(whole), reps)
+        block_ms = median_seconds(contender(mxfp4_linear), reps) * 1e3
+        whole_ms = median_seconds(contender(whole), reps) * 1e3
     return {
         "n": n,
         "k": k,
