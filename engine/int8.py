@@ -31,7 +31,6 @@ Letters: T tokens, K input features, N output features.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterable
 from typing import Literal, cast, get_args
 
@@ -41,6 +40,7 @@ from torch import nn
 
 from . import gemv_triton
 from .errors import EngineError
+from .scratch import thread_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,6 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 
 _KERNEL_OK: bool | None = None
 _UNIT_SCALES: dict[int, torch.Tensor] = {}
-_local = threading.local()
 
 
 def kernel_available() -> bool:
@@ -185,18 +184,6 @@ def kernel_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torc
     return torch.mul(y, scale)  # bf16 * fp32 -> fp32
 
 
-def _scratch(numel: int, device: torch.device) -> torch.Tensor:
-    """A per-thread fp32 buffer of at least ``numel`` elements on ``device`` (reused across calls)."""
-    bufs: dict[torch.device, torch.Tensor] = getattr(_local, "bufs", None) or {}
-    _local.bufs = bufs
-    buf = bufs.get(device)
-    if buf is None or buf.numel() < numel:
-        # A normal tensor (not an inference tensor): written in place inside and outside inference mode.
-        with torch.inference_mode(False):
-            buf = bufs[device] = torch.empty(numel, dtype=torch.float32, device=device)
-    return buf
-
-
 def dequant_linear(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -207,7 +194,7 @@ def dequant_linear(
     """
     n, k = q.shape
     rows = max(1, min(n, DEQUANT_BLOCK // max(k, 1)))
-    buf = _scratch(rows * k, q.device)
+    buf = thread_buffer("int8 dequant", rows * k, torch.float32, q.device)
     out = None if rows == n else torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)

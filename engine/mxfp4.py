@@ -31,13 +31,13 @@ Letters: T tokens, K input features, N output features.
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
 import torch.nn.functional as F
 
 from . import gemv_triton
 from .codecs import MXFP4_BLOCK, EncodedTensor, get_codec, mxfp4_scaled_pairs
+from .scratch import thread_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,6 @@ DECODE_BLOCK = 1 << 18
 """Weights decoded at once on the CPU (1 MiB of fp32; its scratch, 1.5 MiB a thread). One token
 through [16384, 4096] on the 2-core Xeon: blocks of 2^16 / 2^18 / 2^20 weights gave 0.7 / 1.0 /
 1.0 GB/s of stored bytes (a block's fixed cost against its staying in cache)."""
-
-_local = threading.local()
 
 
 def decode_weight(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -104,7 +102,9 @@ def cpu_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> t
     work = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32  # as the codec
     table = mxfp4_scaled_pairs(work, blocks.device)
     rows = max(1, min(n, DECODE_BLOCK // (2 * half)))
-    index, pairs, scale_index = _scratch(rows * half, rows * nb, table.dtype)
+    index = thread_buffer("mxfp4 index", rows * half, torch.int32, blocks.device)  # table entries
+    pairs = thread_buffer("mxfp4 pairs", rows * half, table.dtype, blocks.device)  # their values
+    scale_index = thread_buffer("mxfp4 scales", rows * nb, torch.int32, blocks.device)
     out = None if rows == n else torch.empty(*x.shape[:-1], n, dtype=x.dtype)
     for r0 in range(0, n, rows):
         r = min(rows, n - r0)
@@ -120,22 +120,3 @@ def cpu_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> t
         out[..., r0 : r0 + r] = F.linear(x, w)
     assert out is not None
     return out
-
-
-def _scratch(n_index: int, n_scale: int, pair: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Per-thread buffers of at least the given sizes (reused across calls): int32 table indices,
-    the gathered pairs (`pair` integers), int32 scale indices."""
-    bufs: dict[torch.dtype, tuple[torch.Tensor, ...]] = getattr(_local, "bufs", None) or {}
-    _local.bufs = bufs
-    held = bufs.get(pair)
-    if held is None or held[0].numel() < n_index or held[2].numel() < n_scale:
-        # normal tensors (not inference tensors): written in place inside and outside inference mode
-        if held is not None:  # grow, never shrink: the other size may be the larger one
-            n_index, n_scale = max(n_index, held[0].numel()), max(n_scale, held[2].numel())
-        with torch.inference_mode(False):
-            held = bufs[pair] = (
-                torch.empty(n_index, dtype=torch.int32),
-                torch.empty(n_index, dtype=pair),
-                torch.empty(n_scale, dtype=torch.int32),
-            )
-    return held
