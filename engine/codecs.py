@@ -324,6 +324,8 @@ def mxfp4_scaled_pairs(dtype: torch.dtype, device: torch.device) -> torch.Tensor
     `MXFP4Codec.decode` computes them (the same products, so the same bits), each pair viewed
     as one integer so a gather moves both values at once -> [65536] int64 (`dtype` float32) or
     int32 (bfloat16; the only dtypes the codec computes in directly)."""
+    if dtype not in _PAIR_AS_INT:
+        raise ValueError(f"mxfp4_scaled_pairs computes in float32 or bfloat16, not {dtype}")
     key = (dtype, device)
     table = _SCALED_PAIRS.get(key)
     if table is None:

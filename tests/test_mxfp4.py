@@ -46,6 +46,8 @@ def test_the_scaled_pair_table_holds_the_codecs_decode_of_every_byte_at_every_sc
         table = mxfp4_scaled_pairs(dtype, torch.device("cpu"))
         want = decode_weight(blocks, scales, dtype).contiguous().view(as_int).view(-1)
         assert torch.equal(table, want)  # bit patterns: NaN scale (255) included
+    with pytest.raises(ValueError, match="float32 or bfloat16, not torch.float16"):
+        mxfp4_scaled_pairs(torch.float16, torch.device("cpu"))  # the codec computes fp16 in fp32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
