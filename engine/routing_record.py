@@ -26,7 +26,7 @@ import torch
 
 from .errors import EngineError
 from .experts import DelegatingStore, ExpertStore
-from .routing_trace import RoutingRecord
+from .routing_trace import format_record
 from .spec import MoESpec
 
 logger = logging.getLogger(__name__)
@@ -127,8 +127,7 @@ class RoutingRecorder(DelegatingStore):
             ids, ws = expert_ids.tolist(), weights.float().tolist()
             seq, start = self._seq, self._start
             self._lines.extend(
-                RoutingRecord(seq, start + i, layer, tuple(ids[i]), tuple(ws[i]), phase).to_json() + "\n"
-                for i in range(rows)
+                format_record(seq, start + i, layer, ids[i], ws[i], phase) + "\n" for i in range(rows)
             )
             if len(self._lines) >= FLUSH_LINES:
                 _write_lines(self._handle, self._lines)

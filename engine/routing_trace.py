@@ -46,15 +46,21 @@ class RoutingRecord:
     phase: Phase
 
     def to_json(self) -> str:
-        doc = {
-            "seq": self.seq,
-            "token": self.token,
-            "layer": self.layer,
-            "experts": list(self.experts),
-            "weights": [round(w, 6) for w in self.weights],
-            "phase": self.phase,
-        }
-        return json.dumps(doc, separators=(",", ":"))
+        return format_record(self.seq, self.token, self.layer, self.experts, self.weights, self.phase)
+
+
+def format_record(
+    seq: int, token: int, layer: int, experts: Iterable[int], weights: Iterable[float], phase: Phase
+) -> str:
+    """One trace line (without its newline): compact JSON, weights rounded to 6 decimals. Written
+    out directly rather than through `json.dumps` (a recorder writes one line per token and layer):
+    the same text, as `json.dumps` writes a finite float as its `repr`."""
+    ws = [round(w, 6) for w in weights]
+    w_text = ",".join(map(repr, ws)) if all(map(math.isfinite, ws)) else ",".join(map(json.dumps, ws))
+    return _LINE % (seq, token, layer, ",".join(map(str, experts)), w_text, phase)
+
+
+_LINE = '{"seq":%d,"token":%d,"layer":%d,"experts":[%s],"weights":[%s],"phase":"%s"}'
 
 
 def parse_record(line: str, where: str) -> RoutingRecord:

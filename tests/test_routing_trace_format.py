@@ -9,7 +9,13 @@ import json
 import pytest
 
 from freetoken_agents.engine import EngineError
-from freetoken_agents.engine.routing_trace import RoutingRecord, RoutingTraceError, read_trace, write_trace
+from freetoken_agents.engine.routing_trace import (
+    RoutingRecord,
+    RoutingTraceError,
+    format_record,
+    read_trace,
+    write_trace,
+)
 
 GOOD = {"seq": 0, "token": 3, "layer": 1, "experts": [5, 2], "weights": [0.75, 0.25], "phase": "decode"}
 
@@ -25,6 +31,26 @@ def test_records_round_trip(tmp_path):
     path = tmp_path / "trace.jsonl"
     path.write_text(buffer.getvalue() + "\n")  # a trailing blank line is fine
     assert list(read_trace(path)) == records
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        (0.6, 0.4),
+        (0.123456789, 1e-9, 1.0, 0.0),
+        (-2.5, 3.0000004, 123456.7891234),
+        (float("nan"), float("inf"), -float("inf")),
+        (0.30000001192092896, 5e-7),  # float32 values as tolist() gives them
+    ],
+)
+def test_a_line_is_what_json_writes(weights):
+    """The recorder's line writer (no json.dumps per line) writes what json.dumps would."""
+    experts = tuple(range(len(weights)))
+    doc = {"seq": 3, "token": 17, "layer": 5, "experts": list(experts)}
+    doc |= {"weights": [round(w, 6) for w in weights], "phase": "decode"}
+    line = format_record(3, 17, 5, experts, weights, "decode")
+    assert line == json.dumps(doc, separators=(",", ":"))
+    assert RoutingRecord(3, 17, 5, experts, weights, "decode").to_json() == line
 
 
 def test_another_engines_trace_in_this_shape_reads(tmp_path):
