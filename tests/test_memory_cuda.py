@@ -150,6 +150,45 @@ def compact_ftws(tiny_checkpoint, tmp_path_factory):
     return out
 
 
+def test_cuda_host_placement_computes_mxfp4_blocks_from_their_4_bit_bytes_under_auto(
+    compact_ftws, monkeypatch
+):
+    """expert_quant "auto" on CUDA: tier 1 holds MXFP4 experts decoded, but one q* runs on the CPU
+    (HOST) goes through the CPU's block decode (`mxfp4.cpu_linear`) from its pinned 4-bit bytes,
+    never decoded whole first; the logits are the CPU engine's within device tolerance."""
+    from freetoken_agents.engine import mxfp4
+
+    ftw = compact_ftws["mxfp4"]
+    cpu = Engine.from_pretrained(ftw, device="cpu", dtype=torch.float32, placement="resident")
+    eng = Engine.from_pretrained(
+        ftw, device="cuda", dtype=torch.float32, memory=MemoryBudget(), placement="qstar",
+        tiering=TieringOptions(prefetch=False),
+    )  # fmt: skip
+    tp = eng.experts
+    tp.policy.compute.set("cuda", "decoded", 1, 1.0)  # tier-1 compute looks expensive: HOST
+    tp.fast.resize(tp.min_working_set)
+    calls: list[tuple[int, ...]] = []
+    real = mxfp4.cpu_linear
+
+    def counting(x, blocks, scales):
+        calls.append(tuple(blocks.shape))
+        return real(x, blocks, scales)
+
+    monkeypatch.setattr(mxfp4, "cpu_linear", counting)
+    with cpu.new_session() as a:
+        a.prefill([5, 3, 8, 1])
+        want = [a.decode(tok) for tok in (9, 2, 7)]
+    assert calls == []  # the resident CPU engine under "auto" holds MXFP4 experts decoded
+    with eng.new_session() as b:
+        b.prefill([5, 3, 8, 1])
+        got = [b.decode(tok).cpu() for tok in (9, 2, 7)]
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    assert tp.stats()["policy"]["decisions_by_phase"].get("decode/host", 0) > 0
+    assert calls  # HOST computes read the 4-bit bytes
+    tp.close()
+
+
 @pytest.mark.parametrize("quant", ["bf16", "fp8", "int8", "mxfp4"])
 def test_compact_blocks_cross_the_link_and_decode_on_the_gpu(compact_ftws, quant):
     """Tier 2 holds the stored (compact) bytes; a STREAM copies exactly those and the GPU decodes
