@@ -219,7 +219,7 @@ class TieredExpertProvider(ExpertStore):
             # What leaves RAM under q* is the least used expert (decayed routing frequency), not
             # the least recently used: replaying the offload bench model's routing, 7.8 instead
             # of 8.9 disk reads per decode token (bench/eviction.py).
-            rank=self.routing.of if self.exclusive else None,
+            rank=self.routing if self.exclusive else None,
             # Needed soon (this layer's, the predictions for the next ones): evicted last.
             protected=(lambda key: self.planner.needed_soon(key)) if prefetch else None,
             timer=self._timer,

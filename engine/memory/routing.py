@@ -40,6 +40,7 @@ class RoutingFrequency:
         self.decay = decay
         self.by_layer: dict[int, dict[int, float]] = {lay: {} for lay in layers}
         self._scale = dict.fromkeys(self.by_layer, 1.0)  # decay^steps since the last rescale
+        self._epoch = dict.fromkeys(self.by_layer, 0)  # rescales so far
 
     def note(self, layer: int, used: Iterable[int]) -> None:
         """`layer` ran one step routed to `used`."""
@@ -49,6 +50,7 @@ class RoutingFrequency:
             for e in counts:
                 counts[e] *= scale / self.decay  # the counts as of the previous step
             scale = self.decay
+            self._epoch[layer] += 1
         self._scale[layer] = scale
         add = 1.0 / scale
         for e in used:
@@ -57,6 +59,20 @@ class RoutingFrequency:
     def of(self, key: ExpertKey) -> float:
         """The decayed count of `key` (0 if never routed to)."""
         return self.by_layer[key[0]].get(key[1], 0.0) * self._scale[key[0]]
+
+    __call__ = of  # a tier's rank (`ranked.LayeredRank`)
+
+    def raw(self, key: ExpertKey) -> float:
+        """`key`'s undecayed entry: `of(key)` is it times `scale(layer)`; it only grows until the
+        layer's counts are rescaled (`epoch`)."""
+        return self.by_layer[key[0]].get(key[1], 0.0)
+
+    def scale(self, layer: int) -> float:
+        return self._scale[layer]
+
+    def epoch(self, layer: int) -> int:
+        """How many times `layer`'s entries were rescaled (each changes every `raw` of the layer)."""
+        return self._epoch[layer]
 
     def hottest(self) -> list[ExpertKey]:
         """Every expert routed to so far, most frequent first (ties: higher layer, expert first)."""

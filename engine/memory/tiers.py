@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
 
 from ..experts import ExpertKey
+from .ranked import LayeredRank, RankedKeys, RankedOrder
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -46,7 +47,8 @@ class LRUTier(Generic[K, V]):
     - `protected` (if set) names keys needed soon (the next layers' predicted experts): `put`
       evicts them only when the other unpinned keys do not free enough room;
     - `rank` (if set) orders evictions: lowest rank first, least recently used first among equal
-      ranks (unset: plain LRU).
+      ranks (unset: plain LRU). A `ranked.LayeredRank` (the routing frequencies) is kept in one
+      lazy heap per layer (`ranked.RankedKeys`); any other rank sorts the tier per eviction.
     """
 
     def __init__(
@@ -68,6 +70,10 @@ class LRUTier(Generic[K, V]):
         self.on_evict = on_evict
         self.protected = protected  # needed soon: evicted last
         self.rank = rank  # eviction order (lowest first)
+        # With a layered rank: key -> recency (larger: more recent), and the heaps over it.
+        self._recency: dict[K, int] = {}
+        self._tick = 0
+        self._ranked = RankedKeys(rank, self._recency) if isinstance(rank, LayeredRank) else None  # type: ignore[arg-type]
 
     def __contains__(self, key: object) -> bool:
         return key in self._items
@@ -85,7 +91,22 @@ class LRUTier(Generic[K, V]):
         the tier lazily (no copy): evictions look at the first few keys only, and a tier 1 of
         thousands of experts was copied whole for every miss. Do not change the tier while
         iterating."""
-        return iter(self._items) if self.rank is None else sorted(self._items, key=self.rank)
+        if self.rank is None:
+            return iter(self._items)
+        if self._ranked is not None and self.rank is self._ranked.rank:
+            return self._ranked.order()  # close() it before the tier changes
+        return sorted(self._items, key=self.rank)
+
+    def _touch(self, key: K) -> None:
+        """`key` is now the most recently used (the layered rank's recency)."""
+        if self._ranked is not None:
+            self._tick += 1
+            self._recency[key] = self._tick
+
+    def _forget(self, key: K) -> None:
+        if self._ranked is not None:
+            del self._recency[key]
+            self._ranked.discard(key)  # type: ignore[arg-type]
 
     def _pin(self, key: K) -> None:
         if key not in self.pinned:
@@ -109,6 +130,7 @@ class LRUTier(Generic[K, V]):
                 self.counters.misses += 1
             return None
         self._items.move_to_end(key)
+        self._touch(key)
         if count:
             self.counters.hits += 1
         return item[0]
@@ -123,6 +145,7 @@ class LRUTier(Generic[K, V]):
             return None
         for k in keys:
             items.move_to_end(k)
+            self._touch(k)
         self.counters.hits += len(keys)
         return found
 
@@ -158,13 +181,18 @@ class LRUTier(Generic[K, V]):
         out: list[K] = []
         protected = self.protected
         for second_pass in (False, True):
-            for k in self.eviction_order():
-                if need <= 0:
-                    return out
-                if k in self.pinned or k in out or (not second_pass and protected and protected(k)):
-                    continue
-                out.append(k)
-                need -= self._items[k][1]
+            order = self.eviction_order()
+            try:
+                for k in order:
+                    if need <= 0:
+                        return out
+                    if k in self.pinned or k in out or (not second_pass and protected and protected(k)):
+                        continue
+                    out.append(k)
+                    need -= self._items[k][1]
+            finally:
+                if isinstance(order, RankedOrder):
+                    order.close()
             if protected is None:
                 break
         return out
@@ -176,6 +204,7 @@ class LRUTier(Generic[K, V]):
         """
         if key in self._items:
             self._items.move_to_end(key)
+            self._touch(key)
             return []
         if not self.fits(nbytes, key):
             return []
@@ -183,6 +212,9 @@ class LRUTier(Generic[K, V]):
         for victim in evicted:
             self._drop(victim)
         self._items[key] = (value, nbytes)
+        if self._ranked is not None:
+            self._touch(key)
+            self._ranked.add(key)  # type: ignore[arg-type]
         self.used_bytes += nbytes
         self.counters.inserts += 1
         self.counters.bytes_in += nbytes
@@ -194,12 +226,14 @@ class LRUTier(Generic[K, V]):
             return None
         self._unpin(key)
         item = self._items.pop(key)
+        self._forget(key)
         self.used_bytes -= item[1]
         return item[0]
 
     def _drop(self, key: K) -> None:
         self._unpin(key)
         value, size = self._items.pop(key)
+        self._forget(key)
         self.used_bytes -= size
         self.counters.evictions += 1
         self.counters.bytes_out += size
@@ -208,17 +242,23 @@ class LRUTier(Generic[K, V]):
 
     def evict_coldest(self, *, include_pinned: bool = False) -> K | None:
         """Evict the first unpinned key of `eviction_order` (or pinned, if none and allowed)."""
-        first = None
-        for key in self.eviction_order():
-            if key not in self.pinned:
-                self._drop(key)
-                return key
-            if first is None:
-                first = key
-        if include_pinned and first is not None:
-            self._drop(first)
-            return first
-        return None
+        victim = first_pinned = None
+        order = self.eviction_order()  # closed before the drop: the tier must not change under it
+        try:
+            for key in order:
+                if key not in self.pinned:
+                    victim = key
+                    break
+                if first_pinned is None:
+                    first_pinned = key
+        finally:
+            if isinstance(order, RankedOrder):
+                order.close()
+        if victim is None and include_pinned:
+            victim = first_pinned
+        if victim is not None:
+            self._drop(victim)
+        return victim
 
     def resize(self, capacity_bytes: int | None) -> list[K]:
         """Set the capacity; evict (unpinned coldest first, pinned last) until it holds. Returns

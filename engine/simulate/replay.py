@@ -263,7 +263,7 @@ class TieredReplay:
         else:
             fast = LayerLRUTier(None, len(self.layers), protected=protected)
         host: HostTier[Any] = HostTier(
-            host_bytes, rank=self.routing.of if exclusive else None, protected=protected
+            host_bytes, rank=self.routing if exclusive else None, protected=protected
         )
         moves_up = {k for k in keys if exclusive and moves_whole(c.codec, dev)}
         self.mover = VirtualMover(
