@@ -526,7 +526,8 @@ def test_a_routing_ranked_tier_evicts_in_the_sorted_order_without_sorting_it():
     assert freq.epoch(0) >= 2
     assert list(fast.eviction_order()) == list(ref.eviction_order())
 
-    # A full tier of 2,400 keys: one put reads a few entries per layer, not every key.
+    # A tier of 2,400 keys: filling it reads no rank; the first eviction orders the tier once
+    # and each later one reads a few entries per layer, not every key.
     freq = CountingFrequency(range(40), decay=0.99)
     for lay in range(40):
         freq.note(lay, range(0, 60, 3))
@@ -534,8 +535,10 @@ def test_a_routing_ranked_tier_evicts_in_the_sorted_order_without_sorting_it():
     for lay in range(40):
         for e in range(60):
             big.put((lay, e), 0, 10)
-    freq.reads = 0
+    assert freq.reads == 0
     assert big.put((39, 60), 0, 10) == [(0, 1)]  # never routed, least recent
+    freq.reads = 0
+    assert big.put((39, 61), 0, 10) == [(0, 2)]
     assert freq.reads < 200
 
 

@@ -58,11 +58,15 @@ class RankedKeys:
         self._epochs: dict[int, int] = {}
         self._latest: dict[ExpertKey, tuple[float, int]] = {}  # the newest entry pushed per key
         self._live: Counter[int] = Counter()
+        # No heaps until the first eviction: a tier with room (tier 2 holding every expert)
+        # never pays for them.
+        self._active = False
 
     def add(self, key: ExpertKey) -> None:
         """`key` entered the tier (its recency set)."""
         self._live[key[0]] += 1
-        self._push(key, (self.rank.raw(key), self.recency[key]))
+        if self._active:
+            self._push(key, (self.rank.raw(key), self.recency[key]))
 
     def discard(self, key: ExpertKey) -> None:
         """`key` left the tier (its entries are dropped when they come up)."""
@@ -70,6 +74,10 @@ class RankedKeys:
         self._latest.pop(key, None)
 
     def order(self) -> RankedOrder:
+        if not self._active:
+            for layer in {k[0] for k in self.recency}:
+                self._rebuild(layer)
+            self._active = True
         return RankedOrder(self)
 
     # ---- heaps ----------------------------------------------------------------------------
