@@ -23,6 +23,7 @@ promotes.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -325,14 +326,19 @@ class TierMover:
             return w
         stored = staged if staged is not None else self.host_value(key, keep=not self.exclusive)
         n = self.stored_bytes[key]
-        with self.phases.time("decode"), self.fast_link.time_transfer(n):
-            w = self.decode(key, stored)
-            if not self.exclusive:  # the mixtral-offloading design: tier 1 holds its own copy
-                w = (
-                    ExpertWeights.packed_mixed(w.tensors())
-                    if w.is_quantized
-                    else ExpertWeights.packed(w.tensors(), self.dtype)
-                )
+        # Timed as the "decode" phase and, on the oracle's clock, as one transfer of the fast link
+        # (not through their context managers: a few us less on every promotion).
+        clock = self.fast_link.clock
+        t0, start = time.perf_counter(), clock()
+        w = self.decode(key, stored)
+        if not self.exclusive:  # the mixtral-offloading design: tier 1 holds its own copy
+            w = (
+                ExpertWeights.packed_mixed(w.tensors())
+                if w.is_quantized
+                else ExpertWeights.packed(w.tensors(), self.dtype)
+            )
+        self.fast_link.record(n, clock() - start)
+        self.phases.add("decode", time.perf_counter() - t0)
         # Into a slot, the bytes are copied: they stay in tier 2 (and views of them never reach
         # tier 1, whose copy tier 2 could otherwise recycle).
         slotted = self.slots is not None and self.slots.accepts(w)

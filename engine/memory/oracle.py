@@ -76,7 +76,10 @@ class BandwidthOracle:
         self.bytes_total += nbytes
         self.seconds_total += seconds
         rate = nbytes / seconds
-        if len(self._rates) >= 3 and self._is_outlier(rate, med := self._median()):
+        # With samples, the estimate is always the window's median (set below on every change
+        # of the window): no second median of the same window.
+        med = self._estimate
+        if len(self._rates) >= 3 and med is not None and self._is_outlier(rate, med):
             self.outliers += 1
             if self._suspects and (rate > med) != (self._suspects[-1] > med):
                 self._suspects, self._suspect_s = [], 0.0
