@@ -46,6 +46,13 @@ class Router(nn.Module):
             return F.linear(x.float(), self.weight.float())
         return F.linear(x, self.weight, self.bias if self.spec.router_bias else None)
 
+    def choose(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> the expert ids [T, A] `forward` picks, without their weights (pre-gating):
+        under a softmax the top k of the probabilities are the top k of the logits."""
+        if self.spec.routing in ("softmax_topk", "topk_softmax"):
+            return self.logits(x).topk(self.spec.top_k, dim=-1)[1]
+        return self.forward(x)[0]
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (expert ids [T, A] int64, weights [T, A])."""
         s = self.spec

@@ -185,6 +185,30 @@ def _plant_router_bias(eng: Engine, hot: tuple[int, ...], scale: float) -> None:
             w.data[list(hot)] *= scale
 
 
+@pytest.mark.parametrize(
+    "routing, norm",
+    [("softmax_topk", False), ("softmax_topk", True), ("topk_softmax", False), ("sigmoid_group_topk", True)],
+)
+def test_a_routers_choice_is_the_experts_its_forward_routes_to(routing, norm):
+    """Pre-gating asks `Router.choose` for the ids alone (no weights): the same experts, in the
+    same order, as the router's forward, for every routing kind."""
+    from freetoken_agents.engine.moe import Router
+    from freetoken_agents.engine.spec import MoESpec
+
+    spec = MoESpec(
+        num_experts=16, top_k=4, intermediate_size=8, routing=routing, norm_topk_prob=norm,
+        n_group=4, topk_group=2,
+    )  # fmt: skip
+    router = Router(spec, 12).to_empty(device="cpu")
+    g = torch.Generator().manual_seed(1)
+    torch.nn.init.normal_(router.weight, generator=g)
+    if routing == "sigmoid_group_topk":
+        torch.nn.init.normal_(router.e_score_correction_bias, generator=g)
+    for tokens in (1, 5):
+        h = torch.randn(tokens, 12, generator=g)
+        assert torch.equal(router.choose(h), router(h)[0])
+
+
 def test_one_tokens_pregate_is_its_routed_experts_in_expert_order():
     """Decode takes the ids in one read (one sync on a GPU); prefill ranks by votes."""
     from freetoken_agents.engine.memory.prefetch import pregate
