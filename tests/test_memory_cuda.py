@@ -109,6 +109,19 @@ def test_cuda_host_placement_moves_only_activations(mixtral_ftw):
     tp.close()
 
 
+def _cpu_and_host_preferring_cuda_engines(ftw):
+    """A resident CPU engine on `ftw`, and a tiered CUDA one (no prefetch) whose tier-1 compute
+    looks expensive, so that q* computes its misses on the CPU (HOST), tier 1 at its minimum."""
+    cpu = Engine.from_pretrained(ftw, device="cpu", dtype=torch.float32, placement="resident")
+    eng = Engine.from_pretrained(
+        ftw, device="cuda", dtype=torch.float32, memory=MemoryBudget(), placement="qstar",
+        tiering=TieringOptions(prefetch=False),
+    )  # fmt: skip
+    eng.experts.policy.compute.set("cuda", "decoded", 1, 1.0)
+    eng.experts.fast.resize(eng.experts.min_working_set)
+    return cpu, eng
+
+
 def test_cuda_host_placement_computes_int8_blocks_with_the_int8_kernel_on_the_cpu(
     tiny_checkpoint, tmp_path, kernel_calls
 ):
@@ -118,14 +131,8 @@ def test_cuda_host_placement_computes_int8_blocks_with_the_int8_kernel_on_the_cp
     ftw = tmp_path / "mixtral-int8.ftw"
     folder = tiny_checkpoint("mixtral")
     convert_checkpoint(folder, ftw, quant="int8", progress=False, dense_dtype=torch.float32)
-    cpu = Engine.from_pretrained(ftw, device="cpu", dtype=torch.float32, placement="resident")
-    eng = Engine.from_pretrained(
-        ftw, device="cuda", dtype=torch.float32, memory=MemoryBudget(), placement="qstar",
-        tiering=TieringOptions(prefetch=False),
-    )  # fmt: skip
+    cpu, eng = _cpu_and_host_preferring_cuda_engines(ftw)
     tp = eng.experts
-    tp.policy.compute.set("cuda", "decoded", 1, 1.0)  # tier-1 compute looks expensive: HOST
-    tp.fast.resize(tp.min_working_set)
     with cpu.new_session() as a:
         a.prefill([5, 3, 8, 1])
         want = [a.decode(tok) for tok in (9, 2, 7)]
@@ -159,14 +166,8 @@ def test_cuda_host_placement_computes_mxfp4_blocks_from_their_4_bit_bytes_under_
     from freetoken_agents.engine import mxfp4
 
     ftw = compact_ftws["mxfp4"]
-    cpu = Engine.from_pretrained(ftw, device="cpu", dtype=torch.float32, placement="resident")
-    eng = Engine.from_pretrained(
-        ftw, device="cuda", dtype=torch.float32, memory=MemoryBudget(), placement="qstar",
-        tiering=TieringOptions(prefetch=False),
-    )  # fmt: skip
+    cpu, eng = _cpu_and_host_preferring_cuda_engines(ftw)
     tp = eng.experts
-    tp.policy.compute.set("cuda", "decoded", 1, 1.0)  # tier-1 compute looks expensive: HOST
-    tp.fast.resize(tp.min_working_set)
     calls: list[tuple[int, ...]] = []
     real = mxfp4.cpu_linear
 

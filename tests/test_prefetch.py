@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -229,13 +230,18 @@ def test_one_tokens_pregate_is_its_routed_experts_in_expert_order():
     assert pregate(router, h, 8) == want[:8] and all(isinstance(e, int) for e in want)
 
 
-def test_pregating_beats_frequency_baseline_on_non_uniform_routing(tiny_checkpoint, tmp_path):
-    folder = tiny_checkpoint("mixtral")
+def _fp32_ftw(tiny_checkpoint, tmp_path) -> tuple[Path, int]:
+    """The tiny Mixtral as an fp32 FTW file, and its experts' tier-1 bytes."""
     ftw = tmp_path / "mixtral.ftw"
-    convert_checkpoint(folder, ftw, quant="fp32", progress=False)
+    convert_checkpoint(tiny_checkpoint("mixtral"), ftw, quant="fp32", progress=False)
     tiering = TieringOptions(prefetch_thread=False)
     with Engine.from_pretrained(ftw, memory=MemoryBudget(), placement="qstar", tiering=tiering) as probe:
-        expert_bytes = sum(probe.experts.fast_bytes.values())
+        return ftw, sum(probe.experts.fast_bytes.values())
+
+
+def test_pregating_beats_frequency_baseline_on_non_uniform_routing(tiny_checkpoint, tmp_path):
+    ftw, expert_bytes = _fp32_ftw(tiny_checkpoint, tmp_path)
+    tiering = TieringOptions(prefetch_thread=False)
     # Tier 1 holds 60% of the experts and tier 2 ~20%: the rest are read from disk, so there is
     # something to prefetch (pre-gating is skipped while every expert is in tier 1, and on a
     # CPU-only machine while every expert is in RAM).
@@ -335,12 +341,8 @@ def test_a_pregated_step_does_not_scan_every_expert(tiny_checkpoint, tmp_path):
     """Each layer's prefetch took the largest expert's size as a max over every expert's: ~70 us a
     layer at Qwen3-30B's 6,144 experts, ~3 ms a token. A decode step with pre-gating running
     reads no whole-model table."""
-    folder = tiny_checkpoint("mixtral")
-    ftw = tmp_path / "mixtral.ftw"
-    convert_checkpoint(folder, ftw, quant="fp32", progress=False)
+    ftw, expert_bytes = _fp32_ftw(tiny_checkpoint, tmp_path)
     tiering = TieringOptions(prefetch_thread=False)
-    with Engine.from_pretrained(ftw, memory=MemoryBudget(), placement="qstar", tiering=tiering) as probe:
-        expert_bytes = sum(probe.experts.fast_bytes.values())
     budget = MemoryBudget(fast_bytes=int(0.4 * expert_bytes), host_bytes=int(0.2 * expert_bytes))
     with Engine.from_pretrained(ftw, memory=budget, placement="qstar", tiering=tiering) as eng:
         tp = eng.experts
