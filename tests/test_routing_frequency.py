@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from freetoken_agents.engine.memory import ROUTING_DECAY
+from freetoken_agents.engine.memory import ROUTING_DECAY, FastTier
 from freetoken_agents.engine.memory.routing import RoutingFrequency
 from freetoken_agents.engine.options import TieringOptions
 from freetoken_agents.engine.simulate.replay import TieredReplay
@@ -67,3 +67,19 @@ def test_a_step_touches_only_the_experts_it_routes_to() -> None:
     assert freq.of((0, 3)) == pytest.approx(ROUTING_DECAY + 1.0) and freq.of((0, 5)) == pytest.approx(
         ROUTING_DECAY
     )
+
+
+def test_the_hottest_among_given_experts_keep_the_global_order():
+    """Tier 1's hot set ranks only tier 1's experts (`hottest(among)`): the same relative order as
+    ranking every expert, never-routed ones left out, so `set_hot` pins the same set."""
+    rng = random.Random(3)
+    freq = RoutingFrequency(range(6))
+    for _ in range(40):
+        for lay in range(6):
+            freq.note(lay, rng.sample(range(10), 2))
+    among = rng.sample([(lay, e) for lay in range(6) for e in range(12)], 30)  # some never routed
+    assert freq.hottest(among) == [k for k in freq.hottest() if k in set(among)]
+    tier = FastTier[bool](30 * 10, max_pinned_fraction=0.5)
+    for k in among:
+        tier.put(k, True, 10)
+    assert tier.set_hot(freq.hottest(among)) == tier.set_hot(freq.hottest())

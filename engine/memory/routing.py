@@ -74,11 +74,18 @@ class RoutingFrequency:
         """How many times `layer`'s entries were rescaled (each changes every `raw` of the layer)."""
         return self._epoch[layer]
 
-    def hottest(self) -> list[ExpertKey]:
-        """Every expert routed to so far, most frequent first (ties: higher layer, expert first)."""
-        scale = self._scale
-        ranked = sorted(
-            ((v * scale[lay], (lay, e)) for lay, counts in self.by_layer.items() for e, v in counts.items()),
-            reverse=True,
-        )
+    def hottest(self, among: Iterable[ExpertKey] | None = None) -> list[ExpertKey]:
+        """Every expert routed to so far (of `among`, when given), most frequent first (ties:
+        higher layer, expert first)."""
+        scale, by_layer = self._scale, self.by_layer
+        if among is None:
+            ranked = sorted(
+                ((v * scale[lay], (lay, e)) for lay, counts in by_layer.items() for e, v in counts.items()),
+                reverse=True,
+            )
+        else:
+            ranked = sorted(
+                ((by_layer[k[0]][k[1]] * scale[k[0]], k) for k in among if k[1] in by_layer[k[0]]),
+                reverse=True,
+            )
         return [k for _, k in ranked]
