@@ -248,6 +248,10 @@ class TieredExpertProvider(ExpertStore):
         )
         # CUDA: the staging buffer holds copies for the next `prefetch_depth` layers.
         self.prefetch_depth = max(1, prefetch_depth)
+        # Each MoE layer's next `prefetch_depth` MoE layers (a lookup per layer, not a search).
+        self._ahead = {
+            lay: self.layers[i + 1 : i + 1 + self.prefetch_depth] for i, lay in enumerate(self.layers)
+        }
         self._apply_fast_budget()
         # Two loader threads: one verifies (and on CUDA copies into pinned memory) the block it
         # read while the other reads the next; the reader keeps reads one at a time.
@@ -528,13 +532,12 @@ class TieredExpertProvider(ExpertStore):
         """Pre-gate and issue loads for the next `prefetch_depth` MoE layers, nearest first."""
         if self.prefetcher is None:
             return
-        pos = self.layers.index(layer)
         # Staged decoded experts must fit the spare buffer (`_staging_slot`: the largest expert's
         # tier-1 bytes, taken once: a max over every expert here cost Qwen3-30B ~2 ms a token);
         # tier-2-only prefetch is cheap.
         slot = self._staging_slot
         self.prefetcher.max_inflight = max(1, self.spare_bytes // slot) if self.spare_bytes else 8
-        for d, nxt in enumerate(self.layers[pos + 1 : pos + 1 + self.prefetch_depth]):
+        for d, nxt in enumerate(self._ahead[layer]):
             with self.phases.time("predict"):
                 router = self.routers.get(nxt)
                 pred = self.prefetcher.predict(
