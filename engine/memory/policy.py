@@ -73,9 +73,8 @@ MIN_SPLIT_SHARE = 0.05  # a smaller device share saves less than its extra trans
 
 
 _RESIDENT = Placement.RESIDENT.value
-_RESIDENT_DECODE, _RESIDENT_PREFILL = f"decode/{_RESIDENT}", f"prefill/{_RESIDENT}"
 _TIE_ORDER = {p: i for i, p in enumerate(Placement)}  # equal costs: the first placement listed
-_PHASE_KEY = {
+_PHASE_KEY = {  # (one token, placement) -> its `decisions_by_phase` key
     (decode, p): f"{'decode' if decode else 'prefill'}/{p.value}"
     for decode in (True, False)
     for p in Placement
@@ -252,7 +251,7 @@ class QStarPolicy:
         """Record `experts` RESIDENT placements without pricing them: for an expert in tier 1
         `costs` has RESIDENT only, so `decide` would return it (the hot path skips the call)."""
         self.decisions[_RESIDENT] += experts
-        self.decisions_by_phase[_RESIDENT_DECODE if tokens == 1 else _RESIDENT_PREFILL] += experts
+        self.decisions_by_phase[_PHASE_KEY[tokens == 1, Placement.RESIDENT]] += experts
 
     def decide(self, key: tuple[int, int], case: ExpertCase) -> Placement:
         """The cheapest placement (ties: RESIDENT, STREAM, STAGED, HOST, SPLIT); counted, logged at

@@ -47,8 +47,8 @@ class LayeredRank(Protocol):
 class RankedKeys:
     """The eviction order of a ranked tier (module docstring). `recency` is the tier's key ->
     recency number (larger: more recent), kept by the tier; `add` and `discard` follow its
-    inserts and removals. Iterate with `order()`, and close the iteration (`with closing(...)`)
-    before the tier changes again."""
+    inserts and removals. Iterate with `order()`, and `close()` the iteration before the tier
+    changes again."""
 
     _SLACK = 64  # entries a heap may hold beyond twice its live keys before it is rebuilt
 

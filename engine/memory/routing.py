@@ -79,13 +79,9 @@ class RoutingFrequency:
         higher layer, expert first)."""
         scale, by_layer = self._scale, self.by_layer
         if among is None:
-            ranked = sorted(
-                ((v * scale[lay], (lay, e)) for lay, counts in by_layer.items() for e, v in counts.items()),
-                reverse=True,
-            )
-        else:
-            ranked = sorted(
-                ((by_layer[k[0]][k[1]] * scale[k[0]], k) for k in among if k[1] in by_layer[k[0]]),
-                reverse=True,
-            )
+            among = [(lay, e) for lay, counts in by_layer.items() for e in counts]
+        ranked = sorted(
+            ((by_layer[k[0]][k[1]] * scale[k[0]], k) for k in among if k[1] in by_layer[k[0]]),
+            reverse=True,
+        )
         return [k for _, k in ranked]
