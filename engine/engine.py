@@ -144,6 +144,7 @@ class Engine:
         progress: bool = True,
         tiering: TieringOptions | None = None,
         record_routing: str | Path | None = None,
+        routing_profile: str | Path | None = None,
         cuda_graphs: bool = True,
     ) -> Engine:
         """Load a Hugging Face checkpoint folder (config.json + *.safetensors [+ tokenizer]), an
@@ -170,6 +171,10 @@ class Engine:
                 routing of every token the engine runs, one JSON line per (token, MoE layer)
                 (`routing_trace` documents the format; written in whole lines, complete once the
                 engine is closed or the program exits).
+            routing_profile: a routing trace of this model (as `record_routing` writes) that
+                tiered experts start from instead of a cold fast tier: q*'s routing frequencies
+                are seeded from it and tier 1 is filled with its most used experts while loading
+                (`TieredExpertProvider.warm_start`); no effect on resident experts.
             cuda_graphs: decode steps replay a captured CUDA graph where the model allows it (on
                 CUDA with Triton, no int8 dense layers, experts resident or tier 1 a slot pool;
                 `decode_runner`); False: eager.
@@ -178,7 +183,8 @@ class Engine:
         that cannot be fetched: missing, gated, offline with nothing cached), FTWFormatError (a corrupted,
         truncated or foreign FTW file), UnsupportedModelError (unknown model_type), EngineError
         (bad options: an unknown or absent device, an unknown quant or placement, a
-        record_routing path that cannot be written),
+        record_routing path that cannot be written), RoutingTraceError (a routing_profile that
+        cannot be read or names layers or experts the model lacks),
         MemoryBudgetError (a budget below what one layer needs, naming the smallest that works).
         """
         options = EngineOptions.parse(
@@ -193,6 +199,7 @@ class Engine:
             progress=progress,
             tiering=tiering or TieringOptions(),
             record_routing=record_routing,
+            routing_profile=routing_profile,
             cuda_graphs=cuda_graphs,
         )
         return cls.from_options(path, options)

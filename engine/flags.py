@@ -1,8 +1,8 @@
 """The engine's command-line flags (`--device`, `--dtype`, `--fast-mem`, `--host-mem`,
-`--placement`, `--expert-quant`, `--record-routing`, `--no-cuda-graphs`), defined once beside
-`EngineOptions`, which they fill: every command that loads a model takes them (`freetoken
-chat/generate/serve/demo`, and the recipes' own `python -m` programs, which may not import the
-CLI above them).
+`--placement`, `--expert-quant`, `--record-routing`, `--routing-profile`, `--no-cuda-graphs`),
+defined once beside `EngineOptions`, which they fill: every command that loads a model takes them
+(`freetoken chat/generate/serve/demo`, and the recipes' own `python -m` programs, which may not
+import the CLI above them).
 """
 
 from __future__ import annotations
@@ -64,6 +64,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "(seq, token, layer, experts, weights, phase), to PATH",
     )
     group.add_argument(
+        "--routing-profile",
+        default=None,
+        metavar="PATH",
+        type=Path,
+        help="start tiered experts from a routing trace of this model (one --record-routing wrote): "
+        "q*'s expert frequencies seeded and fast memory filled with its most used experts at load",
+    )
+    group.add_argument(
         "--no-cuda-graphs",
         dest="cuda_graphs",
         action="store_false",
@@ -81,6 +89,7 @@ def engine_options(args: argparse.Namespace, **extra: Any) -> EngineOptions:
         placement=args.placement,
         expert_quant=quant,
         record_routing=args.record_routing,
+        routing_profile=args.routing_profile,
         cuda_graphs=args.cuda_graphs,
         **extra,
     )

@@ -80,7 +80,10 @@ class EngineOptions(BaseModel):
     cache_dir: where converted checkpoints are cached (None: $FREETOKEN_CACHE, else the platform's
     user cache dir). progress: progress bars on conversion and verification. tiering: tuning of
     the tiered memory. record_routing: a file to write the routing of every token the engine runs
-    to (`routing_record`; JSON lines, `routing_trace`), None: no trace. cuda_graphs: decode steps
+    to (`routing_record`; JSON lines, `routing_trace`), None: no trace. routing_profile: a trace of
+    this model (such a file) that tiered experts start from: q*'s routing frequencies seeded and
+    tier 1 filled with its most used experts at load (`TieredExpertProvider.warm_start`); None:
+    a cold start. cuda_graphs: decode steps
     replay a captured CUDA graph where the model allows it (`decode_runner`; False: always eager).
     """
 
@@ -97,6 +100,7 @@ class EngineOptions(BaseModel):
     progress: bool = True
     tiering: TieringOptions = Field(default_factory=TieringOptions)
     record_routing: Path | None = None
+    routing_profile: Path | None = None
     cuda_graphs: bool = True
 
     @field_validator("device", mode="before")
@@ -159,6 +163,7 @@ class EngineOptions(BaseModel):
             str(self.cache_dir) if self.cache_dir is not None else None,
             self.tiering,
             str(self.record_routing) if self.record_routing is not None else None,
+            str(self.routing_profile) if self.routing_profile is not None else None,
             self.cuda_graphs,
         )
 

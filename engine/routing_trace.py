@@ -118,6 +118,36 @@ def write_trace(records: Iterable[RoutingRecord], out: IO[str]) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class Step:
+    """One step of the engine: `phase`, how many `tokens` it ran, and per MoE layer expert ->
+    tokens routed to it."""
+
+    phase: Phase
+    tokens: int
+    layers: dict[int, dict[int, int]]
+
+
+def group_steps(records: Iterable[RoutingRecord]) -> list[Step]:
+    """The records as the engine's steps: each decode token alone, a sequence's prefill records
+    together (the engine runs each layer once for them). What a replay runs and what a routing
+    profile seeds the tiered memory with (`Engine.from_pretrained(..., routing_profile=PATH)`)."""
+    steps: list[Step] = []
+    tokens: list[set[int]] = []
+    key: tuple[Any, ...] | None = None
+    for r in records:
+        k = (r.seq, "prefill") if r.phase == "prefill" else (r.seq, r.token, "decode")
+        if k != key:
+            steps.append(Step(r.phase, 0, {}))
+            tokens.append(set())
+            key = k
+        routed = steps[-1].layers.setdefault(r.layer, {})
+        for e in r.experts:
+            routed[e] = routed.get(e, 0) + 1
+        tokens[-1].add(r.token)
+    return [Step(s.phase, len(t), s.layers) for s, t in zip(steps, tokens, strict=True)]
+
+
 def _is_index(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 

@@ -71,6 +71,7 @@ def build_agent(
         placement=options.placement,
         expert_quant=options.expert_quant,
         record_routing=str(options.record_routing) if options.record_routing is not None else None,
+        routing_profile=str(options.routing_profile) if options.routing_profile is not None else None,
     )
     policy = tool_choice if callable(tool_choice) else (lambda n: tool_choice if n == 1 else "auto")
     calls = 0

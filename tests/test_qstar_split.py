@@ -14,8 +14,9 @@ from freetoken_agents.engine.memory import (
     QStarPolicy,
 )
 from freetoken_agents.engine.routed import expert_forward, expert_forward_split, split_rows
+from freetoken_agents.engine.routing_trace import group_steps
 from freetoken_agents.engine.simulate.profiles import load_profile
-from freetoken_agents.engine.simulate.replay import TieredReplay, group_steps
+from freetoken_agents.engine.simulate.replay import TieredReplay
 from freetoken_agents.engine.simulate.shapes import shape_for
 from freetoken_agents.engine.simulate.synthetic import MIXTRAL_8X7B, preset_trace
 from freetoken_agents.engine.spec import MoESpec

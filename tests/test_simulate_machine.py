@@ -117,7 +117,8 @@ def test_toml_without_optional_keys(tmp_path: Path) -> None:
 
 def test_a_tiered_replay_charges_each_tier1_miss_its_overhead() -> None:
     """miss_overhead_us: q*'s decision and the tier moves around each expert outside tier 1."""
-    from freetoken_agents.engine.simulate.replay import TieredReplay, group_steps
+    from freetoken_agents.engine.routing_trace import group_steps
+    from freetoken_agents.engine.simulate.replay import TieredReplay
     from freetoken_agents.engine.simulate.shapes import shape_for
     from freetoken_agents.engine.simulate.synthetic import MIXTRAL_8X7B, preset_trace
 

@@ -21,10 +21,10 @@ from freetoken_agents.engine.memory import (
     QStarPolicy,
     TieredExpertProvider,
 )
-from freetoken_agents.engine.routing_trace import RoutingRecord, RoutingTraceError
+from freetoken_agents.engine.routing_trace import RoutingRecord, RoutingTraceError, group_steps
 from freetoken_agents.engine.simulate.machine import ExpertCosts
 from freetoken_agents.engine.simulate.profiles import load_profile
-from freetoken_agents.engine.simulate.replay import SimulationError, TieredReplay, group_steps
+from freetoken_agents.engine.simulate.replay import SimulationError, TieredReplay
 from freetoken_agents.engine.simulate.shapes import shape_for, shape_from_spec
 from freetoken_agents.engine.simulate.simulator import POLICIES, simulate
 from freetoken_agents.engine.simulate.synthetic import MIXTRAL_8X7B, preset_trace, synthetic_trace
@@ -74,25 +74,31 @@ def tiny_ftw(tiny_checkpoint, tmp_path_factory) -> Path:
     return ftw
 
 
-def test_the_replay_takes_the_live_runs_decisions_on_the_same_routing(tiny_ftw: Path) -> None:
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm-start"])
+def test_the_replay_takes_the_live_runs_decisions_on_the_same_routing(tiny_ftw: Path, warm: bool) -> None:
     resident = Engine.from_pretrained(tiny_ftw)
     spec = resident.spec
     moe_layers = spec.moe_layers()
     moe = spec.layers[moe_layers[0]].moe
     shape = shape_from_spec(spec)
-    records = [
-        dataclasses.replace(r, layer=moe_layers[r.layer])
-        for r in synthetic_trace(
-            layers=len(moe_layers),
-            num_experts=moe.num_experts,
-            top_k=moe.top_k,
-            tokens=48,
-            reuse=0.4,
-            skew=0.8,
-            cross_layer=0.0,
-            seed=3,
-        )
-    ]
+
+    def trace(seed: int) -> list[RoutingRecord]:
+        return [
+            dataclasses.replace(r, layer=moe_layers[r.layer])
+            for r in synthetic_trace(
+                layers=len(moe_layers),
+                num_experts=moe.num_experts,
+                top_k=moe.top_k,
+                tokens=48,
+                reuse=0.4,
+                skew=0.8,
+                cross_layer=0.0,
+                seed=seed,
+            )
+        ]
+
+    records = trace(3)
+    profile = group_steps(trace(4)[: 12 * len(moe_layers)]) if warm else []  # another run's first 12 tokens
     live_policy = RecordingPolicy()
     probe = TieredExpertProvider(tiny_ftw, MemoryBudget(), top_k=moe.top_k, prefetch=False)
     key = probe.keys()[0]
@@ -107,6 +113,8 @@ def test_the_replay_takes_the_live_runs_decisions_on_the_same_routing(tiny_ftw: 
         policy=live_policy,
         hot_every=4,
     )
+    if warm:
+        assert live.warm_start(profile) == 5  # tier 1 full before the first token
     gen = torch.Generator().manual_seed(0)
     for r in records:
         hidden = torch.randn(1, spec.hidden_size, generator=gen)
@@ -130,7 +138,9 @@ def test_the_replay_takes_the_live_runs_decisions_on_the_same_routing(tiny_ftw: 
         policy=replay_policy,
         costs=costs,
         warm_host=False,
+        warm_start=profile,
     )
+    assert len(replay.fast) == (5 if warm else 0)
     replay.run(group_steps(records))
 
     placements = {p for _, p in live_policy.log}

@@ -36,6 +36,7 @@ from ..memory.budget import free_host_bytes
 from ..moe import MoEBlock
 from ..options import EngineOptions
 from ..routing_record import RoutingRecorder, check_trace_path
+from ..routing_trace import group_steps, read_trace
 from ..spec import ModelSpec
 from ..stop_tokens import read_generation_eos
 from ..transformer import MoETransformer
@@ -101,6 +102,10 @@ def assemble(path: str | Path, options: EngineOptions, open_model: OpenForCalibr
     path = Path(path).expanduser()
     if options.record_routing is not None:
         check_trace_path(options.record_routing)  # fail before loading anything
+    # Read whole before anything loads (and before a recorder replaces the file, if the same).
+    profile = None
+    if options.routing_profile is not None:
+        profile = group_steps(read_trace(options.routing_profile))
     device = check_device(options.device)
     dev = str(device)
     dtype = options.dtype
@@ -126,6 +131,8 @@ def assemble(path: str | Path, options: EngineOptions, open_model: OpenForCalibr
     logger.info("placement %s for %s: %s", choice.placement, path, choice.reason)
     memory = options.memory
     on_kv_resize = None
+    if choice.placement == "resident" and profile is not None:
+        logger.warning("routing profile %s unused: the experts are resident", options.routing_profile)
     if choice.placement == "resident":
         if loaded_ftw is not None and device.type == "cuda":
             # Read every expert now and stack each layer: grouped GEMMs with no host sync, so the
@@ -144,6 +151,12 @@ def assemble(path: str | Path, options: EngineOptions, open_model: OpenForCalibr
         memory = tiered_budget(memory, device, free_fast_bytes(device), free_host_bytes())
         provider = _tiered_provider(ftw_path, memory, model, dtype, dev, choice, options)
         experts, on_kv_resize = provider, provider.on_kv_resize
+        if profile is not None:
+            try:
+                provider.warm_start(profile, progress=options.progress)
+            except BaseException:
+                provider.close()  # its threads and files
+                raise
     quantize_dense(model, dense_quant)
     on_forward = None
     if options.record_routing is not None:

@@ -28,10 +28,11 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..experts import ExpertKey
+from ..routing_trace import RoutingTraceError, Step
 from .oracle import Clock
 from .policy import DOWN_SHARE, ExpertCase, Placement, QStarPolicy
 from .routing import RoutingFrequency
@@ -109,10 +110,53 @@ class ExpertPlanner:
         if layer == self.layers[0]:
             self.steps += 1
             if self.steps % self.hot_every == 0:
-                with self.lock:
-                    # Only tier 1's experts can be pinned: ranking every expert sorted 6,144 of
-                    # them for Qwen3-30B (2.6 ms every `hot_every` steps), twice what tier 1 holds.
-                    self.fast.set_hot(self.routing.hottest(self.fast.keys()))
+                self.refresh_hot()
+
+    def refresh_hot(self) -> None:
+        """Pin tier 1's hottest experts (`FastTier.set_hot`)."""
+        with self.lock:
+            # Only tier 1's experts can be pinned: ranking every expert sorted 6,144 of them for
+            # Qwen3-30B (2.6 ms every `hot_every` steps), twice what tier 1 holds.
+            self.fast.set_hot(self.routing.hottest(self.fast.keys()))
+
+    def warm_start(self, steps: Iterable[Step]) -> list[ExpertKey]:
+        """Start from a recorded routing (`routing_trace.group_steps` of a trace of this model):
+        note every step's routing in layer order, as if the engine had run it. Returns what tier 1
+        should hold before the first token: the most used experts that fit its free room, coldest
+        first (put in that order, the hottest end the most recently used). RoutingTraceError, in
+        one line, for a step naming a layer or an expert this model does not have."""
+        steps = list(steps)
+        moe = set(self.layers)
+        for step in steps:
+            for layer in step.layers:
+                if layer not in moe:
+                    raise RoutingTraceError(
+                        f"routing profile names layer {layer}, not a MoE layer of this model"
+                    )
+                for e in step.layers[layer]:
+                    if (layer, e) not in self.fast_bytes:
+                        raise RoutingTraceError(
+                            f"routing profile names expert {e} of layer {layer}, "
+                            "which this model does not have"
+                        )
+        for step in steps:
+            for layer in self.layers:
+                used = step.layers.get(layer)
+                if used:
+                    self.routing.note(layer, sorted(used))
+        room = self.fast.capacity_bytes
+        free = None if room is None else room - self.fast.used_bytes
+        chosen: list[ExpertKey] = []
+        for key in self.routing.hottest():
+            if key in self.fast:
+                continue
+            size = self.fast_bytes[key]
+            if free is not None:
+                if size > free:
+                    continue
+                free -= size
+            chosen.append(key)
+        return chosen[::-1]
 
     def begin_layer(self, layer: int, used: Sequence[int]) -> None:
         """`layer` runs with `used`: they are needed now; the layers already run (all of them when

@@ -53,12 +53,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from .. import routed
 from ..errors import EngineError, MemoryBudgetError
@@ -68,6 +69,7 @@ from ..ftw import FTWFile
 from ..grouped_experts import stack_capturable
 from ..int8 import ExpertQuant, check_expert_quant
 from ..routed import expert_forward
+from ..routing_trace import Step
 from ..spec import MoESpec
 from .budget import MemoryBudget, format_size
 from .graph_steps import GraphSteps
@@ -552,6 +554,26 @@ class TieredExpertProvider(ExpertStore):
 
     def weights_file(self) -> tuple[Path, int] | None:
         return Path(self.ftw.path), self.ftw.fileno()
+
+    # ---- a warm start from a recorded routing ----------------------------------------------
+    def warm_start(self, steps: Iterable[Step], *, progress: bool = False) -> int:
+        """Start from a recorded routing of this model (`routing_trace.group_steps` of a trace
+        written by `record_routing`) instead of a cold tier 1: q*'s routing frequencies are seeded
+        as if the engine had run those steps, tier 1 is filled with the most used experts that
+        fit (read from tier 3 if tier 2 lacks them) and its hot set pinned. What llama.cpp's
+        `-ot` asks a user to do by hand, from the same information; q* goes on adapting from
+        there. Returns how many experts it brought into tier 1. RoutingTraceError (one line) for
+        a step naming a layer or expert the model lacks; EngineError with placement "stream"
+        (the per-layer LRU baseline keeps no frequencies)."""
+        if not self.exclusive:
+            raise EngineError("a routing profile warm-starts placement 'qstar' only, not 'stream'")
+        keys = self.planner.warm_start(steps)
+        name = Path(self.ftw.path).name
+        for key in tqdm(keys, desc=f"warm {name}", unit="expert", disable=not progress):
+            self.moves.promote(key, None)
+        self.planner.refresh_hot()
+        logger.info("warm start: %d experts in tier 1 from the routing profile", len(keys))
+        return len(keys)
 
     # ---- anchors: expert-cache state ------------------------------------------------------
     def snapshot_state(self) -> dict[str, list[ExpertKey]]:

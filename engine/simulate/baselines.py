@@ -19,9 +19,13 @@ from collections import Counter
 from collections.abc import Sequence
 
 from ..memory.tiers import HostTier
+from ..routing_trace import Step
 from .machine import ExpertCosts, Timeline
-from .replay import Step, Tally, warm
+from .replay import Tally, warm
 from .stats import belady_missing
+
+PROFILE_FRACTION = 0.25
+"""The static split's profiling pass: the first quarter of the decode tokens."""
 
 
 def layer_steps(steps: Sequence[Step], layers: Sequence[int]) -> list[list[int]]:
@@ -99,6 +103,14 @@ def replay_streaming(
     return tally
 
 
+def profiling_steps(steps: Sequence[Step], fraction: float = PROFILE_FRACTION) -> list[Step]:
+    """The profiling pass: the first `fraction` of the decode steps (at least one). The static
+    split places experts by it; "qstar-profiled" starts q* from it (`TieredReplay(warm_start=)`),
+    as `Engine.from_pretrained(..., routing_profile=PATH)` starts the engine from a recorded trace."""
+    decode = [s for s in steps if s.phase == "decode"]
+    return decode[: max(1, int(len(decode) * fraction))]
+
+
 def replay_static(
     steps: Sequence[Step],
     layers: Sequence[int],
@@ -107,12 +119,11 @@ def replay_static(
     fast_bytes: int,
     host_bytes: int | None,
     num_experts: int,
-    profile_fraction: float = 0.25,
+    profile_fraction: float = PROFILE_FRACTION,
 ) -> Tally:
     """llama.cpp's static split (module docstring)."""
-    decode = [s for s in steps if s.phase == "decode"]
     uses: Counter[tuple[int, int]] = Counter()
-    for step in decode[: max(1, int(len(decode) * profile_fraction))]:
+    for step in profiling_steps(steps, profile_fraction):
         for layer, routed in step.layers.items():
             uses.update({(layer, e): n for e, n in routed.items()})
     # Most used first; experts the profiling pass never saw after them, in (layer, expert) order.

@@ -38,7 +38,7 @@ from ..memory.policy import DOWN_SHARE, AlwaysStreamPolicy, ComputeCostModel, Pl
 from ..memory.prefetch import Prefetcher
 from ..memory.routing import ROUTING_DECAY, RoutingFrequency
 from ..memory.tiers import FastTier, HostTier, LayerLRUTier
-from ..routing_trace import RoutingRecord
+from ..routing_trace import Step
 from .machine import ExpertCosts, Timeline, moves_whole
 from .profiles import HardwareProfile
 from .shapes import ModelShape
@@ -46,33 +46,6 @@ from .shapes import ModelShape
 
 class SimulationError(EngineError, ValueError):
     """A replay that cannot run (a budget below one layer's working set, an unknown policy)."""
-
-
-@dataclass(frozen=True)
-class Step:
-    """One step of the engine: `phase`, and per MoE layer expert -> tokens routed to it."""
-
-    phase: str
-    tokens: int
-    layers: dict[int, dict[int, int]]
-
-
-def group_steps(records: Sequence[RoutingRecord]) -> list[Step]:
-    """The records as engine steps: each decode token alone, a sequence's prefill records together."""
-    steps: list[Step] = []
-    tokens: list[set[int]] = []
-    key: tuple[Any, ...] | None = None
-    for r in records:
-        k = (r.seq, "prefill") if r.phase == "prefill" else (r.seq, r.token, "decode")
-        if k != key:
-            steps.append(Step(r.phase, 0, {}))
-            tokens.append(set())
-            key = k
-        routed = steps[-1].layers.setdefault(r.layer, {})
-        for e in r.experts:
-            routed[e] = routed.get(e, 0) + 1
-        tokens[-1].add(r.token)
-    return [Step(s.phase, len(t), s.layers) for s, t in zip(steps, tokens, strict=True)]
 
 
 @dataclass
@@ -155,12 +128,16 @@ class VirtualMover:
             ready = self.timeline.run("link", host_ready, s)
             self.bytes["host->fast"] += c.stored_bytes
             self._record(self.fast_link, c.stored_bytes, s)
-        if moves_up:
+        self.land(key)
+        return ready
+
+    def land(self, key: ExpertKey) -> None:
+        """`key` is in tier 1 (its copy done): the tiers change as the live mover changes them."""
+        if key in self.moves_up:
             self.host.pop(key)
         elif key not in self.host:  # a decoded copy: the compact bytes stay in tier 2
-            self.host.put(key, True, c.stored_bytes)
-        self.fast.put(key, True, c.fast_bytes)  # evictions: `on_fast_evict`
-        return ready
+            self.host.put(key, True, self.costs.stored_bytes)
+        self.fast.put(key, True, self.costs.fast_bytes)  # evictions: `on_fast_evict`
 
     def on_fast_evict(self, key: ExpertKey, _value: Any) -> None:
         """An expert whose bytes moved up goes back to tier 2 (CUDA: copied back over the link)."""
@@ -202,8 +179,11 @@ class TieredReplay:
     `placement`: "qstar" or "layer-lru" (the live "stream" placement: per-layer LRU, always
     stream, no CPU compute, tiers not exclusive). `fast_bytes`: tier 1's room for experts;
     `host_bytes`: tier 2's (None: unbounded). `warm_host`: tier 2 starts full (the steady state;
-    False: empty, as a freshly loaded engine). `policy` and `costs` replace the ones the profile
-    gives (tests: a live run's frozen costs and its experts' sizes)."""
+    False: empty, as a freshly loaded engine). `warm_start`: q* starts from this recorded routing
+    as the live provider does with a routing profile (`ExpertPlanner.warm_start`: the frequencies
+    seeded, tier 1 filled with the most used experts, untimed: the engine does it while loading).
+    `policy` and `costs` replace the ones the profile gives (tests: a live run's frozen costs and
+    its experts' sizes)."""
 
     def __init__(
         self,
@@ -222,9 +202,12 @@ class TieredReplay:
         policy: QStarPolicy | None = None,
         costs: ExpertCosts | None = None,
         warm_host: bool = True,
+        warm_start: Sequence[Step] = (),
     ) -> None:
         if placement not in ("qstar", "layer-lru"):
             raise SimulationError(f"placement must be 'qstar' or 'layer-lru', got {placement!r}")
+        if warm_start and placement != "qstar":
+            raise SimulationError("a warm start (routing profile) is for placement 'qstar' only")
         self.shape, self.profile, self.placement = shape, profile, placement
         self.costs = c = costs or ExpertCosts.of(shape, profile, codec)
         self.layers = list(shape.moe_layers)
@@ -300,6 +283,10 @@ class TieredReplay:
         self.prefetch_depth = depth
         self.hot_every = hot_every
         self.planner.room = self.spare // c.fast_bytes if self.spare else None
+        if warm_start:
+            for key in self.planner.warm_start(warm_start):
+                self.mover.land(key)
+            self.planner.refresh_hot()
         self.spare_wanted = exclusive and dev == "cuda" and bool(depth) and self.prefetcher is not None
         self.recall = recall
         self.rng = random.Random(seed)

@@ -1,7 +1,10 @@
 """`simulate`: a routing trace replayed under every policy on one modelled machine, and the bound.
 
 Policies (`POLICIES`): "qstar" and "layer-lru" run through the engine's own tiers, planner and
-policy (`replay.TieredReplay`); "static", "stream" and "belady" are the baselines of `baselines`.
+policy (`replay.TieredReplay`) from a cold start; "qstar-profiled" is q* started from the static
+split's profiling pass (`baselines.profiling_steps`: the same routing the static split is placed
+by), as the engine starts from a recorded trace (`routing_profile=PATH`); "static", "stream" and
+"belady" are the baselines of `baselines`.
 Each gives a `PolicyResult`: predicted decode tok/s, misses per token per tier (tier 1: routed
 experts not in tier 1; tier 2: blocks read from the disk), bytes per token on each link, experts
 computed on the CPU per token, and q*'s decisions.
@@ -23,15 +26,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..routing_trace import RoutingRecord
-from .baselines import layer_steps, replay_static, replay_streaming
+from ..routing_trace import RoutingRecord, Step, group_steps
+from .baselines import layer_steps, profiling_steps, replay_static, replay_streaming
 from .machine import ExpertCosts
 from .profiles import HardwareProfile
-from .replay import SimulationError, Step, Tally, TieredReplay, group_steps
+from .replay import SimulationError, Tally, TieredReplay
 from .shapes import ModelShape, check_trace_fits, codec_name, trace_footprint
 from .stats import belady_missing, lru_missing
 
-POLICIES = ("qstar", "layer-lru", "static", "stream", "belady")
+POLICIES = ("qstar", "qstar-profiled", "layer-lru", "static", "stream", "belady")
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,7 @@ def simulate(
         )
     results = []
     for policy in policies:
-        if policy in ("qstar", "layer-lru"):
+        if policy in ("qstar", "qstar-profiled", "layer-lru"):
             try:
                 replay = TieredReplay(
                     shape,
@@ -184,9 +187,10 @@ def simulate(
                     codec=codec,
                     fast_bytes=fast_bytes,
                     host_bytes=host_bytes,
-                    placement=policy,
+                    placement="layer-lru" if policy == "layer-lru" else "qstar",
                     recall=recall,
                     seed=seed,
+                    warm_start=profiling_steps(steps) if policy == "qstar-profiled" else (),
                 )
             except SimulationError as e:
                 results.append(PolicyResult(policy, None, {}, {}, 0.0, {}, infeasible=str(e)))

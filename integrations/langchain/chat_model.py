@@ -92,6 +92,9 @@ class ChatFreeToken(BaseChatModel):
     record_routing: str | None = None
     """A file the engine writes the routing of every token it runs to (JSON lines; see
     `Engine.from_pretrained`); None: no trace."""
+    routing_profile: str | None = None
+    """A routing trace of this model (as `record_routing` writes) that tiered experts start from:
+    frequencies seeded, fast memory filled with its most used experts at load; None: cold."""
     tool_format: str | None = None
     """Tool-call family (a `freetoken_agents.parsers.PARSERS` key: 'hermes', 'mistral', 'mistral_v11',
     'deepseek', 'deepseek_v31', 'harmony', 'qwen3_coder'); None: from the template."""
@@ -204,6 +207,7 @@ class ChatFreeToken(BaseChatModel):
             placement=self.placement,
             expert_quant=self.expert_quant,
             record_routing=self.record_routing,
+            routing_profile=self.routing_profile,
         )
 
     @property
