@@ -117,9 +117,12 @@ def test_unclassified_tool_errors_propagate(model: FreeTokenModel) -> None:
 
 
 def test_timeout_is_retried_and_async_tools_work(model: FreeTokenModel) -> None:
-    delays = [1.0, 0.0]
+    # The retry must finish inside the timeout: a fresh thread and event loop plus the tool took
+    # over 0.1 s once on a loaded 2-core machine (two timeouts). 1 s leaves the margin; the first
+    # call's task is cancelled at its timeout, so the test waits 1 s, not 30.
+    delays = [30.0, 0.0]
 
-    @tool(timeout=0.1)
+    @tool(timeout=1.0)
     async def slow(target: Literal["db", "api"]) -> str:
         "A slow service."
         await asyncio.sleep(delays.pop(0))

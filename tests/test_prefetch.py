@@ -354,3 +354,108 @@ def test_a_pregated_step_does_not_scan_every_expert(tiny_checkpoint, tmp_path):
                 s.decode(tok)
         assert tp.stats()["phase_calls"].get("predict", 0) > before[1]  # pre-gating ran
         assert _ScanCountingDict.scans == before[0]
+
+
+def _routers(n: int, *, bias: bool = False, routing: str = "softmax_topk", seed: int = 0) -> dict:
+    from freetoken_agents.engine.moe import Router
+    from freetoken_agents.engine.spec import MoESpec
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(1, n + 1):  # MoE layers 1..n (layer 0 dense)
+        spec = MoESpec(
+            num_experts=16,
+            top_k=4,
+            intermediate_size=8,
+            routing=routing,
+            router_bias=bias,
+            n_group=4,
+            topk_group=2,
+        )
+        router = Router(spec, 12).to_empty(device="cpu")
+        torch.nn.init.normal_(router.weight, generator=g)
+        if bias:
+            torch.nn.init.normal_(router.bias, generator=g)
+        if routing == "sigmoid_group_topk":
+            torch.nn.init.normal_(router.e_score_correction_bias, generator=g)
+        out[layer] = router
+    return out
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_ahead_routers_pick_what_each_coming_layers_router_picks(bias):
+    """One router pass for the next `depth` layers: the same experts, in `pregate`'s order, as
+    running each coming layer's router alone; the routers' own outputs are unchanged (their
+    weights are views of the one buffer)."""
+    from freetoken_agents.engine.memory.pregate import AheadRouters, pregate
+
+    routers = _routers(6, bias=bias)
+    before = {lay: r.weight.clone() for lay, r in routers.items()}
+    ahead = AheadRouters(routers, sorted(routers), depth=3)
+    assert ahead.batched
+    g = torch.Generator().manual_seed(1)
+    layers = sorted(routers)
+    for _ in range(25):
+        h = torch.randn(1, 12, generator=g)
+        for i, layer in enumerate(layers):
+            want = [pregate(routers[nxt], h, 4) for nxt in layers[i + 1 : i + 4]]
+            assert ahead.choose(layer, h) == want
+    assert ahead.choose(layers[-1], h) == []  # nothing ahead of the last MoE layer
+    assert ahead.choose(layers[0], torch.randn(3, 12, generator=g)) is None  # prefill: per-layer vote
+    for lay, r in routers.items():
+        assert torch.equal(r.weight, before[lay])
+        assert r.weight.data_ptr() == ahead.weight[(lay - 1) * 16 :].data_ptr()
+
+
+def test_ahead_routers_follow_a_router_weight_changed_in_place_or_replaced():
+    from freetoken_agents.engine.memory.pregate import AheadRouters, pregate
+
+    routers = _routers(4)
+    ahead = AheadRouters(routers, sorted(routers), depth=2)
+    h = torch.randn(1, 12, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        routers[2].weight[[0, 1, 2, 3]] += 50.0  # in place: the buffer's rows
+    assert ahead.choose(1, h)[0] == pregate(routers[2], h, 4) == [0, 1, 2, 3]
+    with torch.no_grad():
+        routers[3].weight.data = routers[3].weight.data.clone()  # replaced
+        routers[3].weight.data[[12, 13, 14, 15]] += 50.0
+    assert ahead.choose(1, h) == [[0, 1, 2, 3], [12, 13, 14, 15]]
+    assert routers[3].weight.data_ptr() == ahead.weight[2 * 16 :].data_ptr()  # laid out again
+
+
+def test_ahead_routers_leave_routers_they_cannot_batch_to_pregate():
+    from freetoken_agents.engine.memory.pregate import AheadRouters
+
+    h = torch.randn(1, 12)
+    assert AheadRouters(_routers(3, routing="sigmoid_group_topk"), [1, 2, 3], depth=2).choose(1, h) is None
+    mixed = _routers(3)
+    mixed[2] = _routers(1, routing="sigmoid_group_topk")[1]
+    assert not AheadRouters(mixed, [1, 2, 3], depth=2).batched
+    assert not AheadRouters(_routers(3), [1, 2, 3], depth=0).batched
+
+
+def test_a_decode_step_pregates_its_coming_layers_in_one_router_pass(tiny_checkpoint, tmp_path, monkeypatch):
+    """Each coming layer's router ran on its own: per MoE layer `prefetch_depth` matmuls, top-ks
+    and reads of the ids (each a launch or a device sync on a GPU). Now one of each."""
+    from freetoken_agents.engine.memory.pregate import AheadRouters
+    from freetoken_agents.engine.moe import Router
+
+    ftw, expert_bytes = _fp32_ftw(tiny_checkpoint, tmp_path)
+    tiering = TieringOptions(prefetch_thread=False)
+    budget = MemoryBudget(fast_bytes=int(0.4 * expert_bytes), host_bytes=int(0.2 * expert_bytes))
+    calls: Counter[str] = Counter()
+    choose, batched = Router.choose, AheadRouters.choose
+    monkeypatch.setattr(Router, "choose", lambda self, x: (calls.update(["router"]), choose(self, x))[1])
+    monkeypatch.setattr(
+        AheadRouters, "choose", lambda self, layer, x: (calls.update(["ahead"]), batched(self, layer, x))[1]
+    )
+    with Engine.from_pretrained(ftw, memory=budget, placement="qstar", tiering=tiering) as eng:
+        tp = eng.experts
+        with eng.new_session() as s:
+            s.prefill(list(range(3, 20)))
+            calls.clear()
+            before = tp.stats()["phase_calls"].get("predict", 0)
+            for tok in (5, 7, 9):
+                s.decode(tok)
+        assert tp.stats()["phase_calls"].get("predict", 0) > before  # pre-gating ran
+    assert calls["ahead"] > 0 and calls["router"] == 0

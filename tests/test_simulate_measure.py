@@ -56,18 +56,19 @@ def test_quick_profile_on_cuda(tmp_path: Path) -> None:
 
 def test_the_tiered_overheads_pregate_with_real_router_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """The per-layer figure is pre-gating's cost: its routers had meta weights, so every pregate
-    ran Python meta kernels (97 instead of 78-83 us a layer on the 2-core Xeon)."""
-    from freetoken_agents.engine.memory import prefetch
+    ran Python meta kernels (97 instead of 78-83 us a layer on the 2-core Xeon). Pre-gating runs
+    batched (`AheadRouters`), over a copy of real weights."""
+    from freetoken_agents.engine.memory.pregate import AheadRouters
     from freetoken_agents.engine.simulate.measure import _tiered_overheads_us
 
-    devices: list[str] = []
-    pregate = prefetch.pregate
+    devices: list[str | None] = []
+    choose = AheadRouters.choose
 
-    def spy(router: torch.nn.Module, hidden: torch.Tensor, limit: int) -> list[int]:
-        devices.append(router.weight.device.type)
-        return pregate(router, hidden, limit)
+    def spy(self: AheadRouters, layer: int, hidden: torch.Tensor) -> list[list[int]] | None:
+        devices.append(self.weight.device.type if self.weight is not None else None)
+        return choose(self, layer, hidden)
 
-    monkeypatch.setattr(prefetch, "pregate", spy)
+    monkeypatch.setattr(AheadRouters, "choose", spy)
     tier_us, miss_us = _tiered_overheads_us(3, None)
     assert devices and set(devices) == {"cpu"}
     assert tier_us >= 0 and miss_us >= 0

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..experts import ExpertKey
-from ..moe import Router
+from .pregate import pregate
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +64,6 @@ class PrefetchCounters:
         )
         d["baseline_recall"] = self.baseline_predicted_and_used / self.used if self.used else 0.0
         return d
-
-
-def pregate(router: torch.nn.Module, hidden: torch.Tensor, limit: int) -> list[int]:
-    """Experts layer L+1's `router` would pick for `hidden [T, H]`, most-voted first, <= limit."""
-    with torch.inference_mode():
-        # The ids only (`Router.choose`: no routing weights, no module call; ~1/4 of a layer's
-        # pre-gating on a small CPU model); another router module through its forward.
-        ids = router.choose(hidden) if isinstance(router, Router) else router(hidden)[0]  # [T, A]
-    if ids.shape[0] == 1:  # decode: one vote each, so ties, taken in expert order
-        return sorted(ids[0].tolist())[:limit]  # one read of the ids (one sync on a GPU, not A + 1)
-    votes = torch.bincount(ids.reshape(-1))
-    order = torch.argsort(votes, descending=True, stable=True)
-    return order[: min(limit, int((votes > 0).sum()))].tolist()
 
 
 class LayerOrderedLoaders:
@@ -182,20 +169,26 @@ class Prefetcher:
         frequency: dict[int, float],
         *,
         score: bool = True,
+        pregated: list[int] | None = None,
     ) -> list[int]:
         """Predicted experts of `layer` (pre-gated first, then priors): `top_k` for decode, twice
         that for prefill (the most-voted over the tokens). `score`: this is the one-layer-ahead
-        prediction the counters judge (deeper ones are not scored)."""
+        prediction the counters judge (deeper ones are not scored). `pregated`: what `router`
+        picks, already computed (`AheadRouters`), in `pregate`'s order."""
         limit = top_k * (1 if hidden.shape[0] == 1 else 2)
-        pred = pregate(router, hidden, limit) if router is not None else []
-        priors = sorted(frequency, key=lambda e: -frequency[e])
-        for e in priors:
-            if len(pred) >= limit:
-                break
-            if e not in pred:
-                pred.append(e)
-        if score:
-            self._predictions[layer] = (set(pred), set(priors[: len(pred)]))
+        if pregated is not None:
+            pred = pregated[:limit]
+        else:
+            pred = pregate(router, hidden, limit) if router is not None else []
+        if len(pred) < limit:
+            for e in sorted(frequency, key=frequency.__getitem__, reverse=True):
+                if len(pred) >= limit:
+                    break
+                if e not in pred:
+                    pred.append(e)
+        if score:  # the frequency-only baseline: the most frequent, as many (a sort of E: only here)
+            baseline = heapq.nlargest(len(pred), frequency, key=frequency.__getitem__)
+            self._predictions[layer] = (set(pred), set(baseline))
         return pred
 
     def inflight(self) -> int:

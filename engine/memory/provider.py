@@ -78,6 +78,7 @@ from .oracle import BandwidthOracle, Clock
 from .planner import ExpertPlanner
 from .policy import DOWN_SHARE, AlwaysStreamPolicy, ComputeCostModel, Placement, QStarPolicy
 from .prefetch import Prefetcher
+from .pregate import AheadRouters
 from .routing import ROUTING_DECAY, RoutingFrequency
 from .stats import PhaseTimer
 from .storage import BlockReader
@@ -261,6 +262,10 @@ class TieredExpertProvider(ExpertStore):
             Prefetcher(self._prefetch_load, use_thread=prefetch_thread, loaders=2) if prefetch else None
         )
         self.routers: dict[int, torch.nn.Module] = dict(routers or {})
+        # A decode step pre-gates the next `prefetch_depth` layers in one router pass.
+        self.ahead_routers = (
+            AheadRouters(self.routers, self.layers, self.prefetch_depth) if prefetch else None
+        )
         slots = self.moves.slots
         self.graph_steps = GraphSteps(slots, self._note_resident, self.layers[0]) if slots and keys else None
         self._hooks: list[Any] = [h for module in attention for h in self.phases.hook(module, "attention")]
@@ -539,11 +544,17 @@ class TieredExpertProvider(ExpertStore):
         # tier-2-only prefetch is cheap.
         slot = self._staging_slot
         self.prefetcher.max_inflight = max(1, self.spare_bytes // slot) if self.spare_bytes else 8
+        ahead = self.ahead_routers.choose(layer, hidden) if self.ahead_routers is not None else None
         for d, nxt in enumerate(self._ahead[layer]):
             with self.phases.time("predict"):
-                router = self.routers.get(nxt)
                 pred = self.prefetcher.predict(
-                    nxt, hidden, router, self.top_k[nxt], self.routing.by_layer[nxt], score=d == 0
+                    nxt,
+                    hidden,
+                    self.routers.get(nxt),
+                    self.top_k[nxt],
+                    self.routing.by_layer[nxt],
+                    score=d == 0,
+                    pregated=ahead[d] if ahead is not None else None,
                 )
             self.planner.expect(nxt, pred)
             self.prefetcher.issue(nxt, pred, skip=self._in_ram)
