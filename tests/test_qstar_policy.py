@@ -174,3 +174,30 @@ def test_an_unmeasured_host_is_tried_once_on_a_decode_token():
     assert p.decide((0, 4), _case()) is Placement.STREAM
     # Filling free room comes first: it also measures the device.
     assert p.decide((0, 5), _case(free_room=True)) is Placement.STREAM
+
+
+def test_an_unmeasured_codec_is_answered_without_scanning_every_measurement():
+    """`measured` runs several times per q* decision; a codec never measured (an MXFP4 device
+    decode that never happens) scanned every entry each time (~1 us of a ~20 us decision at
+    Qwen3-30B's scale). Buckets are indexed per (device, codec); the answers stay the same."""
+
+    class CountingDict(dict):
+        scans = 0
+
+        def __iter__(self):
+            type(self).scans += 1
+            return super().__iter__()
+
+    m = ComputeCostModel()
+    m._ema = CountingDict()
+    m.observe("cuda", "decoded", 1, 2e-5)
+    m.set("cpu-host", "mxfp4", 4, 8e-4)
+    m.observe("cpu-host", "mxfp4", 1, 3e-4)
+    assert m.measured("cuda", "decode/mxfp4", 1) is None
+    assert m.measured("cpu-host", "mxfp4", 2) == pytest.approx(3e-4 * 2)  # the bucket below, scaled
+    assert m.measured("cpu-host", "mxfp4", 16) == pytest.approx(8e-4 * 4)
+    assert m.measured("cpu-host", "int8", 1) is None
+    assert m.estimate("cpu-host", "int8", 3) == m.prior_seconds * 3
+    m.observe("cpu-host", "mxfp4", 3, 9e-4)  # bucket 4: 9e-4 x 4 / 3 folded into the EMA
+    assert m.measured("cpu-host", "mxfp4", 4) == pytest.approx(0.8 * 8e-4 + 0.2 * 12e-4)
+    assert CountingDict.scans == 0

@@ -96,17 +96,30 @@ class ComputeCostModel:
     def __init__(self, alpha: float = 0.2, prior_seconds: float = 1e-3) -> None:
         self.alpha, self.prior_seconds = alpha, prior_seconds
         self._ema: dict[tuple[str, str, int], float] = {}
+        # (device, codec) -> its measured buckets, ascending: the fallback of `measured` reads it
+        # instead of scanning every entry (it runs several times per q* decision; a codec never
+        # measured, such as an MXFP4 device decode that never happens, scanned them each time).
+        self._buckets: dict[tuple[str, str], list[int]] = {}
+
+    def _put(self, device: str, codec: str, bucket: int, seconds: float) -> None:
+        if (device, codec, bucket) not in self._ema:
+            buckets = self._buckets.setdefault((device, codec), [])
+            buckets.append(bucket)
+            buckets.sort()
+        self._ema[(device, codec, bucket)] = seconds
 
     def observe(self, device: str, codec: str, tokens: int, seconds: float) -> None:
-        b = tokens_bucket(tokens)
+        b = 1 if tokens <= 1 else tokens_bucket(tokens)
         value = seconds * b / max(1, tokens)
-        key = (device, codec, b)
-        old = self._ema.get(key)
-        self._ema[key] = value if old is None else (1 - self.alpha) * old + self.alpha * value
+        old = self._ema.get((device, codec, b))
+        if old is None:
+            self._put(device, codec, b, value)
+        else:
+            self._ema[(device, codec, b)] = (1 - self.alpha) * old + self.alpha * value
 
     def set(self, device: str, codec: str, tokens: int, seconds: float) -> None:
         """Set a bucket directly (tests, calibration)."""
-        self._ema[(device, codec, tokens_bucket(tokens))] = seconds
+        self._put(device, codec, tokens_bucket(tokens), seconds)
 
     def estimate(self, device: str, codec: str, tokens: int) -> float:
         known = self.measured(device, codec, tokens)
@@ -114,11 +127,11 @@ class ComputeCostModel:
 
     def measured(self, device: str, codec: str, tokens: int) -> float | None:
         """`estimate` from measurements only: None while (device, codec) has none."""
-        b = tokens_bucket(tokens)
+        b = 1 if tokens <= 1 else tokens_bucket(tokens)
         exact = self._ema.get((device, codec, b))
         if exact is not None:
             return exact
-        measured = sorted(k[2] for k in self._ema if k[0] == device and k[1] == codec)
+        measured = self._buckets.get((device, codec))
         if not measured:
             return None
         below = [m for m in measured if m <= b]
