@@ -5,6 +5,7 @@ while loading; the logits unchanged; profiles that do not fit the model refused 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,62 @@ def test_simulate_runs_qstar_from_the_static_splits_profiling_pass() -> None:
     )
     cold, warm = report.result("qstar"), report.result("qstar-profiled")
     assert warm.misses_per_token["fast"] < cold.misses_per_token["fast"]
+
+
+def fixed_routing(layers: int, experts: tuple[int, int], tokens: int, seq: int = 0) -> list[RoutingRecord]:
+    """`tokens` decode tokens routed to `experts` at every one of `layers` layers."""
+    return [
+        RoutingRecord(seq, t, lay, experts, (0.5, 0.5), "decode")
+        for t in range(tokens)
+        for lay in range(layers)
+    ]
+
+
+def test_a_routing_profile_places_the_static_split_and_starts_qstar_profiled() -> None:
+    """`simulate(routing_profile=...)`: both start from another trace (an earlier session's), not
+    from the trace's own first quarter, so both predict tokens they never saw."""
+    shape, profile = shape_for("mixtral-8x7b"), load_profile("rtx4090-pcie4")
+    trace = fixed_routing(32, (0, 1), tokens=12)
+
+    def run(routing_profile):
+        return simulate(
+            trace,
+            shape,
+            profile,
+            fast_bytes=shape.total_expert_bytes("mxfp4") // 4,  # 2 experts a layer: 64
+            codec="mxfp4",
+            policies=["qstar-profiled", "static"],
+            routing_profile=routing_profile,
+        )
+
+    own, same, other = run(None), run(fixed_routing(32, (0, 1), tokens=3)), run(fixed_routing(32, (2, 3), 3))
+    assert own.profile == "the trace's first 25% of decode tokens"
+    assert same.profile == "a routing profile of 3 tokens"
+    assert (
+        own.result("static").misses_per_token["fast"] == 0 == same.result("static").misses_per_token["fast"]
+    )
+    assert other.result("static").misses_per_token["fast"] == 64  # placed by experts never routed
+    assert (
+        same.result("qstar-profiled").misses_per_token["fast"]
+        < other.result("qstar-profiled").misses_per_token["fast"]
+    )
+    with pytest.raises(RoutingTraceError, match="layers 40 are not MoE layers of mixtral-8x7b"):
+        run([RoutingRecord(0, 0, 40, (0, 1), (0.5, 0.5), "decode")])
+
+
+def test_the_cli_replays_from_a_routing_profile(tmp_path: Path, capsys) -> None:
+    from freetoken_agents.cli import main
+
+    trace, profile = tmp_path / "trace.jsonl", tmp_path / "earlier.jsonl"
+    for path, seed in ((trace, 0), (profile, 1)):
+        with path.open("w") as f:
+            write_trace(preset_trace(MIXTRAL_8X7B, tokens=8, seed=seed), f)
+    args = ["simulate", "--trace", str(trace), "--model", "mixtral-8x7b", "--hardware", "rtx4090-pcie4"]
+    args += ["--codec", "mxfp4", "--fast-mem", "0.5", "--policies", "qstar-profiled,static"]
+    assert main([*args, "--routing-profile", str(profile)]) == 0
+    assert "static and qstar-profiled start from a routing profile of 8 tokens" in capsys.readouterr().out
+    assert main([*args, "--routing-profile", str(profile), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["profile"] == "a routing profile of 8 tokens"
+    assert main([*args, "--routing-profile", str(tmp_path / "absent.jsonl")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("freetoken simulate: error: cannot read routing trace") and "\n" not in err

@@ -120,10 +120,12 @@ def replay_static(
     host_bytes: int | None,
     num_experts: int,
     profile_fraction: float = PROFILE_FRACTION,
+    profile: Sequence[Step] | None = None,
 ) -> Tally:
-    """llama.cpp's static split (module docstring)."""
+    """llama.cpp's static split (module docstring), placed by `profile` (another trace's steps)
+    or else by the profiling pass over the first `profile_fraction` of `steps`."""
     uses: Counter[tuple[int, int]] = Counter()
-    for step in profiling_steps(steps, profile_fraction):
+    for step in profile if profile is not None else profiling_steps(steps, profile_fraction):
         for layer, routed in step.layers.items():
             uses.update({(layer, e): n for e, n in routed.items()})
     # Most used first; experts the profiling pass never saw after them, in (layer, expert) order.

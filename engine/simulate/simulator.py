@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..routing_trace import RoutingRecord, Step, group_steps
-from .baselines import layer_steps, profiling_steps, replay_static, replay_streaming
+from .baselines import PROFILE_FRACTION, layer_steps, profiling_steps, replay_static, replay_streaming
 from .machine import ExpertCosts
 from .profiles import HardwareProfile
 from .replay import SimulationError, Tally, TieredReplay
@@ -89,6 +89,7 @@ class SimulationReport:
     results: list[PolicyResult]
     bound: Bound
     online_bound: Bound
+    profile: str = "the trace's first 25% of decode tokens"  # what static and qstar-profiled start from
     simulated: bool = True
 
     def result(self, policy: str) -> PolicyResult:
@@ -158,11 +159,15 @@ def simulate(
     policies: Sequence[str] = POLICIES,
     recall: float = 0.8,
     seed: int = 0,
+    routing_profile: Sequence[RoutingRecord] | None = None,
 ) -> SimulationReport:
     """Replay `records` (a routing trace that fits `shape`) under each of `policies` on `profile`
     with `fast_bytes` of tier 1 and `host_bytes` of tier 2 for experts (None: all fit RAM).
-    RoutingTraceError for a trace that does not fit `shape`; SimulationError for an unknown
-    policy or a budget below one layer's working set."""
+    `routing_profile`: another trace of the model (an earlier session's) that places the static
+    split and starts qstar-profiled, as `--routing-profile` starts the engine, instead of the
+    trace's own first 25% (`baselines.profiling_steps`): both then predict tokens they never saw.
+    RoutingTraceError for a trace or profile that does not fit `shape`; SimulationError for an
+    unknown policy or a budget below one layer's working set."""
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise SimulationError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
@@ -170,6 +175,15 @@ def simulate(
     check_trace_fits(shape, fp.layers, fp.max_expert, fp.top_k)
     codec = codec_name(codec)
     steps = group_steps(records)
+    if routing_profile is None:
+        profiled = profiling_steps(steps)
+        source = f"the trace's first {PROFILE_FRACTION:.0%} of decode tokens"
+    else:
+        pf = trace_footprint(routing_profile)
+        check_trace_fits(shape, pf.layers, pf.max_expert, pf.top_k, all_layers=False)
+        profiled = group_steps(routing_profile)
+        tokens = sum(s.tokens for s in profiled)
+        source = f"a routing profile of {tokens} tokens"
     layers = list(shape.moe_layers)
     costs = ExpertCosts.of(shape, profile, codec)
     if fast_bytes < costs.fast_bytes * shape.top_k:
@@ -190,7 +204,7 @@ def simulate(
                     placement="layer-lru" if policy == "layer-lru" else "qstar",
                     recall=recall,
                     seed=seed,
-                    warm_start=profiling_steps(steps) if policy == "qstar-profiled" else (),
+                    warm_start=profiled if policy == "qstar-profiled" else (),
                 )
             except SimulationError as e:
                 results.append(PolicyResult(policy, None, {}, {}, 0.0, {}, infeasible=str(e)))
@@ -204,6 +218,7 @@ def simulate(
                 fast_bytes=fast_bytes,
                 host_bytes=host_bytes,
                 num_experts=shape.num_experts,
+                profile=profiled,
             )
         else:
             tally = replay_streaming(
@@ -230,4 +245,5 @@ def simulate(
         online_bound=bound(
             steps, layers, costs, fast_bytes=fast_bytes, host_bytes=host_bytes, cache=lru_missing
         ),
+        profile=source,
     )

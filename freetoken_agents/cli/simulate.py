@@ -127,6 +127,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="P,P",
         help=f"policies to run, of: {', '.join(POLICIES)} (default: all)",
     )
+    p.add_argument(
+        "--routing-profile",
+        metavar="PATH",
+        help="another trace of the model (an earlier session's) that places the static split and starts "
+        "qstar-profiled, as the engine's --routing-profile (default: the trace's own first 25%%)",
+    )
     p.add_argument("--recall", type=probability, default=0.8, help="q*'s predictor recall (default: 0.8)")
     p.add_argument("--seed", type=int, default=0, help="seed of q*'s predictor (default: 0)")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
@@ -149,12 +155,19 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise CLIError(f"missing {', '.join(missing)} (or use --profile-here)")
     shape, profile = shape_for(args.model), load_profile(args.hardware)
     records = list(read_trace(args.trace))
+    routing_profile = list(read_trace(args.routing_profile)) if args.routing_profile else None
     total = shape.total_expert_bytes(args.codec)
     host = args.host_mem.nbytes(total) if args.host_mem else None
     from tqdm.auto import tqdm
 
     quiet = len(args.fast_mem) < 2 or not show_progress()
-    opts: dict[str, Any] = dict(host_bytes=host, codec=args.codec, policies=args.policies, seed=args.seed)
+    opts: dict[str, Any] = dict(
+        host_bytes=host,
+        codec=args.codec,
+        policies=args.policies,
+        seed=args.seed,
+        routing_profile=routing_profile,
+    )
     # A budget below one layer's top-k is refused; a policy that needs more (layer-lru: every
     # layer's top-k) is reported infeasible at that budget by `simulate`.
     reports, skipped, errors = [], [], []  # a sweep skips the budgets below the minimum working set
@@ -203,6 +216,7 @@ def format_reports(reports: Sequence[SimulationReport], total: int) -> str:
         f"SIMULATED figures (predicted on a modelled machine, not measured): model {r0.model}, "
         f"hardware {r0.hardware}, codec {r0.codec}, {r0.decode_tokens} decode tokens\n",
         f"experts: {format_size(total)} in all; host memory for experts: {host}\n",
+        f"static and qstar-profiled start from {r0.profile}\n",
     ]
     for r in reports:
         links = sorted({link for res in r.results for link in res.bytes_per_token})
