@@ -368,3 +368,44 @@ def test_cuda_staging_room_follows_the_link_and_bounds_the_staged_copies(mixtral
     assert tp.planner.room == tp.spare_bytes // tp._staging_slot
     assert all(room is not None and waiting <= room for waiting, room in staged)
     tp.close()
+
+
+def test_cuda_warm_start_fills_tier_1_and_pregates_in_one_pass(mixtral_ftw, tmp_path):
+    """`routing_profile` on CUDA: tier 1 filled with the profile's most used experts while loading
+    (device tensors, exclusive tiers), the tokens the resident engine's; pre-gating batched over
+    the routers' one buffer on the device, equal to each router's own choice."""
+    from freetoken_agents.engine.memory.pregate import pregate
+    from freetoken_agents.engine.routing_trace import RoutingRecord, write_trace
+
+    folder, ftw = mixtral_ftw
+    ref = Engine.from_pretrained(folder, device="cuda")
+    layers = ref.spec.moe_layers()
+    profile = tmp_path / "profile.jsonl"
+    with profile.open("w") as f:
+        write_trace(
+            [RoutingRecord(0, t, lay, (1, 6), (0.5, 0.5), "decode") for t in range(4) for lay in layers], f
+        )
+    ws = TieredExpertProvider(ftw, MemoryBudget(), top_k=2, device="cuda").min_working_set
+    all_bytes = ref.experts.nbytes  # type: ignore[attr-defined]
+    fast = max(3 * ws, all_bytes // 4) + 8 * ref.kv_pool.bytes_per_block
+    eng = Engine.from_pretrained(
+        ftw,
+        device="cuda",
+        memory=MemoryBudget(fast_bytes=fast),
+        placement="qstar",
+        tiering=TieringOptions(prefetch_thread=False),
+        routing_profile=profile,
+    )
+    tp = eng.experts
+    held = set(tp.fast.keys())
+    assert held and held <= {(lay, e) for lay in layers for e in (1, 6)}
+    assert all(tp.fast.peek(k).storage.device.type == "cuda" for k in held)
+    assert not held & set(tp.host.keys())
+    ahead = tp.ahead_routers
+    assert ahead is not None and ahead.batched and ahead.weight.device.type == "cuda"
+    h = torch.randn(1, ref.spec.hidden_size, device="cuda")
+    assert ahead.choose(layers[0], h) == [pregate(tp.routers[n], h, 2) for n in layers[1:4]]
+    ids = [5, 3, 8, 1, 9, 2, 7, 4, 6, 0, 11, 12]
+    want = ref.generate(ids, max_new_tokens=16, stop_token_ids=()).token_ids
+    assert eng.generate(ids, max_new_tokens=16, stop_token_ids=()).token_ids == want
+    eng.close()
