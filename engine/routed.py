@@ -205,7 +205,8 @@ def expert_forward_split(
     w: ExpertProjections, x: torch.Tensor, spec: MoESpec, device: torch.device, device_rows: int
 ) -> torch.Tensor:
     """One expert's MLP computed mostly where `w` is (the host) with the last `device_rows` rows of
-    its down projection on `device`: `x [T, H]` (on `device`) -> [T, H] on `device`.
+    its down projection on `device`: `x [T, H]` (on `device`, or already on the host) -> [T, H] on
+    `device`.
 
     The link copies those rows (in `w`'s form, compact ones compact; from pinned memory the copy
     is asynchronous) while the host computes gate/up and the other rows, so one missed expert

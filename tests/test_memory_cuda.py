@@ -409,3 +409,35 @@ def test_cuda_warm_start_fills_tier_1_and_pregates_in_one_pass(mixtral_ftw, tmp_
     want = ref.generate(ids, max_new_tokens=16, stop_token_ids=()).token_ids
     assert eng.generate(ids, max_new_tokens=16, stop_token_ids=()).token_ids == want
     eng.close()
+
+
+def test_cuda_a_layers_hidden_state_crosses_to_the_cpu_once(mixtral_ftw, monkeypatch):
+    """Each HOST expert of a decode layer copied the layer's hidden state to the CPU again, a device
+    sync that also waited for the tier-1 experts launched since; now once per layer. The tokens
+    stay the resident CPU engine's (fp32)."""
+    _, ftw = mixtral_ftw
+    cpu, eng = _cpu_and_host_preferring_cuda_engines(ftw)
+    tp = eng.experts
+    calls, copies = [0], [0]
+    on_host = type(tp)._on_host
+
+    def counting(self, x):
+        calls[0] += 1
+        before = self._hidden_host
+        out = on_host(self, x)
+        copies[0] += self._hidden_host is not before
+        return out
+
+    monkeypatch.setattr(type(tp), "_on_host", counting)
+    with cpu.new_session() as a:
+        a.prefill([5, 3, 8, 1])
+        want = [int(a.decode(tok).argmax()) for tok in (9, 2, 7)]
+    with eng.new_session() as b:
+        b.prefill([5, 3, 8, 1])
+        calls[0] = copies[0] = 0
+        got = [int(b.decode(tok).argmax()) for tok in (9, 2, 7)]
+    assert got == want
+    decode_layers = 3 * len(eng.spec.moe_layers())
+    assert calls[0] > decode_layers  # layers with two HOST experts: the test has something to save
+    assert copies[0] <= decode_layers
+    tp.close()

@@ -269,6 +269,7 @@ class TieredExpertProvider(ExpertStore):
         slots = self.moves.slots
         self.graph_steps = GraphSteps(slots, self._note_resident, self.layers[0]) if slots and keys else None
         self._hooks: list[Any] = [h for module in attention for h in self.phases.hook(module, "attention")]
+        self._hidden_host: tuple[torch.Tensor, torch.Tensor] | None = None  # (`_on_host`)
 
     # ---- budget ---------------------------------------------------------------------------
     def _apply_fast_budget(self) -> None:
@@ -379,6 +380,7 @@ class TieredExpertProvider(ExpertStore):
             if resident is not None:  # the common decode step: no per-expert decision at all
                 experts = dict(zip(used, resident, strict=True))
                 return self._run_resident(layer, experts, hidden, expert_ids, weights, spec)
+        self._hidden_host = None  # this layer's hidden state on the CPU, copied once (`_on_host`)
         return routed.run_routed(
             hidden, expert_ids, weights, spec, compute=lambda e, x: self._compute(layer, e, x, spec)
         )
@@ -464,12 +466,24 @@ class TieredExpertProvider(ExpertStore):
         t0 = time.perf_counter()  # after any disk read: q* prices that with the storage link
         if self.cuda:
             w = self.moves.decode(key, value)
-            y = expert_forward(w, x.to("cpu"), spec).to(self.device, non_blocking=True)
+            y = expert_forward(w, self._on_host(x), spec).to(self.device, non_blocking=True)
         else:
             with self.phases.time("experts"):
                 y = expert_forward(self.moves.decode(key, value), x, spec)
         self.policy.compute.observe("cpu-host", self.codec[key], x.shape[0], time.perf_counter() - t0)
         return y
+
+    def _on_host(self, x: torch.Tensor) -> torch.Tensor:
+        """CUDA: `x` on the CPU. A decode step runs every routed expert of a layer on the same
+        hidden tensor, so it crosses once per layer (`run` clears the copy before each layer): a
+        second HOST or SPLIT expert of the layer no longer waits, on a device sync, for the GPU
+        work queued since the first (the tier-1 experts between them in expert order)."""
+        held = self._hidden_host
+        if held is not None and held[0] is x:
+            return held[1]
+        on_host = x.to("cpu")
+        self._hidden_host = (x, on_host)
+        return on_host
 
     def _split_compute(self, key: ExpertKey, x: torch.Tensor, spec: MoESpec, share: float) -> torch.Tensor:
         """SPLIT (CUDA): HOST, but the last `share` of the down projection's rows are copied (from
@@ -480,7 +494,7 @@ class TieredExpertProvider(ExpertStore):
         t0 = time.perf_counter()
         w = self.moves.decode(key, value)
         rows = routed.split_rows(w.down.shape[0], share)
-        y = routed.expert_forward_split(w, x, spec, self.device, rows)
+        y = routed.expert_forward_split(w, self._on_host(x), spec, self.device, rows)
         cpu_share = 1 - DOWN_SHARE * rows / w.down.shape[0]
         took = (time.perf_counter() - t0) / cpu_share
         self.policy.compute.observe("cpu-host", self.codec[key], x.shape[0], took)
