@@ -128,24 +128,32 @@ class Step:
     layers: dict[int, dict[int, int]]
 
 
-def group_steps(records: Iterable[RoutingRecord]) -> list[Step]:
-    """The records as the engine's steps: each decode token alone, a sequence's prefill records
-    together (the engine runs each layer once for them). What a replay runs and what a routing
-    profile seeds the tiered memory with (`Engine.from_pretrained(..., routing_profile=PATH)`)."""
-    steps: list[Step] = []
-    tokens: list[set[int]] = []
+def iter_steps(records: Iterable[RoutingRecord]) -> Iterator[Step]:
+    """The records as the engine's steps, one at a time: each decode token alone, a sequence's
+    prefill records together (the engine runs each layer once for them; they are consecutive in a
+    trace). What a routing profile seeds the tiered memory with, streamed: a long session's trace
+    is never held whole (`Engine.from_pretrained(..., routing_profile=PATH)`)."""
+    layers: dict[int, dict[int, int]] = {}
+    tokens: set[int] = set()
+    phase: Phase = "decode"
     key: tuple[Any, ...] | None = None
     for r in records:
         k = (r.seq, "prefill") if r.phase == "prefill" else (r.seq, r.token, "decode")
         if k != key:
-            steps.append(Step(r.phase, 0, {}))
-            tokens.append(set())
-            key = k
-        routed = steps[-1].layers.setdefault(r.layer, {})
+            if key is not None:
+                yield Step(phase, len(tokens), layers)
+            layers, tokens, phase, key = {}, set(), r.phase, k
+        routed = layers.setdefault(r.layer, {})
         for e in r.experts:
             routed[e] = routed.get(e, 0) + 1
-        tokens[-1].add(r.token)
-    return [Step(s.phase, len(t), s.layers) for s, t in zip(steps, tokens, strict=True)]
+        tokens.add(r.token)
+    if key is not None:
+        yield Step(phase, len(tokens), layers)
+
+
+def group_steps(records: Iterable[RoutingRecord]) -> list[Step]:
+    """Every step of `records` (`iter_steps`), as a replay runs them."""
+    return list(iter_steps(records))
 
 
 def _is_index(value: Any) -> bool:

@@ -120,6 +120,53 @@ def test_a_malformed_profile_is_refused_before_anything_loads(tmp_path: Path) ->
         Engine.from_pretrained(tmp_path / "absent.ftw", routing_profile=tmp_path / "none.jsonl")
 
 
+def test_an_empty_profile_is_refused_before_loading_and_a_bad_later_line_names_itself(
+    tiny_ftw: Path, tmp_path: Path
+) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(RoutingTraceError, match=r"empty.jsonl has no records"):
+        Engine.from_pretrained(tmp_path / "absent.ftw", routing_profile=empty)
+    with Engine.from_pretrained(tiny_ftw) as resident:
+        layer = resident.spec.moe_layers()[0]
+    late = tmp_path / "late.jsonl"
+    good = RoutingRecord(0, 0, layer, (0, 1), (0.5, 0.5), "decode").to_json()
+    late.write_text(good + "\n" + good.replace('"decode"', '"decoding"') + "\n")
+    with pytest.raises(RoutingTraceError, match=r"late.jsonl:2: phase must be prefill or decode"):
+        tiered(tiny_ftw, routing_profile=late)
+
+
+def test_the_engine_streams_the_profile(tiny_ftw: Path, tmp_path: Path, monkeypatch) -> None:
+    """A long session's trace (100k tokens of a 48-layer model: ~5 M lines) held as steps would
+    take gigabytes; the engine notes each step as it reads it, keeping only the frequencies."""
+    from freetoken_agents.engine.loading import assemble
+
+    with Engine.from_pretrained(tiny_ftw) as resident:
+        layers = resident.spec.moe_layers()
+    path = tmp_path / "profile.jsonl"
+    with path.open("w") as f:
+        write_trace(profile_records(layers, {lay: (2, 5) for lay in layers}, tokens=4), f)
+    notes, notes_when_read = [0], []
+    note, read = RoutingFrequency.note, assemble.read_trace
+
+    def counted_note(self, layer, used):
+        notes[0] += 1
+        return note(self, layer, used)
+
+    def spied_read(p):
+        for record in read(p):
+            notes_when_read.append(notes[0])
+            yield record
+
+    monkeypatch.setattr(RoutingFrequency, "note", counted_note)
+    monkeypatch.setattr(assemble, "read_trace", spied_read)
+    engine = tiered(tiny_ftw, routing_profile=path)
+    assert notes_when_read[-1] > 0  # the last line was read after the first steps were noted
+    assert set(engine.experts.fast.keys()) <= {(lay, e) for lay in layers for e in (0, 2, 5)}
+    assert len(engine.experts.fast) == 4
+    engine.close()
+
+
 def test_the_per_layer_lru_baseline_refuses_a_profile(tiny_ftw: Path, tmp_path: Path) -> None:
     path = tmp_path / "profile.jsonl"
     path.write_text(RoutingRecord(0, 0, 1, (0, 1), (0.5, 0.5), "decode").to_json() + "\n")

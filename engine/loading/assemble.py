@@ -36,7 +36,7 @@ from ..memory.budget import free_host_bytes
 from ..moe import MoEBlock
 from ..options import EngineOptions
 from ..routing_record import RoutingRecorder, check_trace_path
-from ..routing_trace import group_steps, read_trace
+from ..routing_trace import RoutingTraceError, iter_steps, read_trace
 from ..spec import ModelSpec
 from ..stop_tokens import read_generation_eos
 from ..transformer import MoETransformer
@@ -102,10 +102,8 @@ def assemble(path: str | Path, options: EngineOptions, open_model: OpenForCalibr
     path = Path(path).expanduser()
     if options.record_routing is not None:
         check_trace_path(options.record_routing)  # fail before loading anything
-    # Read whole before anything loads (and before a recorder replaces the file, if the same).
-    profile = None
     if options.routing_profile is not None:
-        profile = group_steps(read_trace(options.routing_profile))
+        check_profile(options.routing_profile)  # fail before loading anything
     device = check_device(options.device)
     dev = str(device)
     dtype = options.dtype
@@ -131,7 +129,7 @@ def assemble(path: str | Path, options: EngineOptions, open_model: OpenForCalibr
     logger.info("placement %s for %s: %s", choice.placement, path, choice.reason)
     memory = options.memory
     on_kv_resize = None
-    if choice.placement == "resident" and profile is not None:
+    if choice.placement == "resident" and options.routing_profile is not None:
         logger.warning("routing profile %s unused: the experts are resident", options.routing_profile)
     if choice.placement == "resident":
         if loaded_ftw is not None and device.type == "cuda":
@@ -151,9 +149,11 @@ def assemble(path: str | Path, options: EngineOptions, open_model: OpenForCalibr
         memory = tiered_budget(memory, device, free_fast_bytes(device), free_host_bytes())
         provider = _tiered_provider(ftw_path, memory, model, dtype, dev, choice, options)
         experts, on_kv_resize = provider, provider.on_kv_resize
-        if profile is not None:
-            try:
-                provider.warm_start(profile, progress=options.progress)
+        if options.routing_profile is not None:
+            try:  # streamed, read whole before a recorder replaces the file (if the same one)
+                provider.warm_start(
+                    iter_steps(read_trace(options.routing_profile)), progress=options.progress
+                )
             except BaseException:
                 provider.close()  # its threads and files
                 raise
@@ -193,6 +193,18 @@ def assemble(path: str | Path, options: EngineOptions, open_model: OpenForCalibr
         choice.placement,
     )
     return parts
+
+
+def check_profile(path: Path) -> None:
+    """RoutingTraceError (one line) unless `path` is a routing trace whose first line reads: a
+    missing or unreadable file, a malformed first line or no record at all is refused before the
+    model loads; a later malformed line stops the warm start, naming its line."""
+    records = read_trace(path)
+    try:
+        if next(records, None) is None:
+            raise RoutingTraceError(f"routing profile {path} has no records")
+    finally:
+        records.close()
 
 
 def _converted(

@@ -121,26 +121,25 @@ class ExpertPlanner:
             self.fast.set_hot(self.routing.hottest(self.fast.keys()))
 
     def warm_start(self, steps: Iterable[Step]) -> list[ExpertKey]:
-        """Start from a recorded routing (`routing_trace.group_steps` of a trace of this model):
-        note every step's routing in layer order, as if the engine had run it. Returns what tier 1
-        should hold before the first token: the most used experts that fit its free room, coldest
-        first (put in that order, the hottest end the most recently used). RoutingTraceError, in
-        one line, for a step naming a layer or an expert this model does not have."""
-        steps = list(steps)
+        """Start from a recorded routing (`routing_trace.iter_steps` of a trace of this model,
+        streamed: read once, never held whole): note every step's routing in layer order, as if the
+        engine had run it. Returns what tier 1 should hold before the first token: the most used
+        experts that fit its free room, coldest first (put in that order, the hottest end the most
+        recently used). RoutingTraceError, in one line, for a step naming a layer or an expert this
+        model does not have (the steps before it are noted: the caller discards the provider)."""
         moe = set(self.layers)
         for step in steps:
-            for layer in step.layers:
+            for layer, routed in step.layers.items():
                 if layer not in moe:
                     raise RoutingTraceError(
                         f"routing profile names layer {layer}, not a MoE layer of this model"
                     )
-                for e in step.layers[layer]:
+                for e in routed:
                     if (layer, e) not in self.fast_bytes:
                         raise RoutingTraceError(
                             f"routing profile names expert {e} of layer {layer}, "
                             "which this model does not have"
                         )
-        for step in steps:
             for layer in self.layers:
                 used = step.layers.get(layer)
                 if used:

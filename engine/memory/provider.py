@@ -592,8 +592,8 @@ class TieredExpertProvider(ExpertStore):
         (the per-layer LRU baseline keeps no frequencies)."""
         if not self.exclusive:
             raise EngineError("a routing profile warm-starts placement 'qstar' only, not 'stream'")
-        keys = self.planner.warm_start(steps)
         name = Path(self.ftw.path).name
+        keys = self.planner.warm_start(tqdm(steps, desc=f"profile {name}", unit="step", disable=not progress))
         for key in tqdm(keys, desc=f"warm {name}", unit="expert", disable=not progress):
             self.moves.promote(key, None)
         self.planner.refresh_hot()
