@@ -274,8 +274,7 @@ class ExpertPlanner:
 
     # ---- pricing ----------------------------------------------------------------------------
     def case(self, key: ExpertKey, tokens: int, *, staged: bool, activation_bytes: int = 0) -> ExpertCase:
-        """What q* needs to know about `key` now (`ExpertCase`). Run for every tier-1 miss: each
-        figure is read once (9.6 -> ~6 us a case at Qwen3-30B-A3B's scale on the 2-core Xeon)."""
+        """What q* needs to know about `key` now (`ExpertCase`); run for every tier-1 miss."""
         fast, size = self.fast, self.fast_bytes[key]
         with self.lock:
             resident = key in fast
