@@ -54,20 +54,24 @@ def mixtral_ftw(tiny_checkpoint, tmp_path_factory):
     return folder, ftw
 
 
+def _tight_cuda_engine(ftw, ref: Engine, prefetch_thread: bool, **options) -> Engine:
+    """A q* engine on CUDA with a quarter of the experts' bytes in tier 1 (at least three layers'
+    working sets) plus room for 8 KV blocks."""
+    ws = TieredExpertProvider(ftw, MemoryBudget(), top_k=2, device="cuda").min_working_set
+    all_bytes = ref.experts.nbytes  # type: ignore[attr-defined]
+    fast = max(3 * ws, all_bytes // 4) + 8 * ref.kv_pool.bytes_per_block
+    tiering = TieringOptions(prefetch_thread=prefetch_thread)
+    budget = MemoryBudget(fast_bytes=fast)
+    return Engine.from_pretrained(
+        ftw, device="cuda", memory=budget, placement="qstar", tiering=tiering, **options
+    )
+
+
 @pytest.mark.parametrize("prefetch_thread", [False, True])
 def test_cuda_tiered_provider_is_exact_under_tight_budget(mixtral_ftw, prefetch_thread):
     folder, ftw = mixtral_ftw
     ref = Engine.from_pretrained(folder, device="cuda")
-    ws = TieredExpertProvider(ftw, MemoryBudget(), top_k=2, device="cuda").min_working_set
-    all_bytes = ref.experts.nbytes  # type: ignore[attr-defined]
-    fast = max(3 * ws, all_bytes // 4) + 8 * ref.kv_pool.bytes_per_block
-    eng = Engine.from_pretrained(
-        ftw,
-        device="cuda",
-        memory=MemoryBudget(fast_bytes=fast),
-        placement="qstar",
-        tiering=TieringOptions(prefetch_thread=prefetch_thread),
-    )
+    eng = _tight_cuda_engine(ftw, ref, prefetch_thread)
     tp = eng.experts
     assert tp.cuda
     ids = [5, 3, 8, 1, 9, 2, 7, 4, 6, 0, 11, 12]
@@ -385,17 +389,7 @@ def test_cuda_warm_start_fills_tier_1_and_pregates_in_one_pass(mixtral_ftw, tmp_
         write_trace(
             [RoutingRecord(0, t, lay, (1, 6), (0.5, 0.5), "decode") for t in range(4) for lay in layers], f
         )
-    ws = TieredExpertProvider(ftw, MemoryBudget(), top_k=2, device="cuda").min_working_set
-    all_bytes = ref.experts.nbytes  # type: ignore[attr-defined]
-    fast = max(3 * ws, all_bytes // 4) + 8 * ref.kv_pool.bytes_per_block
-    eng = Engine.from_pretrained(
-        ftw,
-        device="cuda",
-        memory=MemoryBudget(fast_bytes=fast),
-        placement="qstar",
-        tiering=TieringOptions(prefetch_thread=False),
-        routing_profile=profile,
-    )
+    eng = _tight_cuda_engine(ftw, ref, False, routing_profile=profile)
     tp = eng.experts
     held = set(tp.fast.keys())
     assert held and held <= {(lay, e) for lay in layers for e in (1, 6)}
