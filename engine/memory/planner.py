@@ -94,7 +94,6 @@ class ExpertPlanner:
         self._last_start: float | None = None
         self._running = self.layers[0] if self.layers else 0  # the MoE layer that started last
         self._host_now = 0  # host computations decided for the running layer
-        self._decode_names: dict[str, str] = {}  # codec -> its device decode's compute name
 
     # ---- per step of a layer ----------------------------------------------------------------
     def note_routing(self, layer: int, used: Sequence[int]) -> None:
@@ -318,11 +317,7 @@ class ExpertPlanner:
         measured, and for blocks that arrive in the compute dtype: their decode is a view)."""
         if not self.cuda or key in self.moves_up:
             return 0.0
-        codec = self.codecs[key]
-        name = self._decode_names.get(codec)
-        if name is None:
-            name = self._decode_names[codec] = f"decode/{codec}"
-        return self.policy.compute.measured(self.device, name, 1) or 0.0
+        return self.policy.compute.measured(self.device, f"decode/{self.codecs[key]}", 1) or 0.0
 
     def copy_s(self, key: ExpertKey) -> float:
         """Predicted seconds of one copy of `key` into tier 1 (link and device decode)."""

@@ -582,8 +582,8 @@ class TieredExpertProvider(ExpertStore):
 
     # ---- a warm start from a recorded routing ----------------------------------------------
     def warm_start(self, steps: Iterable[Step], *, progress: bool = False) -> int:
-        """Start from a recorded routing of this model (`routing_trace.group_steps` of a trace
-        written by `record_routing`) instead of a cold tier 1: q*'s routing frequencies are seeded
+        """Start from a recorded routing of this model (`routing_trace.iter_steps` of a trace
+        written by `record_routing`, streamed) instead of a cold tier 1: q*'s routing frequencies are seeded
         as if the engine had run those steps, tier 1 is filled with the most used experts that
         fit (read from tier 3 if tier 2 lacks them) and its hot set pinned. What llama.cpp's
         `-ot` asks a user to do by hand, from the same information; q* goes on adapting from

@@ -1,7 +1,8 @@
 """The baselines a replay compares q* with, on the same steps, machine and timeline rules.
 
-- `static`: llama.cpp's ``--n-cpu-moe`` / ``-ot`` split. A profiling pass over the first
-  `profile_fraction` of the decode tokens counts each (layer, expert)'s uses; the most used fill
+- `static`: llama.cpp's ``--n-cpu-moe`` / ``-ot`` split. A profiling pass (`profiling_steps`: the
+  first `PROFILE_FRACTION` of the decode tokens, or another trace) counts each (layer, expert)'s
+  uses; the most used fill
   tier 1 and stay there, the rest are computed on the CPU from RAM (the next most used that fit
   tier 2), or from the disk (read at each use: they do not fit RAM). Nothing moves while decoding.
 - `stream`: no cache. Every routed expert is copied into tier 1 for its use (tier 2 an LRU of its
@@ -119,13 +120,12 @@ def replay_static(
     fast_bytes: int,
     host_bytes: int | None,
     num_experts: int,
-    profile_fraction: float = PROFILE_FRACTION,
-    profile: Sequence[Step] | None = None,
+    profile: Sequence[Step],
 ) -> Tally:
-    """llama.cpp's static split (module docstring), placed by `profile` (another trace's steps)
-    or else by the profiling pass over the first `profile_fraction` of `steps`."""
+    """llama.cpp's static split (module docstring), placed by the routing of `profile`
+    (`profiling_steps(steps)`, or another trace's steps)."""
     uses: Counter[tuple[int, int]] = Counter()
-    for step in profile if profile is not None else profiling_steps(steps, profile_fraction):
+    for step in profile:
         for layer, routed in step.layers.items():
             uses.update({(layer, e): n for e, n in routed.items()})
     # Most used first; experts the profiling pass never saw after them, in (layer, expert) order.

@@ -89,7 +89,7 @@ class SimulationReport:
     results: list[PolicyResult]
     bound: Bound
     online_bound: Bound
-    profile: str = "the trace's first 25% of decode tokens"  # what static and qstar-profiled start from
+    profile: str  # what static and qstar-profiled start from
     simulated: bool = True
 
     def result(self, policy: str) -> PolicyResult:
