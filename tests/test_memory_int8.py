@@ -107,7 +107,7 @@ def test_int8_blocks_move_between_the_ram_tiers_without_a_copy(files):
     keys = [(0, 0), (0, 1), (0, 2), (0, 3)]
     for k in keys:
         w = tp.get(*k)
-        assert w.gate_up.dtype == torch.int8 and shares_memory(w, tp.moves.backing[k])
+        assert w.gate_up.dtype == torch.int8 and shares_memory(w, tp.moves.backing[k][0])
     assert sorted(tp.fast.keys()) == keys[2:] and sorted(tp.host.keys()) == keys[:2]  # demoted
     assert not set(tp.fast.keys()) & set(tp.host.keys())
     read = tp.stats()["file_bytes_read"]

@@ -54,7 +54,8 @@ class TierMover:
     `exclusive`: tier 1 and tier 2 never both hold an expert (q* placement; CPU: zero-copy blocks
     move up, others keep their compact bytes in tier 2; CUDA: experts that do not grow when
     decoded move, compact ones keep their bytes in tier 2).
-    `backing`: tier-1 key -> the stored bytes its weights are views of. `timer`: CUDA, times the
+    `backing`: tier-1 key -> (the stored bytes its weights are views of, those views as they
+    entered tier 1). `timer`: CUDA, times the
     device decodes for q* (`ComputeTimer`, kind "decode/<codec>"); `codecs`: key -> codec name.
     `expert_quant`: what HOST compute keeps compact; `tier1_quant` (default the same): what tier 1
     keeps compact (on CUDA "none" unless "compact": the device decode then leaves the arrived
@@ -93,7 +94,7 @@ class TierMover:
         self.phases, self.cuda, self.exclusive = phases, cuda, exclusive
         self.stored_bytes, self.fast_bytes = stored_bytes, fast_bytes
         self.lock = threading.RLock()
-        self.backing: dict[ExpertKey, Any] = {}
+        self.backing: dict[ExpertKey, tuple[Any, ExpertWeights]] = {}
         self.timer, self.expert_quant = timer, expert_quant
         # What tier 1 keeps compact (CUDA: what the device decode leaves as it arrived).
         self.tier1_quant = expert_quant if tier1_quant is None else tier1_quant
@@ -267,6 +268,14 @@ class TierMover:
                 self._host_weights[key] = (stored, w)
         return w
 
+    def _views_of(self, key: ExpertKey, w: ExpertWeights, stored: Any) -> bool:
+        """Whether `w` is views into `stored`: known without looking when `decode` kept them as
+        such (every decode of a tier-2 value after its first), else `shares_memory` (~2 us)."""
+        cached = self._host_weights.get(key)
+        if cached is not None and cached[0] is stored and cached[1] is w:
+            return True
+        return shares_memory(w, stored)
+
     def _retire_host(self, key: ExpertKey, value: Any) -> None:
         """CPU (tier 2's `on_evict`): the value left RAM; its read buffer may be reused once
         nothing refers to it (its decoded views included)."""
@@ -288,13 +297,14 @@ class TierMover:
     def demote(self, key: ExpertKey, w: ExpertWeights) -> None:
         """CPU (`fast.on_evict`): a zero-copy block leaving tier 1 goes back to tier 2 (its bytes
         are in RAM); a decoded copy is simply dropped."""
-        stored = self.backing.pop(key, None)
-        if stored is None:
+        backed = self.backing.pop(key, None)
+        if backed is None:
             return
+        stored, views = backed
         self.host.put(key, stored, self.stored_bytes[key])
         if key not in self.host:  # tier 2 cannot take it: it leaves RAM
             self.reader.buffers.retire(stored)
-        elif shares_memory(w, stored):  # its views come back with it: no parse on the next use
+        elif w is views:  # its views come back with it (not a slot's copy): no parse on the next use
             self._host_weights[key] = (stored, w)
 
     def spill(self, key: ExpertKey, w: ExpertWeights) -> None:
@@ -342,13 +352,13 @@ class TierMover:
         # Into a slot, the bytes are copied: they stay in tier 2 (and views of them never reach
         # tier 1, whose copy tier 2 could otherwise recycle).
         slotted = self.slots is not None and self.slots.accepts(w)
-        shares = self.exclusive and not slotted and shares_memory(w, stored)
+        shares = self.exclusive and not slotted and self._views_of(key, w, stored)
         with self.lock:
             self.bytes_moved["host->fast"] += n
             if shares:
                 self.host.pop(key)  # the bytes move up, they are not copied
                 self._host_weights.pop(key, None)
-                self.backing[key] = stored
+                self.backing[key] = (stored, w)
             elif key not in self.host:  # a decoded copy: the compact bytes stay in tier 2
                 self.host.put(key, stored, n)
             self.fast.put(key, w, self.fast_bytes[key])  # evictions: `demote`
