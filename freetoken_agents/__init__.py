@@ -29,6 +29,7 @@ from .errors import (
 from .grounding import conversation_sources
 from .model import FreeTokenModel, GenerateRequest, ModelBackend, Usage
 from .openai_compat import ModelServerError, OpenAICompatibleModel
+from .relevance import relevant_tools, user_sources
 from .retry import RetryPolicy
 from .tools import Tool, tool
 from .trace import Trace
@@ -69,6 +70,8 @@ __all__ = [
     "Usage",
     "__version__",
     "conversation_sources",
+    "relevant_tools",
+    "user_sources",
     "default_model",
     "tool",
 ]

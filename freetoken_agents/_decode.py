@@ -28,6 +28,7 @@ from .constrained import ConstrainedDecode, GrammarFactory, JsonConstraint
 from .detokenize import IncrementalDetokenizer
 from .errors import TokenLimitTooSmall
 from .parsers import ReasoningMarkers, ToolCallParser
+from .relevance import relevant_tools
 from .trace import AnchorKind
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class TurnModel(Protocol):
     parser: ToolCallParser
     reasoning: ReasoningMarkers | None
     stop_ids: tuple[int, ...]
+    trained_tools: frozenset[str]
 
     @property
     def position(self) -> int: ...
@@ -79,7 +81,16 @@ class TurnDecoder:
         )
         self.tools_on = bool(request.tools)
         self.free_used = 0  # free tokens sampled in the turn
-        self._bias = _bias_tensor(request.logit_bias, model.vocab_size)
+        # Relevant calls (`GenerateRequest.call_sources`): the tools tool_choice "auto" may call.
+        self.callable = request.tools
+        bias = dict(request.logit_bias)
+        if request.call_sources is not None:
+            self.callable = relevant_tools(request.tools, request.call_sources, model.trained_tools)
+            marker = model.tokenizer.encode(model.parser.start, add_special_tokens=False)
+            if self.tools_on and not self.callable and len(marker) == 1:  # a special token: never
+                bias[marker[0]] = float("-inf")
+        self._refused: dict[int, set[int]] = {}  # position -> tokens a refused call began with there
+        self._bias = _bias_tensor(bias, model.vocab_size)
         self.think = _thinking(model)
         self.stops = _StopStrings(request.stop)
         self._new_segment()
@@ -120,6 +131,7 @@ class TurnDecoder:
         prefix = self.req.prefix
         forced = m.tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
         while True:
+            sampled = not forced
             if forced:
                 token = forced.pop(0)
             elif self.free_used >= self.req.max_new_tokens or m.position + 2 > m.max_context:
@@ -142,6 +154,9 @@ class TurnDecoder:
             if self.tools_on:
                 start = parser.call_started(text, self.searched)
                 self.searched = len(text)
+                if start is not None and sampled and not self.callable:
+                    yield from self._refuse_call(start)
+                    continue
                 if start is not None and self.req.constrain:
                     yield from self._cut_to(start, keep_text=False)
                     finish = yield from self._call("*", forced=False)
@@ -179,7 +194,21 @@ class TurnDecoder:
         if self._bias is not None:
             self._bias = self._bias.to(device=logits.device, dtype=logits.dtype)
             logits = logits + self._bias
+        refused = self._refused.get(self.m.position)
+        if refused:
+            logits = logits.clone()  # the model's logits are its own (cached for the context)
+            logits[sorted(refused)] = float("-inf")
         return self.sample(logits)
+
+    def _refuse_call(self, start: int) -> Iterator[GenEvent]:
+        """Relevant calls, no offered tool relevant: the call the model began at `start` of the
+        segment's text is taken back (the context and the text are cut to before its marker) and
+        the token that began it is not sampled at that position again. (A marker that is one
+        special token is never sampled at all: `__init__` bans it.)"""
+        yield from self._cut_to(start, keep_text=False)
+        self._refused.setdefault(self.m.position, set()).add(self._replay_ids[0])
+        self.searched = len(self.detok.text)
+        self.fences.pos = min(self.fences.pos, self.searched)  # a marker holds no backticks
 
     # ---- a reasoning block at the start of the turn ---------------------------------------------------
     def _reasoning(self, token: int, text: str) -> Iterator[GenEvent]:
@@ -318,7 +347,9 @@ class TurnDecoder:
         budget ran out."""
         yield from self._text("", end=True)  # the call's text is not free text
         m, parser = self.m, self.m.parser
-        tools = self.req.tools
+        # A call the model opened chooses among the relevant tools (`callable`; all of them when
+        # a prefix opened it with none relevant).
+        tools = self.req.tools if forced else (self.callable or self.req.tools)
         if force != "*":
             tools = [t for t in tools if t.get("function", t).get("name") == force]
         name = force if force != "*" else None

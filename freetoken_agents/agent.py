@@ -38,6 +38,7 @@ from .errors import (
 )
 from .grounding import conversation_sources
 from .parsers import step_call_id
+from .relevance import user_sources
 from .retry import RetryPolicy
 from .sync_bridge import iterate_sync, run_sync, step_worker, turn_gate
 from .tool_calls import ResultValidator, ToolCaller
@@ -89,6 +90,11 @@ class Agent:
     messages, and every number argument as a number written there
     (`GenerateRequest.argument_sources`): a small model then cannot misspell what it copies. None:
     the model's default (`FreeTokenModel.ground_arguments`: on for the embedded model).
+    `relevant_calls`: with tool_choice "auto", the model may call only the tools the run's user
+    messages are about (a content word in common with a tool's name or description) or that it was
+    trained to call; with none, it answers without a call (`GenerateRequest.call_sources`,
+    `relevance.py`). None: the model's default (`FreeTokenModel.relevant_calls`: on for the
+    embedded model; off for a backend that does not say).
     `max_result_chars`: what the model reads of one tool result, at most (longer ones are cut
     with a note, before tokenisation); None: `tools.default_result_chars(model.max_context)`.
     The trace keeps each result up to that cap too. `tool_timeout`: seconds a call of a tool
@@ -121,9 +127,13 @@ class Agent:
         isolate_runs: bool = True,
         tool_timeout: Timeout = UNSET,
         ground_arguments: bool | None = None,
+        relevant_calls: bool | None = None,
     ) -> None:
         self.model, self.system_prompt = model, system_prompt
         self.ground_arguments = model.ground_arguments if ground_arguments is None else ground_arguments
+        self.relevant_calls = (
+            bool(getattr(model, "relevant_calls", False)) if relevant_calls is None else relevant_calls
+        )
         self.validate = validate
         if max_result_chars is not None and max_result_chars < 1:
             raise ValueError(f"max_result_chars must be at least 1, got {max_result_chars}")
@@ -203,6 +213,8 @@ class Agent:
         )
         if self.ground_arguments:
             settings["argument_sources"] = conversation_sources(messages)
+        if self.relevant_calls:
+            settings["call_sources"] = user_sources(messages)
         return GenerateRequest(
             tools=[] if choice == "none" else self._schemas(),
             force=force,

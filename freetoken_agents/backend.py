@@ -57,6 +57,11 @@ class GenerateRequest(BaseModel):
     `argument_sources`: grounded arguments (`grounding.py`): every plain string argument of a
     constrained call is decoded as a span of one of these texts (the user's and the tools'
     messages); None: the grammar alone. JSON call bodies only (Qwen3-Coder's XML bodies ignore it).
+
+    `call_sources`: relevant calls (`relevance.py`): with tool_choice "auto" the model may call only
+    the offered tools these texts (the user's messages) are about, or that it was trained to call
+    (`FreeTokenModel.trained_tools`); when there is none, the turn answers without a call. None: any
+    offered tool. A forced call is never gated.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -73,6 +78,7 @@ class GenerateRequest(BaseModel):
     logit_bias: dict[int, float] = Field(default_factory=dict)
     stop: list[str] = Field(default_factory=list)
     argument_sources: list[str] | None = None
+    call_sources: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,8 @@ class ModelBackend(Protocol):
       NotImplementedError and `close()` does nothing.
     - `ground_arguments`: the default of `Agent(ground_arguments=...)` over this backend (grounded
       tool-call arguments, `GenerateRequest.argument_sources`); False unless the model needs it.
+    - `relevant_calls` (optional, not required of a backend: False when absent): the default of
+      `Agent(relevant_calls=...)` (`GenerateRequest.call_sources`).
     """
 
     name: str
@@ -150,6 +158,7 @@ class BackendBase:
 
     supports_contexts: bool = False
     ground_arguments: bool = False  # its model copies arguments well enough without grounding
+    relevant_calls: bool = False  # its model judges which tool a request is about
 
     @property
     def max_context(self) -> int | None:

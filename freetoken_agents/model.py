@@ -105,13 +105,17 @@ class FreeTokenModel:
         max_anchors: int = 64,
         validate: str | None = None,
         ground_arguments: bool | None = None,
+        relevant_calls: bool | None = None,
     ) -> None:
         self.engine = engine
-        # The default of an Agent's and ChatFreeToken's `ground_arguments`: on for the embedded
-        # model, whose figures it lowers none of (README, "The embedded model"); else off.
-        self.ground_arguments = (
-            is_default_model(engine.source) if ground_arguments is None else ground_arguments
-        )
+        # The defaults of an Agent's and ChatFreeToken's `ground_arguments` and `relevant_calls`: on
+        # for the embedded model, whose figures they lower none of (README, "The embedded model");
+        # else off.
+        embedded = is_default_model(engine.source)
+        self.ground_arguments = embedded if ground_arguments is None else ground_arguments
+        self.relevant_calls = embedded if relevant_calls is None else relevant_calls
+        # Tools the model was trained to call: relevant calls leave the decision on them to it.
+        self.trained_tools = trained_tools(engine.source)
         self.tokenizer = engine.tokenizer
         self.name = f"freetoken:{engine.spec.model_type}"
         self.parser = parser_for(family, chat_template=getattr(self.tokenizer, "chat_template", None))
@@ -169,13 +173,15 @@ class FreeTokenModel:
         max_anchors: int = 64,
         validate: str | None = None,
         ground_arguments: bool | None = None,
+        relevant_calls: bool | None = None,
         **engine_options: Any,
     ) -> FreeTokenModel:
         """Load `path` (a checkpoint folder, an .ftw file, or a Hugging Face Hub id
         ``org/name[@revision][:QUANT]``) with `Engine.from_pretrained(path, **engine_options)`
         (device, dtype, memory, placement, ... passed unchanged) and wrap it. `.engine` is the
-        loaded engine. `ground_arguments`: the default of Agents and ChatFreeToken over this model
-        (`Agent(ground_arguments=...)`); None: on for the embedded model only."""
+        loaded engine. `ground_arguments`, `relevant_calls`: the defaults of Agents and ChatFreeToken
+        over this model (`Agent(ground_arguments=..., relevant_calls=...)`); None: on for the
+        embedded model only."""
         from freetoken_agents.engine import Engine
 
         engine = Engine.from_pretrained(path, **engine_options)
@@ -185,6 +191,7 @@ class FreeTokenModel:
             max_anchors=max_anchors,
             validate=validate,
             ground_arguments=ground_arguments,
+            relevant_calls=relevant_calls,
         )
 
     # ---- context --------------------------------------------------------------------------------
@@ -429,3 +436,15 @@ class FreeTokenModel:
         self.session.close()
         self.session = self.engine.new_session()
         self._logits = None
+
+
+def trained_tools(source: str | Path | None) -> frozenset[str]:
+    """The tools a model file says it was trained to call (an FTW file's metadata
+    "trained_tools", which `recipes/tiny/train.py` writes); none for any other source."""
+    if source is None or Path(source).suffix != ".ftw" or not Path(source).is_file():
+        return frozenset()
+    from freetoken_agents.engine.ftw import FTWFile
+
+    with FTWFile(source) as f:
+        names = f.metadata.get("trained_tools")
+    return frozenset(n for n in names if isinstance(n, str)) if isinstance(names, list) else frozenset()

@@ -48,7 +48,8 @@ class ChatTurnRequest:
     stop strings). stop: stop strings for the free text. max_tokens: the bound on free text;
     max_call_tokens: on each tool call's sampled tokens. json_limit: which of the two bounds a JSON
     reply (and is named when it cannot fit). argument_sources: ground tool-call string arguments in
-    these texts (`GenerateRequest.argument_sources`; None: the grammar alone).
+    these texts (`GenerateRequest.argument_sources`; None: the grammar alone). call_sources: with
+    the model deciding, call only tools these texts are about (`GenerateRequest.call_sources`).
     """
 
     ids: list[int]
@@ -64,6 +65,7 @@ class ChatTurnRequest:
     seed: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     argument_sources: tuple[str, ...] | None = None
+    call_sources: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,7 @@ def _events(backend: FreeTokenModel, request: ChatTurnRequest, tools_on: bool) -
             logit_bias=request.logit_bias,
             stop=list(request.stop),
             argument_sources=None if request.argument_sources is None else list(request.argument_sources),
+            call_sources=None if request.call_sources is None else list(request.call_sources),
             **sampling,
         )
     )

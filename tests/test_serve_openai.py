@@ -115,6 +115,26 @@ def test_auto_tool_choice_lets_the_model_call_a_tool(client):
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
 
 
+def test_auto_calls_only_tools_the_request_is_about_on_the_embedded_model(server, client):
+    """Relevant calls are the embedded model's default over the server too: pushed towards a call by
+    a logit bias, a request no offered tool is about is answered in text."""
+    [marker] = server.engine.tokenizer.encode("<tool_call>", add_special_tokens=False)
+    forecast = {
+        "type": "function",
+        "function": {
+            "name": "get_forecast",
+            "description": "The weather forecast for a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    kwargs = dict(model=MODEL, tools=[forecast], temperature=0, max_tokens=24, logit_bias={str(marker): 100})
+    hello, oslo = "Hello! How are you?", "Forecast for Oslo?"
+    r = client.chat.completions.create(messages=[{"role": "user", "content": hello}], **kwargs)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    r = client.chat.completions.create(messages=[{"role": "user", "content": oslo}], **kwargs)
+    assert r.choices[0].message.tool_calls[0].function.name == "get_forecast"
+
+
 def test_streamed_tool_call_deltas_assemble_to_the_same_call(client):
     kwargs = dict(model=MODEL, messages=TIMES, tools=TOOLS, temperature=0)
     kwargs["tool_choice"] = {"type": "function", "function": {"name": "multiply"}}

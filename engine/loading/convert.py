@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,6 +140,7 @@ def convert_checkpoint(
     dense_dtype: torch.dtype | None = None,
     calibration_device: str = "cpu",
     open_model: OpenForCalibration | None = None,
+    extra_metadata: Mapping[str, Any] | None = None,
 ) -> ConvertReport:
     """Write the Hugging Face checkpoint in `hf_dir` as the FTW file `out_path` (see module doc).
 
@@ -153,6 +154,8 @@ def convert_checkpoint(
             "cuda" or "cuda:N"; on CUDA in bfloat16, placed by the engine's "auto" placement).
         open_model: loads the checkpoint to measure its routing for ``quant="auto"``
             (`Engine.for_calibration`); required then.
+        extra_metadata: more entries for the file's free-form metadata (JSON-serialisable; the
+            converter's own entries win).
 
     Raises CheckpointError / UnsupportedModelError for an unreadable or unsupported checkpoint,
     ValueError for a bad argument. The file appears atomically: on error nothing is left at
@@ -176,6 +179,7 @@ def convert_checkpoint(
     raw, adapter, spec, ckpt = opened.raw, opened.adapter, opened.spec, opened.checkpoint
 
     metadata: dict[str, Any] = {
+        **(extra_metadata or {}),
         "converter": "freetoken-agents",
         "source": folder.name,
         "quant": quant,

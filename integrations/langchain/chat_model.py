@@ -22,7 +22,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field
 
-from freetoken_agents import conversation_sources
+from freetoken_agents import conversation_sources, user_sources
 from freetoken_agents.engine import Engine, EngineOptions, MemoryBudget, Placement
 from freetoken_agents.sync_bridge import aiterate_on, iterate_on
 
@@ -70,6 +70,11 @@ class ChatFreeToken(BaseChatModel):
     messages, and every number argument as a number written there
     (`freetoken_agents.GenerateRequest.argument_sources`): a small model then cannot misspell what
     it copies. None: the model's default (on for the embedded model only)."""
+    relevant_calls: bool | None = None
+    """With tool_choice "auto", call only the tools the user's messages are about (a content word in
+    common with a tool's name or description) or that the model was trained to call; with none,
+    answer without a call (`freetoken_agents.GenerateRequest.call_sources`). None: the model's
+    default (on for the embedded model only)."""
     streaming: bool = False
     """Use `_stream` for `invoke` (callbacks get tokens as they are decoded)."""
     seed: int | None = None
@@ -255,6 +260,7 @@ class ChatFreeToken(BaseChatModel):
             seed=kwargs.get("seed", self.seed),
             reuse=self.prefix_cache,
             argument_sources=tuple(conversation_sources(chat)) if self._grounds(handle) else None,
+            call_sources=tuple(user_sources(chat)) if self._gates_calls(handle) else None,
         )
         yield from run_turn(handle, ids, opts, state)
 
@@ -262,6 +268,11 @@ class ChatFreeToken(BaseChatModel):
         if self.ground_arguments is not None:
             return self.ground_arguments
         return handle.backend.ground_arguments
+
+    def _gates_calls(self, handle: EngineHandle) -> bool:
+        if self.relevant_calls is not None:
+            return self.relevant_calls
+        return bool(getattr(handle.backend, "relevant_calls", False))
 
     @staticmethod
     def _result(state: TurnState) -> ChatResult:

@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 class TurnOptions:
     """Per-call settings. force_choice: 'auto' | 'none' | 'required' | a tool name; json_schema:
     constrain the whole turn to this JSON schema (structured output); argument_sources: ground
-    tool-call string arguments in these texts (None: the grammar alone)."""
+    tool-call string arguments in these texts (None: the grammar alone); call_sources: call only
+    tools these texts are about (None: any offered tool)."""
 
     model_name: str
     tools: list[dict[str, Any]] = field(default_factory=list)
@@ -47,6 +48,7 @@ class TurnOptions:
     seed: int | None = None
     reuse: bool = True
     argument_sources: tuple[str, ...] | None = None
+    call_sources: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -80,6 +82,7 @@ def run_turn(
         temperature=opts.temperature,
         seed=opts.seed,
         argument_sources=opts.argument_sources,
+        call_sources=opts.call_sources,
     )
     context, ok = handle.open_context(), False
     # No reply pinned: the context given back keeps it live for the conversation's next call.

@@ -53,6 +53,7 @@ def turn_request(req: PreparedRequest) -> ChatTurnRequest:
         top_p=req.top_p,
         seed=req.seed,
         logit_bias=req.logit_bias,
+        call_sources=req.call_sources,
     )
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from freetoken_agents import SchemaRejected
+from freetoken_agents import SchemaRejected, user_sources
 from freetoken_agents.engine import ChatTemplateError, encode_plain
 from freetoken_agents.schema_check import check_schema
 
@@ -41,6 +41,8 @@ class PreparedRequest:
     json_schema: the whole reply decodes under this schema (response_format), else None.
     max_tokens: the bound on sampled tokens, for the free text and for each tool call (text the
         grammar forces, keys and punctuation, is not sampled and not counted).
+    call_sources: relevant calls, the model's default (`FreeTokenModel.relevant_calls`): the user's
+        messages, which the calls the model decides must be about; None: any offered tool.
     """
 
     ids: list[int]
@@ -54,6 +56,7 @@ class PreparedRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logit_bias: dict[int, float] = field(default_factory=dict)
+    call_sources: tuple[str, ...] | None = None
 
 
 def content_text(content: Content) -> str:
@@ -213,6 +216,7 @@ def prepare(
         seed=request.seed,
         stop=request.stop_strings,
         logit_bias=_logit_bias(request.logit_bias, backend.vocab_size),
+        call_sources=tuple(user_sources(checked.messages)) if backend.relevant_calls else None,
     )
 
 

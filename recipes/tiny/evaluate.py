@@ -16,6 +16,8 @@ Reports, through the real engine and SDK:
 
 `--ground`: every constrained call (the constrained tool calls, the agent's, the generic ones) with
 grounded arguments (`freetoken_agents/grounding.py`: string arguments are spans of the request).
+`--relevant-calls`: every turn the model decides (tool_choice auto) calls only the tools the request
+is about or the model was trained on (`freetoken_agents/relevance.py`).
 """
 
 from __future__ import annotations
@@ -69,29 +71,40 @@ class Evaluation(BaseModel):
     coding: CodingScore | None = None
     generic: GenericScore | None = None
     grounded: bool = Field(default=False, description="constrained calls had grounded arguments")
+    relevant_calls: bool = Field(default=False, description="calls the model decided were gated by relevance")
     seconds: float
 
 
-def _first_turn(model: FreeTokenModel, q: ToolQuestion, constrain: bool, system: bool, ground: bool) -> str:
+def _first_turn(
+    model: FreeTokenModel, q: ToolQuestion, constrain: bool, system: bool, ground: bool, relevant: bool
+) -> str:
     messages = ([{"role": "system", "content": SYSTEM_PROMPT}] if system else []) + [
         {"role": "user", "content": q.question}
     ]
     model.sync(model.render(messages, TOOL_SCHEMAS))
     sources = [q.question] if ground else None
     request = GenerateRequest(
-        tools=TOOL_SCHEMAS, constrain=constrain, max_new_tokens=80, argument_sources=sources
+        tools=TOOL_SCHEMAS,
+        constrain=constrain,
+        max_new_tokens=80,
+        argument_sources=sources,
+        call_sources=[q.question] if relevant else None,
     )
     return "".join(e.text for e in model.generate(request) if e.kind == "text")
 
 
 def score_tool_calls(
-    model: FreeTokenModel, questions: list[ToolQuestion], constrain: bool, ground: bool = False
+    model: FreeTokenModel,
+    questions: list[ToolQuestion],
+    constrain: bool,
+    ground: bool = False,
+    relevant: bool = False,
 ) -> ToolScore:
     by_name = {t.name: t for t in TOOLS}
     exact = right = valid = 0
     label = "tools (constrained)" if constrain else "tools (free)"
     for i, q in enumerate(tqdm(questions, desc=label, leave=False)):
-        text = _first_turn(model, q, constrain, system=i % 2 == 0, ground=ground)
+        text = _first_turn(model, q, constrain, system=i % 2 == 0, ground=ground, relevant=relevant)
         parsed = model.parser.parse(text, TOOL_SCHEMAS)
         if len(parsed.calls) != 1 or parsed.malformed or parsed.partial:
             continue
@@ -108,10 +121,18 @@ def score_tool_calls(
     return ToolScore(prompts=n, exact=exact / n, right_tool=right / n, valid=valid / n)
 
 
-def score_agent(model: FreeTokenModel, questions: list[ToolQuestion], ground: bool = False) -> float:
+def score_agent(
+    model: FreeTokenModel, questions: list[ToolQuestion], ground: bool = False, relevant: bool = False
+) -> float:
     """Share of end-to-end Agent runs whose answer contains the tool's result."""
     agent = Agent(
-        model, TOOLS, system_prompt=SYSTEM_PROMPT, max_steps=3, max_new_tokens=80, ground_arguments=ground
+        model,
+        TOOLS,
+        system_prompt=SYSTEM_PROMPT,
+        max_steps=3,
+        max_new_tokens=80,
+        ground_arguments=ground,
+        relevant_calls=relevant,
     )
     good = 0
     for q in tqdm(questions, desc="agent", leave=False):
@@ -154,22 +175,26 @@ def evaluate(
     direct_prompts: int = 60,
     seed: int = 1234,
     ground: bool = False,
+    relevant: bool = False,
     progress: Callable[[str], None] = logger.info,
 ) -> Evaluation:
     t0 = time.perf_counter()
-    model = FreeTokenModel.from_pretrained(model_path)
+    # Both modes as asked, whatever the model's defaults (the embedded model's are on).
+    model = FreeTokenModel.from_pretrained(model_path, ground_arguments=ground, relevant_calls=relevant)
     rng = random.Random(seed)
     questions = [tool_question(rng, "heldout") for _ in range(tool_prompts)]
-    free = score_tool_calls(model, questions, constrain=False)
+    free = score_tool_calls(model, questions, constrain=False, relevant=relevant)
     progress(f"tools, free: {free}")
-    constrained = score_tool_calls(model, questions, constrain=True, ground=ground)
+    constrained = score_tool_calls(model, questions, constrain=True, ground=ground, relevant=relevant)
     progress(f"tools, constrained: {constrained}")
-    answers = score_agent(model, questions[:agent_prompts], ground)
+    answers = score_agent(model, questions[:agent_prompts], ground, relevant)
     progress(f"agent answers: {answers:.3f}")
     coding = score_coding(model, coding_tasks, attempts, seed) if coding_tasks else None
     if coding:
         progress(f"coding: {coding}")
-    generic = score_generic(model, generic_prompts, direct_prompts, seed, ground) if generic_prompts else None
+    generic = None
+    if generic_prompts:
+        generic = score_generic(model, generic_prompts, direct_prompts, seed, ground, relevant)
     if generic:
         progress(f"generic: {generic}")
     return Evaluation(
@@ -181,6 +206,7 @@ def evaluate(
         coding=coding,
         generic=generic,
         grounded=ground,
+        relevant_calls=relevant,
         seconds=time.perf_counter() - t0,
     )
 
@@ -196,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--direct-prompts", type=int, default=60, help="requests no offered tool serves")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--ground", action="store_true", help="grounded arguments in every constrained call")
+    p.add_argument("--relevant-calls", action="store_true", help="relevant tools only (auto)")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -209,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         direct_prompts=args.direct_prompts,
         seed=args.seed,
         ground=args.ground,
+        relevant=args.relevant_calls,
     )
     text = json.dumps(result.model_dump(), indent=2)
     sys.stdout.write(text + "\n")

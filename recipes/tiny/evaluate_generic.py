@@ -59,14 +59,26 @@ def no_fit_cases(count: int, seed: int) -> list[tuple[list[dict[str, Any]], str]
 
 
 def _calls(
-    model: FreeTokenModel, tools: list[dict], text: str, force: str | None, system: bool, ground: bool
+    model: FreeTokenModel,
+    tools: list[dict],
+    text: str,
+    force: str | None,
+    system: bool,
+    ground: bool,
+    relevant: bool = False,
 ) -> list:
     messages = ([{"role": "system", "content": SYSTEM_PROMPT}] if system else []) + [
         {"role": "user", "content": text}
     ]
     model.sync(model.render(messages, tools))
     sources = [text] if ground else None
-    request = GenerateRequest(tools=tools, force=force, max_new_tokens=60, argument_sources=sources)
+    request = GenerateRequest(
+        tools=tools,
+        force=force,
+        max_new_tokens=60,
+        argument_sources=sources,
+        call_sources=[text] if relevant else None,
+    )
     text = "".join(e.text for e in model.generate(request) if e.kind == "text")
     parsed = model.parser.parse(text, tools)
     if parsed.malformed or parsed.partial:
@@ -75,14 +87,20 @@ def _calls(
 
 
 def score_generic(
-    model: FreeTokenModel, prompts: int, direct_prompts: int, seed: int, ground: bool = False
+    model: FreeTokenModel,
+    prompts: int,
+    direct_prompts: int,
+    seed: int,
+    ground: bool = False,
+    relevant: bool = False,
 ) -> GenericScore:
-    """`ground`: grounded arguments (string arguments are spans of the request)."""
+    """`ground`: grounded arguments (string arguments are spans of the request); `relevant`:
+    relevant calls (with tool_choice auto, only tools the request is about)."""
     auto = right = forced = 0
     cases = heldout_cases(prompts, seed)
     for i, (tools, request) in enumerate(tqdm(cases, desc="generic tools", leave=False)):
         want = (request.tool.name, request.arguments)
-        calls = _calls(model, tools, request.text, None, system=i % 2 == 0, ground=ground)
+        calls = _calls(model, tools, request.text, None, system=i % 2 == 0, ground=ground, relevant=relevant)
         if len(calls) == 1 and calls[0] is not None:
             right += calls[0].name == want[0]
             auto += (calls[0].name, calls[0].arguments) == want
@@ -90,7 +108,7 @@ def score_generic(
         forced += len(calls) == 1 and calls[0] is not None and calls[0].arguments == want[1]
     direct = 0
     for i, (tools, text) in enumerate(tqdm(no_fit_cases(direct_prompts, seed), desc="no fit", leave=False)):
-        direct += _calls(model, tools, text, None, system=i % 2 == 0, ground=ground) == []
+        direct += _calls(model, tools, text, None, system=i % 2 == 0, ground=ground, relevant=relevant) == []
     n = max(prompts, 1)
     return GenericScore(
         prompts=prompts,
