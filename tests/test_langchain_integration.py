@@ -21,8 +21,8 @@ from freetoken_agents.integrations.langchain import ChatFreeToken
 from freetoken_agents.integrations.langchain.messages import to_chat_dicts
 
 NOT_YET = (
-    "the embedded model was trained on its four own tools only; a model trained on the generic "
-    "tool-use corpus (recipes/tiny/generic.py) has not reached the targets yet (issue 34)"
+    "the embedded model, continued on the generic tool-use corpus (recipes/tiny/generic.py), has "
+    "not reached the targets yet (issue 34)"
 )
 
 
@@ -82,14 +82,10 @@ class TestChatFreeTokenIntegration(ChatModelIntegrationTests):
             model, tool_choice=tool_choice, force_tool_call=force_tool_call
         )
 
-    @pytest.mark.xfail(strict=True, reason=NOT_YET + ": with tool_choice auto it must decide to call")
-    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
-    def test_agent_loop(self, model: BaseChatModel) -> None:
-        super().test_agent_loop(model)
-
 
 # test_tool_calling(_async): {'input': 3} from "magic_function(3)", which the embedded model gets
-# with its default grounded arguments (freetoken_agents/grounding.py; it wrote 266 without).
+# with its default grounded arguments (freetoken_agents/grounding.py). test_agent_loop: with
+# tool_choice auto it decides to call get_weather for "What is the weather in San Francisco, CA?".
 ON_THE_EMBEDDED_MODEL = {
     "test_tool_calling",
     "test_tool_calling_async",

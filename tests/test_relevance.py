@@ -183,3 +183,17 @@ def test_a_model_file_names_the_tools_it_was_trained_to_call(tmp_path):
     convert_checkpoint(hf, tmp_path / "m.ftw", progress=False, extra_metadata={"trained_tools": ["add", 3]})
     assert trained_tools(tmp_path / "m.ftw") == {"add"}  # names only
     assert trained_tools(hf) == frozenset()  # a checkpoint folder says nothing
+    assert trained_tools(default_model()) == {"add", "multiply", "get_weather", "lookup_capital"}
+
+
+@pytestmark_model
+def test_chat_freetoken_gates_the_calls_the_model_decides_when_asked():
+    from freetoken_agents.integrations.langchain import ChatFreeToken
+
+    distance = schema("distance_between", "Get the distance between two places.", start="string")
+    text = "Please email puzzle29@cherry.com, with high priority set to yes."  # no tool for that
+    llm = ChatFreeToken(model=str(default_model()), relevant_calls=False)
+    assert llm.bind_tools([distance]).invoke(text).tool_calls  # the model calls the one it has
+    llm = ChatFreeToken(model=str(default_model()))  # the embedded model's default: gated
+    msg = llm.bind_tools([distance]).invoke(text)
+    assert msg.tool_calls == [] and msg.content.strip()

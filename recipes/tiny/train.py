@@ -8,17 +8,34 @@ small functions of `coding.py`.
     python -m freetoken_agents.recipes.tiny.train --out /tmp/t --steps 20     # a smoke run
     python -m freetoken_agents.recipes.tiny.train --out build/tiny --device cuda  # on a GPU (bf16 autocast)
 
-The shipped freetoken-tiny.ftw was trained by this module at commit 8526d06 (the four tools and
-coding only, ~26 min on 2 cores), then continued for 200 steps on the world's tools (place names
-that may start with a vowel: the first model wrote "Fassaka" for Osaka) and coding, 14 min:
+The shipped freetoken-tiny.ftw is the model trained by this module at commit 8526d06 (the four
+tools and coding only, ~26 min on 2 cores), continued for 200 steps on the world's tools (place
+names that may start with a vowel: the first model wrote "Fassaka" for Osaka) and coding (14 min;
+the model of commit c0b0256), then continued on the generic tool-use corpus (issue 34): 420 steps,
+1,500 more with a third more no-call exchanges, and 400, 300 and 250 more with growing coding
+shares (coding first tries had fallen to 66%); about 50 min of training on 2 cores in all:
 
     git show 1420e20:freetoken_agents/data/freetoken-tiny.ftw > build/first.ftw  # that model
     python -m freetoken_agents.recipes.tiny.train --out build/tiny-vowels \
         --init build/first.ftw --steps 200 --dialogues 6000 --lr 5e-4 --threads 2 \
         --code-share 0.45 --world-share 0.55
+    git show c0b0256:freetoken_agents/data/freetoken-tiny.ftw > build/vowels.ftw  # the model it gave
+    T="python -m freetoken_agents.recipes.tiny.train"
+    $T --out build/g34a --init build/vowels.ftw --steps 420 --dialogues 16000 --lr 1.5e-3 --threads 2
+    $T --out build/g34b --init build/g34a/model.ftw --steps 1500 --dialogues 30000 --lr 1e-3 \
+        --no-call-share 0.4 --threads 2
+    $T --out build/g34c --init build/g34b/model.ftw --steps 400 --dialogues 12000 --lr 7e-4 \
+        --code-share 0.5 --world-share 0.2 --no-call-share 0.4 --threads 2
+    $T --out build/g34d --init build/g34c/model.ftw --steps 300 --dialogues 9000 --lr 5e-4 \
+        --code-share 0.6 --world-share 0.15 --no-call-share 0.4 --threads 1
+    $T --out build/g34e --init build/g34d/model.ftw --steps 250 --dialogues 8000 --lr 3e-4 \
+        --code-share 0.7 --world-share 0.15 --no-call-share 0.4 --threads 2   # the shipped model
+
+The FTW file names the four tools it was trained to call (metadata "trained_tools"): relevant calls
+(`freetoken_agents/relevance.py`) leave the decision on them to the model.
 
 `--init` continues from an FTW file with its tokenizer (see `warm.py`). On 2 shared cores a step
-of 4,096 conversation tokens takes ~3-10 s.
+of 4,096 conversation tokens takes ~1 s with 2 threads (~1.5 s with one).
 
 Reproducible: the corpus, the tokenizer, the initialisation and the batch order all follow `--seed`
 (bit-identical reruns need the same torch build and thread count). The text is rendered by the
@@ -46,7 +63,7 @@ from tqdm.auto import tqdm
 from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, EngineError, check_device, render_chat
 
 from . import generic
-from .corpus import Dialogue, build_corpus
+from .corpus import TOOL_SCHEMAS, Dialogue, build_corpus
 from .warm import load_ftw
 
 logger = logging.getLogger(__name__)
@@ -404,7 +421,9 @@ def train(
     model.save_pretrained(hf)
     tokenizer.save_pretrained(hf)
     ftw = out / "model.ftw"
-    convert_checkpoint(hf, ftw, quant=quant, progress=False)
+    # The tools it was trained to call: relevant calls leave the decision on them to the model.
+    trained = {"trained_tools": [tool["function"]["name"] for tool in TOOL_SCHEMAS]}
+    convert_checkpoint(hf, ftw, quant=quant, progress=False, extra_metadata=trained)
     logger.info("trained %d steps in %.0f s -> %s", steps, time.perf_counter() - t0, ftw)
     return ftw
 
