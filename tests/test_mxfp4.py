@@ -134,7 +134,8 @@ def test_tiers_on_cpu_hold_mxfp4_blocks_without_a_decode_and_match_resident(mxfp
     tp = eng.experts
     assert tp.stats()["tiers"]["fast"]["evictions"] > 0
     assert tp.moves.backing and all(
-        tp.fast.peek(k).gate_up.dtype == torch.uint8 and shares_memory(tp.fast.peek(k), tp.moves.backing[k][0])
+        tp.fast.peek(k).gate_up.dtype == torch.uint8
+        and shares_memory(tp.fast.peek(k), tp.moves.backing[k][0])
         for k in tp.moves.backing
     )  # a promoted block moved up as it is stored: no decode, no copy
     eng.close()
