@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,9 +33,14 @@ _ANY_ITEM = b"*"  # an array's element in a key path
 
 def conversation_sources(messages: Sequence[dict[str, Any]]) -> list[str]:
     """The texts arguments may be taken from: the user's and the tools' messages (their text parts)."""
+    return message_texts(messages, ("user", "tool"))
+
+
+def message_texts(messages: Sequence[dict[str, Any]], roles: Collection[str]) -> list[str]:
+    """The text of the messages whose role is one of `roles` (a string content, or its text parts)."""
     out: list[str] = []
     for message in messages:
-        if message.get("role") not in ("user", "tool"):
+        if message.get("role") not in roles:
             continue
         content = message.get("content")
         if isinstance(content, str):

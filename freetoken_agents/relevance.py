@@ -22,6 +22,8 @@ import re
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
+from .grounding import message_texts
+
 # Words that say nothing of what a request is about: English function words, and the verbs and
 # nouns every request and tool description uses ("get", "tell", "please", "function", "tool").
 STOP_WORDS = frozenset(
@@ -82,14 +84,4 @@ def relevant_tools(
 def user_sources(messages: Sequence[dict[str, Any]]) -> list[str]:
     """The texts a call's relevance is judged from: the user's messages (their text parts). Not the
     tools' results: a result mentioning a word is no request to call a tool about it."""
-    out: list[str] = []
-    for message in messages:
-        if message.get("role") != "user":
-            continue
-        content = message.get("content")
-        if isinstance(content, str):
-            out.append(content)
-        elif isinstance(content, list):
-            parts = [part for part in content if isinstance(part, dict)]
-            out += [part["text"] for part in parts if isinstance(part.get("text"), str)]
-    return out
+    return message_texts(messages, ("user",))
