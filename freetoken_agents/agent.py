@@ -94,7 +94,7 @@ class Agent:
     messages are about (a content word in common with a tool's name or description) or that it was
     trained to call; with none, it answers without a call (`GenerateRequest.call_sources`,
     `relevance.py`). None: the model's default (`FreeTokenModel.relevant_calls`: on for the
-    embedded model; off for a backend that does not say).
+    embedded model).
     `max_result_chars`: what the model reads of one tool result, at most (longer ones are cut
     with a note, before tokenisation); None: `tools.default_result_chars(model.max_context)`.
     The trace keeps each result up to that cap too. `tool_timeout`: seconds a call of a tool
@@ -131,9 +131,7 @@ class Agent:
     ) -> None:
         self.model, self.system_prompt = model, system_prompt
         self.ground_arguments = model.ground_arguments if ground_arguments is None else ground_arguments
-        self.relevant_calls = (
-            bool(getattr(model, "relevant_calls", False)) if relevant_calls is None else relevant_calls
-        )
+        self.relevant_calls = model.relevant_calls if relevant_calls is None else relevant_calls
         self.validate = validate
         if max_result_chars is not None and max_result_chars < 1:
             raise ValueError(f"max_result_chars must be at least 1, got {max_result_chars}")

@@ -120,8 +120,8 @@ class ModelBackend(Protocol):
       NotImplementedError and `close()` does nothing.
     - `ground_arguments`: the default of `Agent(ground_arguments=...)` over this backend (grounded
       tool-call arguments, `GenerateRequest.argument_sources`); False unless the model needs it.
-    - `relevant_calls` (optional, not required of a backend: False when absent): the default of
-      `Agent(relevant_calls=...)` (`GenerateRequest.call_sources`).
+    - `relevant_calls`: the default of `Agent(relevant_calls=...)` over this backend (calls gated by
+      relevance, `GenerateRequest.call_sources`); False unless the model needs it.
     """
 
     name: str
@@ -137,6 +137,8 @@ class ModelBackend(Protocol):
     def supports_contexts(self) -> bool: ...
     @property
     def ground_arguments(self) -> bool: ...
+    @property
+    def relevant_calls(self) -> bool: ...
     def render(
         self, messages: Sequence[dict], tools: Sequence[dict] | None, *, generation_prompt: bool = True
     ) -> list[int]: ...

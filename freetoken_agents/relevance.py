@@ -37,7 +37,7 @@ STOP_WORDS = frozenset(
     with would yes you your yours yourself yourselves
     hello hey thank thanks please quick question help need want like know tell give show get got
     find make use used call run return returns value input output tool tools function functions
-    args arg argument arguments the one two new current latest given
+    args arg argument arguments one two new current latest given
     """.split()
 )
 
@@ -64,9 +64,8 @@ def tool_name(tool: dict[str, Any]) -> str:
 
 def tool_words(tool: dict[str, Any]) -> frozenset[str]:
     """The content words of a tool's name and description."""
-    function = tool.get("function", tool)
-    name = re.sub(r"[_\-.]+", " ", str(function.get("name", "")))
-    description = function.get("description")
+    name = re.sub(r"[_\-.]+", " ", tool_name(tool))
+    description = tool.get("function", tool).get("description")
     return content_words(name) | content_words(description if isinstance(description, str) else "")
 
 

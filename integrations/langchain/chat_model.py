@@ -272,7 +272,7 @@ class ChatFreeToken(BaseChatModel):
     def _gates_calls(self, handle: EngineHandle) -> bool:
         if self.relevant_calls is not None:
             return self.relevant_calls
-        return bool(getattr(handle.backend, "relevant_calls", False))
+        return handle.backend.relevant_calls
 
     @staticmethod
     def _result(state: TurnState) -> ChatResult:
