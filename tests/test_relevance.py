@@ -197,3 +197,17 @@ def test_chat_freetoken_gates_the_calls_the_model_decides_when_asked():
     llm = ChatFreeToken(model=str(default_model()))  # the embedded model's default: gated
     msg = llm.bind_tools([distance]).invoke(text)
     assert msg.tool_calls == [] and msg.content.strip()
+
+
+def test_bad_call_sources_or_metadata_are_refused_with_a_named_error(tmp_path):
+    from pydantic import ValidationError
+    from tiny_models import build_tiny_model
+
+    from freetoken_agents.engine.loading.convert import convert_checkpoint
+
+    with pytest.raises(ValidationError, match="call_sources"):
+        GenerateRequest(tools=[FORECAST], call_sources="Forecast for Oslo?")  # one text, not a list
+    hf = build_tiny_model("qwen3_moe", tmp_path / "m")
+    with pytest.raises(ValueError, match="JSON-serialisable"):
+        convert_checkpoint(hf, tmp_path / "m.ftw", progress=False, extra_metadata={"trained_tools": {1j}})
+    assert not (tmp_path / "m.ftw").exists()
