@@ -90,3 +90,22 @@ def test_stats_fold_in_finished_cuda_copies():
     oracle.record_cuda_copy(_FakeEvent(0.0), _FakeEvent(4.0), 4 * MiB)  # 4 MiB in 4 ms
     s = oracle.stats()
     assert s["samples"] == 1 and s["estimate_bps"] == pytest.approx(MiB / 1e-3)
+
+
+def test_the_estimate_is_the_median_of_the_window_through_outliers_and_changes():
+    """The estimate is kept from a sorted copy of the window (not re-sorted per sample): over a
+    long noisy run with lone outliers and regime changes it is still exactly the median of the
+    rates the window holds."""
+    import random
+    import statistics
+
+    rng = random.Random(0)
+    oracle = BandwidthOracle("link", window=8)
+    level = 1e9
+    for i in range(2000):
+        if i % 300 == 299:
+            level *= rng.choice([0.3, 3.0])  # a new regime: confirmed after a few samples
+        rate = level * rng.uniform(0.9, 1.1) * (5.0 if rng.random() < 0.03 else 1.0)  # lone outliers
+        oracle.record(1_000_000, 1_000_000 / rate)
+        assert oracle.estimate() == statistics.median(oracle._rates)
+    assert oracle.changes >= 3 and oracle.outliers > 0

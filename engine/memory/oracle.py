@@ -16,6 +16,7 @@ CUDA copies with events recorded on the copy stream, folded in by `poll()` once 
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import threading
 import time
@@ -56,6 +57,9 @@ class BandwidthOracle:
         self.k_mad, self.rel_tol, self.confirm, self.confirm_s = k_mad, rel_tol, confirm, confirm_s
         self._suspect_s = 0.0
         self._rates: deque[float] = deque(maxlen=window)
+        # The window's rates in ascending order, kept beside it: the median is read off it on every
+        # sample (a q* promotion records one; `statistics.median` sorted the window each time).
+        self._sorted: list[float] = []
         self._suspects: list[float] = []
         self._estimate: float | None = prior_bps
         self.samples = 0
@@ -90,18 +94,24 @@ class BandwidthOracle:
                 # A run of same-side outliers is a new regime, not noise: restart the window.
                 self._rates.clear()
                 self._rates.extend(self._suspects)
+                self._sorted = sorted(self._rates)
                 self._suspects, self._suspect_s = [], 0.0
                 self.changes += 1
             else:
                 return
         else:
             self._suspects, self._suspect_s = [], 0.0
+            if len(self._rates) == self._rates.maxlen:
+                del self._sorted[bisect.bisect_left(self._sorted, self._rates[0])]
             self._rates.append(rate)
+            bisect.insort(self._sorted, rate)
         self._estimate = self._median()
         self.history.append((self.clock(), self._estimate))
 
     def _median(self) -> float:
-        return statistics.median(self._rates)
+        ordered, n = self._sorted, len(self._sorted)
+        mid = n // 2
+        return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
     def _is_outlier(self, rate: float, med: float) -> bool:
         """Whether `rate` lies beyond the window's spread around its median `med`."""

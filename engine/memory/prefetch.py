@@ -187,7 +187,9 @@ class Prefetcher:
                 if e not in pred:
                     pred.append(e)
         if score:  # the frequency-only baseline: the most frequent, as many (a sort of E: only here)
-            baseline = heapq.nlargest(len(pred), frequency, key=frequency.__getitem__)
+            # (`sorted` then a slice: the same experts as `heapq.nlargest`, at under half its cost
+            # over Qwen3-30B's 128 experts, on every layer.)
+            baseline = sorted(frequency, key=frequency.__getitem__, reverse=True)[: len(pred)]
             self._predictions[layer] = (set(pred), set(baseline))
         return pred
 

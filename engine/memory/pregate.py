@@ -51,6 +51,7 @@ class AheadRouters:
         self.weight: torch.Tensor | None = None  # [layers x E, H]
         self.bias: torch.Tensor | None = None  # [layers x E]
         self._routers: list[Router] = []
+        self._weights: list[torch.nn.Parameter] = []  # each router's weight (read without Module.__getattr__)
         self._ptrs: list[int] = []  # each router's weight's address once laid out
         mods = [routers.get(layer) for layer in self.layers]
         if depth < 1 or not mods or not all(_batchable(m) for m in mods):
@@ -75,7 +76,8 @@ class AheadRouters:
                 m.weight.data = self.weight[i * e : (i + 1) * e]
                 if self.bias is not None:
                     m.bias.data = self.bias[i * e : (i + 1) * e]
-        self._ptrs = [m.weight.data_ptr() for m in mods]
+        self._weights = [m.weight for m in mods]
+        self._ptrs = [w.data_ptr() for w in self._weights]
 
     @property
     def batched(self) -> bool:
@@ -91,15 +93,22 @@ class AheadRouters:
         n = min(self.depth, len(self.layers) - i)
         if n <= 0:
             return []
-        if any(self._routers[j].weight.data_ptr() != self._ptrs[j] for j in range(i, i + n)):
+        if [w.data_ptr() for w in self._weights[i : i + n]] != self._ptrs[i : i + n]:
             self._lay_out()  # a router's weight was replaced: lay the buffer out again
+        if torch.is_inference_mode_enabled():  # the engine's decode step: no second context (~1 us)
+            ids = self._top_ids(i, n, hidden)
+        else:
+            with torch.inference_mode():
+                ids = self._top_ids(i, n, hidden)
+        return [sorted(row) for row in ids.tolist()]  # one read of the ids (one sync on a GPU)
+
+    def _top_ids(self, i: int, n: int, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [1, H] -> the top-k expert ids [n, A] of the `n` routers from the `i`-th."""
         e = self.experts
         rows = slice(i * e, (i + n) * e)
-        with torch.inference_mode():
-            bias = self.bias[rows] if self.bias is not None else None
-            logits = torch.nn.functional.linear(hidden, self.weight[rows], bias)  # [1, n x E]
-            ids = logits.view(n, e).topk(self.top_k, dim=-1)[1]  # [n, A]
-        return [sorted(row) for row in ids.tolist()]  # one read of the ids (one sync on a GPU)
+        bias = self.bias[rows] if self.bias is not None else None
+        logits = torch.nn.functional.linear(hidden, self.weight[rows], bias)  # [1, n x E]
+        return logits.view(n, e).topk(self.top_k, dim=-1)[1]
 
 
 def _batchable(module: torch.nn.Module | None) -> bool:
