@@ -7,8 +7,9 @@ The built-in GPU profiles leave `tier_overhead_us` (per MoE layer of a tiered st
 pre-gating) and `miss_overhead_us` (per routed expert outside tier 1: q*'s decision and the tier
 moves around it) at 0, so `freetoken simulate` predicts q*'s policy on an engine whose bookkeeping
 is free; llama.cpp's static split, written in C++, has none to speak of. This measures the two
-costs on this machine (`simulate.measure._tiered_overheads_us`, what `--profile-here` writes; the
-median of `--measures` runs), then replays the README's calibrated traces (Mixtral-8x7B, 577
+costs on this machine on each model's own MoE layer shape, its experts per layer and top-k
+(`simulate.measure._tiered_overheads_us`, what `--profile-here --model M` writes; the median of
+`--measures` runs), then replays the README's calibrated traces (Mixtral-8x7B, 577
 tokens; Qwen3-30B-A3B, 300 tokens; MXFP4 experts; seed 0) on `--hardware` with both costs at each
 of `--scales` times the measured ones, and prints q* (cold, and started from the static split's
 profiling pass) against the static split. Everything but the measured costs is simulated: the
@@ -43,18 +44,24 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    runs = [_tiered_overheads_us(400, None) for _ in range(args.measures)]
-    tier_us = statistics.median(r[0] for r in runs)
-    miss_us = statistics.median(r[1] for r in runs)
-    print(
-        f"measured here ({args.threads} threads, median of {args.measures}): "
-        f"{tier_us:.1f} us per tiered MoE layer, {miss_us:.1f} us per miss"
-    )
     base = load_profile(args.hardware)
     models = {
         "mixtral-8x7b": preset_trace(MIXTRAL_8X7B, tokens=577, seed=0),
         "qwen3-30b-a3b": preset_trace(QWEN3_30B_A3B, tokens=300, seed=0),
     }
+    costs: dict[str, tuple[float, float]] = {}  # model -> (us per tiered layer, us per miss)
+    for name in models:
+        shape = shapes.shape_for(name)
+        runs = [
+            _tiered_overheads_us(400, None, experts=shape.num_experts, top_k=shape.top_k)
+            for _ in range(args.measures)
+        ]
+        costs[name] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+        print(
+            f"measured here on {name}'s MoE layer ({shape.num_experts} experts, top-{shape.top_k}; "
+            f"{args.threads} threads, median of {args.measures}): "
+            f"{costs[name][0]:.1f} us per tiered MoE layer, {costs[name][1]:.1f} us per miss"
+        )
     scales = [float(s) for s in args.scales.split(",")]
     print(f"\nSIMULATED decode tok/s on {args.hardware}, MXFP4 experts")
     print(
@@ -65,6 +72,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for name, trace in models.items():
         shape = shapes.shape_for(name)
+        tier_us, miss_us = costs[name]
         for fast in (float(f) for f in args.fast.split(",")):
             fast_bytes = int(fast * shape.total_expert_bytes("mxfp4"))
             static = None

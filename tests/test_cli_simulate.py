@@ -147,3 +147,5 @@ def test_profile_here_writes_a_profile(tmp_path: Path, capsys, monkeypatch) -> N
     monkeypatch.setattr(measure, "measure_profile", lambda **kw: calls.append(kw) or profile)
     assert main(["simulate", "--profile-here", "--model", "olmoe-1b-7b"]) == 0
     assert calls[-1]["matmul_k"] == 2048  # OLMoE's hidden size: memory read as its decode reads it
+    # and its tiered overheads measured on its MoE layer: 64 experts, top-8
+    assert (calls[-1]["moe_experts"], calls[-1]["moe_top_k"]) == (64, 8)

@@ -72,3 +72,25 @@ def test_the_tiered_overheads_pregate_with_real_router_weights(monkeypatch: pyte
     tier_us, miss_us = _tiered_overheads_us(3, None)
     assert devices and set(devices) == {"cpu"}
     assert tier_us >= 0 and miss_us >= 0
+
+
+def test_the_tiered_overheads_are_measured_on_the_models_moe_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-layer and per-miss costs grow with a layer's experts and top-k (pre-gating ranks
+    the experts, a layer routes top-k): measured on the shape asked for, every routed expert a
+    miss in the miss configuration, in inference mode as the engine's decode step runs."""
+    from freetoken_agents.engine.memory import TieredExpertProvider
+    from freetoken_agents.engine.simulate.measure import _tiered_overheads_us
+
+    seen: list[tuple[int, int, bool]] = []
+    run = TieredExpertProvider.run
+
+    def spy(self, layer, hidden, expert_ids, weights, spec):  # type: ignore[no-untyped-def]
+        seen.append((spec.num_experts, expert_ids.shape[1], torch.is_inference_mode_enabled()))
+        return run(self, layer, hidden, expert_ids, weights, spec)
+
+    monkeypatch.setattr(TieredExpertProvider, "run", spy)
+    tier_us, miss_us = _tiered_overheads_us(2, None, experts=16, top_k=4, layers=4)
+    assert set(seen) == {(16, 4, True)}
+    assert tier_us >= 0 and miss_us >= 0
+    with pytest.raises(ValueError, match="2 x top_k <= experts"):
+        _tiered_overheads_us(2, None, experts=6, top_k=4)

@@ -33,15 +33,17 @@ Each figure, and how it is measured (rates decimal GB/s = 1e9 bytes/s, sizes byt
   the engine's `expert_forward` plus the weighted accumulate (``add_``) the decode loop runs,
   median wall time less its bytes at host_mem_gbps (>= 0.1 us).
 - tier_overhead_us: the engine's `TieredExpertProvider` over a scratch FTW file of tiny experts
-  (4 MoE layers x 8 experts, hidden 64, fp32) with routers for pre-gating, tier 1 one expert
-  short of all of them and holding the two each step routes to (pre-gating and prefetch run, as
-  whenever tier 1 cannot hold the model): its median time per MoE layer less the same steps with
-  tier 1 holding every expert (no pre-gating then): the bookkeeping and pre-gating a tiered step
-  pays per layer besides moving and computing experts.
-- miss_overhead_us: the same provider without prefetch, tier 1 room for two experts and every
-  step routed to the two tier 1 does not hold (0-1, then 2-3, ...): its time per MoE layer less
-  the same steps with every expert in tier 1, per miss: q*'s decision, the promotion (a view of
-  the stored bytes for these fp32 blocks) and the eviction it causes.
+  (8 MoE layers x `moe_experts` experts (default 8), hidden 64, fp32) with routers for
+  pre-gating, tier 1 one expert short of all of them and holding the top-k (`moe_top_k`, default
+  2) each step routes to (pre-gating and prefetch run, as whenever tier 1 cannot hold the model),
+  in inference mode as the engine's decode step: its median time per MoE layer less the same
+  steps with tier 1 holding every expert (no pre-gating then): the bookkeeping and pre-gating a
+  tiered step pays per layer besides moving and computing experts. It grows with the experts a
+  layer has (~25 us at 8, ~37 at 128 on the 2-core Xeon dev machine, one thread).
+- miss_overhead_us: the same provider without prefetch, tier 1 room for one layer's top-k and
+  every step routed to top-k experts tier 1 does not hold (0-1, then 2-3, ... for top-2): its
+  time per MoE layer less the same steps with every expert in tier 1, per miss: q*'s decision,
+  the promotion (a view of the stored bytes for these fp32 blocks) and the eviction it causes.
 - disk_gbps: an FTW scratch file of expert-sized blocks (8 x 24 MiB; quick: 4 x 1 MiB), written
   with `FTWWriter` under `scratch_dir` (default: the temp dir), dropped from the page cache, read
   back block by block with the engine's `BlockReader` (O_DIRECT where the filesystem allows, else
@@ -136,9 +138,14 @@ def measure_profile(
     quick: bool = False,
     scratch_dir: str | os.PathLike[str] | None = None,
     matmul_k: int = 4096,
+    moe_experts: int = 8,
+    moe_top_k: int = 2,
 ) -> HardwareProfile:
     """Measure this machine (see the module docstring); `quick` uses small sizes (seconds).
-    `matmul_k`: the row length K of the one-token matmul host_mem_gbps is read with."""
+    `matmul_k`: the row length K of the one-token matmul host_mem_gbps is read with;
+    `moe_experts`, `moe_top_k`: the MoE layer shape the tiered overheads are measured with (a
+    model's own: pre-gating ranks a layer's experts, and a layer routes top-k; at least 2 x top-k
+    experts)."""
     sz = _QUICK if quick else _FULL
     host_gbps = _read_gbps(sz, matmul_k)
     logger.info("host memory: %.1f GB/s (one-token matmul reads)", host_gbps)
@@ -147,7 +154,9 @@ def measure_profile(
     copy_gbps = _copy_gbps(sz)
     logger.info("host copy: %.1f GB/s (2x bytes)", copy_gbps)
     layer_us, expert_us = _overheads_us(sz.overhead_reps, host_gbps, scratch_dir)
-    tier_us, miss_us = _tiered_overheads_us(sz.overhead_reps, scratch_dir)
+    tier_us, miss_us = _tiered_overheads_us(
+        sz.overhead_reps, scratch_dir, experts=moe_experts, top_k=moe_top_k
+    )
     logger.info(
         "overheads (us): %.1f per layer, %.1f per expert, %.1f per tiered layer, %.1f per tier-1 miss",
         layer_us,
@@ -338,54 +347,68 @@ def _engine_layer_s(
     return (step_s - dense / bps - experts) / layers
 
 
-def _tiered_overheads_us(reps: int, scratch_dir: str | os.PathLike[str] | None) -> tuple[float, float]:
+def _tiered_overheads_us(
+    reps: int,
+    scratch_dir: str | os.PathLike[str] | None,
+    *,
+    experts: int = 8,
+    top_k: int = 2,
+    layers: int = 8,
+) -> tuple[float, float]:
     """(per MoE layer, per miss) fixed costs of the tiered provider in microseconds (module
-    docstring), on a scratch FTW file of tiny experts."""
+    docstring), on a scratch FTW file of tiny experts: `layers` MoE layers of `experts` experts,
+    `top_k` routed per token (2 x top_k <= experts). Pass a model's experts and top-k to measure
+    the costs that grow with them (pre-gating ranks a layer's experts; a layer routes top-k). With
+    fewer layers than the pre-gating depth ahead of most of them, the last ones pre-gate less."""
     from ..memory import MemoryBudget, TieredExpertProvider
     from ..moe import Router
     from ..spec import MoESpec
 
-    layers, n_exp, h, inter = 4, 8, 64, 64
-    everything = layers * n_exp
-    spec = MoESpec(num_experts=n_exp, top_k=2, intermediate_size=inter, routing="softmax_topk")
+    if not 1 <= top_k <= experts // 2:
+        raise ValueError(f"measuring misses needs 2 x top_k <= experts, got top_k {top_k} of {experts}")
+    h, inter = 64, 64
+    everything = layers * experts
+    spec = MoESpec(num_experts=experts, top_k=top_k, intermediate_size=inter, routing="softmax_topk")
     g = torch.Generator().manual_seed(0)
     routers = {layer: Router(spec, h).to_empty(device="cpu") for layer in range(layers)}
     for router in routers.values():  # real weights: a router left on the meta device pre-gated
         torch.nn.init.normal_(router.weight, generator=g)  # through Python meta kernels (~15 us a layer)
     x = torch.randn(1, h, generator=g)
-    pairs = [torch.tensor([[0, 1]]), torch.tensor([[2, 3]])]
-    weights = torch.tensor([[0.6, 0.4]])
+    routed = [torch.tensor([list(range(top_k))]), torch.tensor([list(range(top_k, 2 * top_k))])]
+    weights = torch.full((1, top_k), 1.0 / top_k)
     with tempfile.TemporaryDirectory(prefix="freetoken-measure-", dir=scratch_dir) as tmp:
         path = Path(tmp) / "experts.ftw"
         with FTWWriter(path, model_config={"model_type": "measure"}) as w:
             for layer in range(layers):
-                for e in range(n_exp):
+                for e in range(experts):
                     gate_up, down = torch.randn(2 * inter, h, generator=g), torch.randn(h, inter, generator=g)
                     w.add_expert(layer, e, {"gate_up": encode(gate_up, "fp32"), "down": encode(down, "fp32")})
-        probe = TieredExpertProvider(path, MemoryBudget(), top_k=2, prefetch=False)
+        probe = TieredExpertProvider(path, MemoryBudget(), top_k=top_k, prefetch=False)
         each = max(probe.fast_bytes.values())
         probe.close()
 
         def per_layer_s(in_tier1: int, *, prefetch: bool, alternate: bool) -> float:
             """Seconds per MoE layer with room for `in_tier1` experts, tier 1 holding them (or the
-            two routed), routed to experts 0-1 (and 2-3 every other step with `alternate`)."""
+            routed ones), routed to the first top_k experts (and the next top_k every other step
+            with `alternate`)."""
             budget = MemoryBudget(fast_bytes=in_tier1 * each)
             tp = TieredExpertProvider(
-                path, budget, top_k=2, routers=routers, prefetch=prefetch, prefetch_thread=False
+                path, budget, top_k=top_k, routers=routers, prefetch=prefetch, prefetch_thread=False
             )
             steps = [0]
             try:
                 for layer in range(layers):
-                    for e in range(n_exp if in_tier1 == everything else 2):
+                    for e in range(experts if in_tier1 == everything else top_k):
                         tp.get(layer, e)
 
                 def step() -> None:
-                    ids = pairs[steps[0] % 2] if alternate else pairs[0]
+                    ids = routed[steps[0] % 2] if alternate else routed[0]
                     steps[0] += 1
                     for layer in range(layers):
                         tp.run(layer, x, ids, weights, spec)
 
-                with torch.no_grad():
+                # As the engine's decode step runs it (`Session`): in inference mode.
+                with torch.inference_mode():
                     return median_seconds(step, reps) / layers
             finally:
                 tp.close()
@@ -393,8 +416,8 @@ def _tiered_overheads_us(reps: int, scratch_dir: str | os.PathLike[str] | None) 
         resident = per_layer_s(everything, prefetch=True, alternate=False)  # pre-gating skipped
         pregating = per_layer_s(everything - 1, prefetch=True, alternate=False)
         all_hits = per_layer_s(everything, prefetch=False, alternate=True)
-        two_misses = per_layer_s(2, prefetch=False, alternate=True)  # both routed miss every step
-    return max((pregating - resident) * 1e6, 0.0), max((two_misses - all_hits) / 2 * 1e6, 0.0)
+        misses = per_layer_s(top_k, prefetch=False, alternate=True)  # every routed expert misses
+    return max((pregating - resident) * 1e6, 0.0), max((misses - all_hits) / top_k * 1e6, 0.0)
 
 
 def _disk_gbps(sz: _Sizes, scratch_dir: str | os.PathLike[str] | None) -> float:

@@ -295,8 +295,13 @@ def _profile_here(args: argparse.Namespace) -> int:
         raise CLIError(f"--profile-here measures this machine; drop --{given[0].replace('_', '-')}")
     from ..engine.simulate.measure import measure_profile
 
-    # With --model, memory is read as that model's decode reads it: rows of its hidden size.
-    k = {"matmul_k": shape_for(args.model).hidden} if args.model else {}
+    # With --model, memory is read as that model's decode reads it (rows of its hidden size), and
+    # the tiered overheads measured with its experts per layer and top-k.
+    k: dict[str, int] = {}
+    if args.model:
+        shape = shape_for(args.model)
+        top_k = min(shape.top_k, max(1, shape.num_experts // 2))  # misses need 2 x top-k experts
+        k = {"matmul_k": shape.hidden, "moe_experts": shape.num_experts, "moe_top_k": top_k}
     toml = measure_profile(quick=args.quick, scratch_dir=args.scratch_dir, **k).to_toml()
     if args.out is None:
         write(toml)
