@@ -40,7 +40,7 @@ class FrozenOracle(BandwidthOracle):
 
 
 class FrozenCompute(ComputeCostModel):
-    def observe(self, device: str, codec: str, tokens: int, seconds: float) -> None:
+    def observe(self, device: str, codec: str, tokens: int, seconds: float, times: int = 1) -> None:
         pass
 
 

@@ -108,14 +108,21 @@ class ComputeCostModel:
             buckets.sort()
         self._ema[(device, codec, bucket)] = seconds
 
-    def observe(self, device: str, codec: str, tokens: int, seconds: float) -> None:
+    def observe(self, device: str, codec: str, tokens: int, seconds: float, times: int = 1) -> None:
+        """Fold in a measurement of `seconds` at `tokens` tokens, `times` times over (a layer's
+        experts timed together, each credited an equal share: one call, not one per expert)."""
         b = 1 if tokens <= 1 else tokens_bucket(tokens)
         value = seconds * b / max(1, tokens)
-        old = self._ema.get((device, codec, b))
+        key = (device, codec, b)
+        old = self._ema.get(key)
         if old is None:
             self._put(device, codec, b, value)
-        else:
-            self._ema[(device, codec, b)] = (1 - self.alpha) * old + self.alpha * value
+            times -= 1
+            old = value
+        keep, alpha = 1 - self.alpha, self.alpha
+        for _ in range(times):
+            old = keep * old + alpha * value
+        self._ema[key] = old
 
     def set(self, device: str, codec: str, tokens: int, seconds: float) -> None:
         """Set a bucket directly (tests, calibration)."""

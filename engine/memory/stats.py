@@ -33,10 +33,10 @@ class PhaseTimer:
         of a decode step.)"""
         return _Phase(self, name)
 
-    def add(self, name: str, seconds: float) -> None:
-        """Count one run of phase `name` that took `seconds`."""
+    def add(self, name: str, seconds: float, runs: int = 1) -> None:
+        """Count `runs` runs of phase `name` that took `seconds` together."""
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-        self.counts[name] += 1
+        self.counts[name] += runs
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """`phase_s` (seconds per phase) and `phase_calls` (times each ran)."""
