@@ -201,3 +201,14 @@ def test_an_unmeasured_codec_is_answered_without_scanning_every_measurement():
     m.observe("cpu-host", "mxfp4", 3, 9e-4)  # bucket 4: 9e-4 x 4 / 3 folded into the EMA
     assert m.measured("cpu-host", "mxfp4", 4) == pytest.approx(0.8 * 8e-4 + 0.2 * 12e-4)
     assert CountingDict.scans == 0
+
+
+def test_a_measurement_observed_n_times_in_one_call_is_n_observations() -> None:
+    """A layer of resident experts timed together credits each its share in one call
+    (`times=n`): the model ends exactly where n calls would have left it, first or later."""
+    one_by_one, at_once = ComputeCostModel(), ComputeCostModel()
+    for seconds in (3e-4, 1e-4, 2e-4):
+        for _ in range(8):
+            one_by_one.observe("cpu", "decoded", 1, seconds)
+        at_once.observe("cpu", "decoded", 1, seconds, times=8)
+        assert at_once.estimate("cpu", "decoded", 1) == one_by_one.estimate("cpu", "decoded", 1)
