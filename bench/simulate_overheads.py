@@ -4,13 +4,14 @@ fixed costs priced in.
     python bench/simulate_overheads.py [--hardware rtx4090-pcie4] [--fast 0.25,0.5]   # ~4 min, 2 cores
 
 The built-in GPU profiles leave `tier_overhead_us` (per MoE layer of a tiered step: bookkeeping and
-pre-gating) and `miss_overhead_us` (per routed expert outside tier 1: q*'s decision and the tier
-moves around it) at 0, so `freetoken simulate` predicts q*'s policy on an engine whose bookkeeping
-is free; llama.cpp's static split, written in C++, has none to speak of. This measures the two
+pre-gating), `miss_overhead_us` (per routed expert outside tier 1: q*'s decision and the Python
+around computing it where its weights are) and `stream_overhead_us` (what a STREAM's tier moves
+add) at 0, so `freetoken simulate` predicts q*'s policy on an engine whose bookkeeping
+is free; llama.cpp's static split, written in C++, has none to speak of. This measures the three
 costs on this machine on each model's own MoE layer shape, its experts per layer and top-k
 (`simulate.measure._tiered_overheads_us`, what `--profile-here --model M` writes; the median of
 `--measures` runs), then replays the README's calibrated traces (Mixtral-8x7B, 577
-tokens; Qwen3-30B-A3B, 300 tokens; MXFP4 experts; seed 0) on `--hardware` with both costs at each
+tokens; Qwen3-30B-A3B, 300 tokens; MXFP4 experts; seed 0) on `--hardware` with the costs at each
 of `--scales` times the measured ones, and prints q* (cold, and started from the static split's
 profiling pass) against the static split. Everything but the measured costs is simulated: the
 figures are predictions, not measurements of a GPU. A CPU of a GPU box runs this Python faster
@@ -49,36 +50,41 @@ def main() -> None:
         "mixtral-8x7b": preset_trace(MIXTRAL_8X7B, tokens=577, seed=0),
         "qwen3-30b-a3b": preset_trace(QWEN3_30B_A3B, tokens=300, seed=0),
     }
-    costs: dict[str, tuple[float, float]] = {}  # model -> (us per tiered layer, us per miss)
+    # model -> (us per tiered layer, us per miss, us more per STREAM)
+    costs: dict[str, tuple[float, float, float]] = {}
     for name in models:
         shape = shapes.shape_for(name)
         runs = [
             _tiered_overheads_us(400, None, experts=shape.num_experts, top_k=shape.top_k)
             for _ in range(args.measures)
         ]
-        costs[name] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+        tier_us, miss_us, stream_us = (statistics.median(r[i] for r in runs) for i in range(3))
+        costs[name] = (tier_us, miss_us, stream_us)
         print(
             f"measured here on {name}'s MoE layer ({shape.num_experts} experts, top-{shape.top_k}; "
             f"{args.threads} threads, median of {args.measures}): "
-            f"{costs[name][0]:.1f} us per tiered MoE layer, {costs[name][1]:.1f} us per miss"
+            f"{tier_us:.1f} us per tiered MoE layer, {miss_us:.1f} us per miss, {stream_us:.1f} more a STREAM"
         )
     scales = [float(s) for s in args.scales.split(",")]
     print(f"\nSIMULATED decode tok/s on {args.hardware}, MXFP4 experts")
     print(
-        "| model | fast | scale | tier us/layer | us/miss | q* | q* profiled | static "
+        "| model | fast | scale | tier us/layer | us/miss | us/STREAM more | q* | q* profiled | static "
         "| q*/static | q* profiled/static |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     t0 = time.perf_counter()
     for name, trace in models.items():
         shape = shapes.shape_for(name)
-        tier_us, miss_us = costs[name]
+        tier_us, miss_us, stream_us = costs[name]
         for fast in (float(f) for f in args.fast.split(",")):
             fast_bytes = int(fast * shape.total_expert_bytes("mxfp4"))
             static = None
             for scale in scales:
                 profile = dataclasses.replace(
-                    base, tier_overhead_us=scale * tier_us, miss_overhead_us=scale * miss_us
+                    base,
+                    tier_overhead_us=scale * tier_us,
+                    miss_overhead_us=scale * miss_us,
+                    stream_overhead_us=scale * stream_us,
                 )
                 policies = ["qstar", "qstar-profiled"] + (["static"] if static is None else [])
                 report = simulate(
@@ -89,6 +95,7 @@ def main() -> None:
                 warm = report.result("qstar-profiled").tokens_per_s
                 print(
                     f"| {name} | {fast:.0%} | {scale:g} | {scale * tier_us:.1f} | {scale * miss_us:.1f} | "
+                    f"{scale * stream_us:.1f} | "
                     f"{cold:.1f} | {warm:.1f} | {static:.1f} | {cold / static:.2f}x | {warm / static:.2f}x |",
                     flush=True,
                 )

@@ -304,7 +304,7 @@ def main() -> int:
         f"disk {p.disk_gbps:.2f} GB/s, device {p.device}\n"
         f"  copy {p.link_gbps:.1f} GB/s, overheads: layer {p.layer_overhead_us:.1f} us, "
         f"expert {p.expert_overhead_us:.1f} us, tier {p.tier_overhead_us:.1f} us, "
-        f"miss {p.miss_overhead_us:.1f} us"
+        f"miss {p.miss_overhead_us:.1f} us (+{p.stream_overhead_us:.1f} a STREAM)"
     )
     print(
         f"\n{'config':<20} {'measured':>9} {'best':>7} {'predicted':>9} {'pred/meas':>9} {'within 25%':>10} "

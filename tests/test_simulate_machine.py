@@ -137,6 +137,36 @@ def test_a_tiered_replay_charges_each_tier1_miss_its_overhead() -> None:
     assert slow.seconds > cheap.seconds + 0.5 * slow.fast_misses * 1e-3  # at least half of them serial
 
 
+def test_a_tiered_replay_charges_the_tier_moves_to_streams_only() -> None:
+    """stream_overhead_us: what a STREAM's promotion, eviction and demotion add to a miss. The
+    per-layer LRU streams every miss, so each pays it; q* computes most misses where their weights
+    are, so the same cost per STREAM slows it less than the same cost on every miss."""
+    from freetoken_agents.engine.routing_trace import group_steps
+    from freetoken_agents.engine.simulate.replay import TieredReplay
+    from freetoken_agents.engine.simulate.shapes import shape_for
+    from freetoken_agents.engine.simulate.synthetic import MIXTRAL_8X7B, preset_trace
+
+    shape = shape_for("mixtral-8x7b")
+    steps = group_steps(preset_trace(MIXTRAL_8X7B, tokens=6, seed=0))
+    # A link fast enough that the copies do not hide the CPU's bookkeeping beside them.
+    base = dataclasses.replace(load_profile("rtx4090-pcie4"), link_gbps=2000.0)
+    budget = shape.total_expert_bytes("mxfp4") // 2
+
+    def run(placement: str, **costs: float):
+        profile = dataclasses.replace(base, **costs)
+        replay = TieredReplay(
+            shape, profile, codec="mxfp4", fast_bytes=budget, host_bytes=None, placement=placement
+        )
+        return replay.run(steps)
+
+    lru, lru_slow = run("layer-lru"), run("layer-lru", stream_overhead_us=1000.0)
+    assert lru_slow.fast_misses > 0
+    assert lru_slow.seconds > lru.seconds + 0.5 * lru_slow.fast_misses * 1e-3
+    per_miss, per_stream = run("qstar", miss_overhead_us=1000.0), run("qstar", stream_overhead_us=1000.0)
+    assert 0 < per_stream.decisions["stream"] < per_stream.fast_misses
+    assert per_stream.seconds < per_miss.seconds
+
+
 def test_int8_and_mxfp4_experts_on_the_cpu_run_at_the_measured_kernel_rates() -> None:
     """A profile's `host_int8_gbps` / `host_mxfp4_gbps` (the engine's CPU kernels, measured by
     `measure_profile`) price int8 / MXFP4 experts on the CPU; 0 (built-ins) reads them at

@@ -69,9 +69,9 @@ def test_the_tiered_overheads_pregate_with_real_router_weights(monkeypatch: pyte
         return choose(self, layer, hidden)
 
     monkeypatch.setattr(AheadRouters, "choose", spy)
-    tier_us, miss_us = _tiered_overheads_us(3, None)
+    tier_us, miss_us, stream_us = _tiered_overheads_us(3, None)
     assert devices and set(devices) == {"cpu"}
-    assert tier_us >= 0 and miss_us >= 0
+    assert tier_us >= 0 and miss_us >= 0 and stream_us >= 0
 
 
 def test_the_tiered_overheads_are_measured_on_the_models_moe_layer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,14 +83,21 @@ def test_the_tiered_overheads_are_measured_on_the_models_moe_layer(monkeypatch: 
 
     seen: list[tuple[int, int, bool]] = []
     run = TieredExpertProvider.run
+    providers: list[TieredExpertProvider] = []
 
     def spy(self, layer, hidden, expert_ids, weights, spec):  # type: ignore[no-untyped-def]
         seen.append((spec.num_experts, expert_ids.shape[1], torch.is_inference_mode_enabled()))
+        if self not in providers:
+            providers.append(self)
         return run(self, layer, hidden, expert_ids, weights, spec)
 
     monkeypatch.setattr(TieredExpertProvider, "run", spy)
-    tier_us, miss_us = _tiered_overheads_us(2, None, experts=16, top_k=4, layers=4)
+    tier_us, miss_us, stream_us = _tiered_overheads_us(2, None, experts=16, top_k=4, layers=4)
     assert set(seen) == {(16, 4, True)}
-    assert tier_us >= 0 and miss_us >= 0
-    with pytest.raises(ValueError, match="2 x top_k <= experts"):
-        _tiered_overheads_us(2, None, experts=6, top_k=4)
+    assert tier_us >= 0 and miss_us >= 0 and stream_us >= 0
+    # the last two configurations: every miss q*'s choice (streams among them: tier 1 takes them
+    # in), then every miss priced by q* and computed HOST (tier 1 takes in nothing after the 16
+    # experts it was given, 4 layers x top-4)
+    chosen, computed = providers[-2:]
+    assert chosen.policy.decisions["stream"] > 0 and chosen.fast.counters.inserts > 16
+    assert computed.fast.counters.inserts == 16 and computed.fast.counters.misses > 0

@@ -19,8 +19,9 @@ the resources that run those steps in parallel.
   MoE layer's share of the token (attention, norms, router, lm_head: `dense_bytes_per_token`, in
   the compute dtype: bf16 on a GPU, fp32 on a CPU, where the engine keeps dense weights fp32),
   plus `layer_overhead_us` for each transformer layer (the model's layers / its MoE layers per
-  MoE layer); a tiered step adds `tier_overhead_us` per MoE layer (`tier_overhead_s`) and
-  `miss_overhead_us` per expert it finds outside tier 1 (`miss_overhead_s`).
+  MoE layer); a tiered step adds `tier_overhead_us` per MoE layer (`tier_overhead_s`),
+  `miss_overhead_us` per expert it finds outside tier 1 (`miss_overhead_s`) and
+  `stream_overhead_us` more per STREAM among them (`stream_overhead_s`: the tier moves).
 
 `Timeline` holds when each resource is next free: "device" (GPU compute), "cpu" (host compute),
 "link" (host -> device copies) and "disk". On a CPU-only profile the device, the CPU and the link
@@ -78,6 +79,7 @@ class ExpertCosts:
     layer_overhead_s: float = 0.0  # per MoE layer: every transformer layer's share
     tier_overhead_s: float = 0.0
     miss_overhead_s: float = 0.0
+    stream_overhead_s: float = 0.0
     copy_s: float = 0.0  # CPU: a promotion that copies the block into tier 1 (CUDA: = link_s)
     host_codec_bps: float = 0.0  # the CPU's rate through the stored codec's weights (0: host_bps)
     fast_codec_bps: float = 0.0  # a "cpu" device's rate through tier 1's codec (0: device_bps)
@@ -129,6 +131,7 @@ class ExpertCosts:
             layer_overhead_s=profile.layer_overhead_us * 1e-6 * max(shape.num_layers, n_moe) / n_moe,
             tier_overhead_s=profile.tier_overhead_us * 1e-6,
             miss_overhead_s=profile.miss_overhead_us * 1e-6,
+            stream_overhead_s=profile.stream_overhead_us * 1e-6,
             copy_s=copy_s,
             host_codec_bps=_codec_gbps(profile, c) * 1e9,
             fast_codec_bps=_codec_gbps(profile, fast_codec) * 1e9 if dev == "cpu" else 0.0,

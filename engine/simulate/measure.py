@@ -41,9 +41,13 @@ Each figure, and how it is measured (rates decimal GB/s = 1e9 bytes/s, sizes byt
   tiered step pays per layer besides moving and computing experts. It grows with the experts a
   layer has (~25 us at 8, ~37 at 128 on the 2-core Xeon dev machine, one thread).
 - miss_overhead_us: the same provider without prefetch, tier 1 room for one layer's top-k and
-  every step routed to top-k experts tier 1 does not hold (0-1, then 2-3, ... for top-2): its
-  time per MoE layer less the same steps with every expert in tier 1, per miss: q*'s decision,
-  the promotion (a view of the stored bytes for these fp32 blocks) and the eviction it causes.
+  every step routed to top-k experts tier 1 does not hold (0-1, then 2-3, ... for top-2), each
+  priced by q* and then computed where its weights are (HOST): its time per MoE layer less the
+  same steps with every expert in tier 1, per miss: q*'s decision and the Python around a HOST
+  computation.
+- stream_overhead_us: the same steps with q*'s own choice, a STREAM for these zero-copy fp32
+  blocks, per miss, less miss_overhead_us: the promotion (a view of the stored bytes), the
+  eviction it causes and the demotion of the evicted block into tier 2.
 - disk_gbps: an FTW scratch file of expert-sized blocks (8 x 24 MiB; quick: 4 x 1 MiB), written
   with `FTWWriter` under `scratch_dir` (default: the temp dir), dropped from the page cache, read
   back block by block with the engine's `BlockReader` (O_DIRECT where the filesystem allows, else
@@ -154,15 +158,17 @@ def measure_profile(
     copy_gbps = _copy_gbps(sz)
     logger.info("host copy: %.1f GB/s (2x bytes)", copy_gbps)
     layer_us, expert_us = _overheads_us(sz.overhead_reps, host_gbps, scratch_dir)
-    tier_us, miss_us = _tiered_overheads_us(
+    tier_us, miss_us, stream_us = _tiered_overheads_us(
         sz.overhead_reps, scratch_dir, experts=moe_experts, top_k=moe_top_k
     )
     logger.info(
-        "overheads (us): %.1f per layer, %.1f per expert, %.1f per tiered layer, %.1f per tier-1 miss",
+        "overheads (us): %.1f per layer, %.1f per expert, %.1f per tiered layer, %.1f per tier-1 miss"
+        " (+%.1f a STREAM)",
         layer_us,
         expert_us,
         tier_us,
         miss_us,
+        stream_us,
     )
     disk_gbps = _disk_gbps(sz, scratch_dir)
     logger.info("disk: %.2f GB/s", disk_gbps)
@@ -173,7 +179,7 @@ def measure_profile(
     host: dict[str, Any] = dict(host_mem_gbps=host_gbps, host_mem_bytes=host_bytes, disk_gbps=disk_gbps)
     host.update(cpu_gflops=cpu_gflops, cpu_cores=cores)
     host.update(layer_overhead_us=layer_us, expert_overhead_us=expert_us)
-    host.update(tier_overhead_us=tier_us, miss_overhead_us=miss_us)
+    host.update(tier_overhead_us=tier_us, miss_overhead_us=miss_us, stream_overhead_us=stream_us)
     host.update(host_int8_gbps=int8_gbps, host_mxfp4_gbps=mxfp4_gbps)
     if torch.cuda.is_available():
         return HardwareProfile(name=name, device="cuda", **_cuda_figures(sz), **host)
@@ -354,13 +360,14 @@ def _tiered_overheads_us(
     experts: int = 8,
     top_k: int = 2,
     layers: int = 8,
-) -> tuple[float, float]:
-    """(per MoE layer, per miss) fixed costs of the tiered provider in microseconds (module
-    docstring), on a scratch FTW file of tiny experts: `layers` MoE layers of `experts` experts,
-    `top_k` routed per token (2 x top_k <= experts). Pass a model's experts and top-k to measure
-    the costs that grow with them (pre-gating ranks a layer's experts; a layer routes top-k). With
-    fewer layers than the pre-gating depth ahead of most of them, the last ones pre-gate less."""
-    from ..memory import MemoryBudget, TieredExpertProvider
+) -> tuple[float, float, float]:
+    """(per MoE layer, per miss, per STREAM on top) fixed costs of the tiered provider in
+    microseconds (module docstring), on a scratch FTW file of tiny experts: `layers` MoE layers
+    of `experts` experts, `top_k` routed per token (2 x top_k <= experts). Pass a model's experts
+    and top-k to measure the costs that grow with them (pre-gating ranks a layer's experts; a
+    layer routes top-k). With fewer layers than the pre-gating depth ahead of most of them, the
+    last ones pre-gate less."""
+    from ..memory import MemoryBudget, Placement, TieredExpertProvider
     from ..moe import Router
     from ..spec import MoESpec
 
@@ -387,14 +394,21 @@ def _tiered_overheads_us(
         each = max(probe.fast_bytes.values())
         probe.close()
 
-        def per_layer_s(in_tier1: int, *, prefetch: bool, alternate: bool) -> float:
-            """Seconds per MoE layer with room for `in_tier1` experts, tier 1 holding them (or the
-            routed ones), routed to the first top_k experts (and the next top_k every other step
-            with `alternate`)."""
+        def per_layer_s(
+            in_tier1: int, *, prefetch: bool, alternate: bool, host: bool = False
+        ) -> tuple[float, float]:
+            """(seconds per MoE layer, the share of its misses q* streamed) with room for
+            `in_tier1` experts, tier 1 holding them (or the routed ones), routed to the first top_k
+            experts (and the next top_k every other step with `alternate`). `host`: q* prices
+            every miss as usual, then computes it where its weights are (HOST) instead of what it
+            chose (for these zero-copy blocks mostly a STREAM)."""
             budget = MemoryBudget(fast_bytes=in_tier1 * each)
             tp = TieredExpertProvider(
                 path, budget, top_k=top_k, routers=routers, prefetch=prefetch, prefetch_thread=False
             )
+            if host:
+                priced = tp.policy.decide
+                tp.policy.decide = lambda key, case: (priced(key, case), Placement.HOST)[1]  # type: ignore[method-assign]
             steps = [0]
             try:
                 for layer in range(layers):
@@ -409,15 +423,22 @@ def _tiered_overheads_us(
 
                 # As the engine's decode step runs it (`Session`): in inference mode.
                 with torch.inference_mode():
-                    return median_seconds(step, reps) / layers
+                    seconds = median_seconds(step, reps) / layers
+                decided = tp.policy.decisions
+                misses = sum(n for p, n in decided.items() if p != Placement.RESIDENT.value)
+                return seconds, decided[Placement.STREAM.value] / misses if misses else 0.0
             finally:
                 tp.close()
 
-        resident = per_layer_s(everything, prefetch=True, alternate=False)  # pre-gating skipped
-        pregating = per_layer_s(everything - 1, prefetch=True, alternate=False)
-        all_hits = per_layer_s(everything, prefetch=False, alternate=True)
-        misses = per_layer_s(top_k, prefetch=False, alternate=True)  # every routed expert misses
-    return max((pregating - resident) * 1e6, 0.0), max((misses - all_hits) / top_k * 1e6, 0.0)
+        resident, _ = per_layer_s(everything, prefetch=True, alternate=False)  # pre-gating skipped
+        pregating, _ = per_layer_s(everything - 1, prefetch=True, alternate=False)
+        all_hits, _ = per_layer_s(everything, prefetch=False, alternate=True)
+        chosen, streamed = per_layer_s(top_k, prefetch=False, alternate=True)  # every routed expert misses
+        computed, _ = per_layer_s(top_k, prefetch=False, alternate=True, host=True)
+    miss = max((computed - all_hits) / top_k, 0.0)
+    # q*'s own choices: mostly STREAMs (the first miss is computed HOST, to measure the host)
+    stream = max((chosen - all_hits) / top_k - miss, 0.0) / streamed if streamed else 0.0
+    return max((pregating - resident) * 1e6, 0.0), miss * 1e6, stream * 1e6
 
 
 def _disk_gbps(sz: _Sizes, scratch_dir: str | os.PathLike[str] | None) -> float:

@@ -20,12 +20,14 @@ a TOML file with every field (`load_profile`), for example a 4090 box with 128 G
     cpu_gflops = 1000.0          # sustained fp32 GFLOP/s, all cores
     cpu_cores = 16
 
-Four fixed costs are optional (default 0: not modelled), in microseconds: `layer_overhead_us`
+Five fixed costs are optional (default 0: not modelled), in microseconds: `layer_overhead_us`
 (per transformer layer per step besides reading its weights: op launches, Python around norms,
 attention, the router), `expert_overhead_us` (per routed expert call: its ops and the Python
 around them), `tier_overhead_us` (per MoE layer of a tiered step: the tiered provider's
-bookkeeping and pre-gating) and `miss_overhead_us` (per routed expert a tiered step finds outside
-tier 1: q*'s decision, the tier moves and evictions around it). `measure_profile` measures
+bookkeeping and pre-gating), `miss_overhead_us` (per routed expert a tiered step finds outside
+tier 1: q*'s decision and the Python around computing it where its weights are) and
+`stream_overhead_us` (per STREAM on top of that: the promotion into tier 1 and the eviction and
+demotion it causes). `measure_profile` measures
 them on the machine it runs on, and two optional rates: `host_int8_gbps` and `host_mxfp4_gbps`,
 how fast the CPU runs int8 / MXFP4 experts with the engine's kernels (default 0: as fast as
 reading their bytes, `host_mem_gbps`).
@@ -78,7 +80,9 @@ class HardwareProfile:
         tier_overhead_us: fixed cost per MoE layer of a tiered step (bookkeeping, pre-gating),
             microseconds; optional, default 0.
         miss_overhead_us: fixed cost per routed expert a tiered step finds outside tier 1 (the
-            decision, tier moves and evictions), microseconds; optional, default 0.
+            decision, and computing it where its weights are), microseconds; optional, default 0.
+        stream_overhead_us: fixed cost a STREAM adds to `miss_overhead_us` (the promotion into
+            tier 1, the eviction and demotion it causes), microseconds; optional, default 0.
         host_int8_gbps, host_mxfp4_gbps: the CPU's rate through int8 / MXFP4 expert weights on
             one token with the engine's own kernels, GB/s of those weights; optional, default 0:
             weight-read bound at host_mem_gbps (what a fused kernel reaches on a desktop CPU).
@@ -103,6 +107,7 @@ class HardwareProfile:
     expert_overhead_us: float = 0.0
     tier_overhead_us: float = 0.0
     miss_overhead_us: float = 0.0
+    stream_overhead_us: float = 0.0
     host_int8_gbps: float = 0.0
     host_mxfp4_gbps: float = 0.0
 
@@ -141,6 +146,7 @@ _TYPES: dict[str, type] = {
     "expert_overhead_us": float,
     "tier_overhead_us": float,
     "miss_overhead_us": float,
+    "stream_overhead_us": float,
     "host_int8_gbps": float,
     "host_mxfp4_gbps": float,
 }
@@ -149,6 +155,7 @@ _OPTIONAL: dict[str, float] = {
     "expert_overhead_us": 0.0,
     "tier_overhead_us": 0.0,
     "miss_overhead_us": 0.0,
+    "stream_overhead_us": 0.0,
     "host_int8_gbps": 0.0,
     "host_mxfp4_gbps": 0.0,
 }

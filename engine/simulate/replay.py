@@ -412,8 +412,10 @@ class TieredReplay:
         staged = self.prefetcher.take(key) if self.prefetcher is not None else None
         act = c.activation_bytes * tokens
         place = self.planner.decide(key, tokens, staged=staged is not None, activation_bytes=act)
-        if c.miss_overhead_s:  # the decision and the tier moves, on the thread that runs the layer
-            hidden = self.timeline.run("cpu", hidden, c.miss_overhead_s)
+        # The decision (and a STREAM's tier moves) on the thread that runs the layer.
+        overhead = c.miss_overhead_s + (c.stream_overhead_s if place is Placement.STREAM else 0.0)
+        if overhead:
+            hidden = self.timeline.run("cpu", hidden, overhead)
         if place is Placement.HOST:
             cuda_or_not_staged = c.device == "cuda" or staged is None
             ready = self.mover.host_value(key, start) if cuda_or_not_staged else staged
