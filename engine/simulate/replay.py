@@ -391,7 +391,7 @@ class TieredReplay:
                     ends.append(self._fast_compute(hidden, 0.0, routed[e]))
             else:
                 for e in used:
-                    end, missed = self._expert(layer, e, routed[e], start, hidden)
+                    end, missed = self._expert(layer, e, routed[e], hidden)
                     ends.append(end)
                     misses += missed
             self.now = max(ends)
@@ -402,9 +402,10 @@ class TieredReplay:
         self.policy.compute.observe(self.costs.device, "decoded", tokens, s)
         return self.timeline.run("device", max(hidden, ready), s)
 
-    def _expert(self, layer: int, e: int, tokens: int, start: float, hidden: float) -> tuple[float, int]:
+    def _expert(self, layer: int, e: int, tokens: int, hidden: float) -> tuple[float, int]:
         """One routed expert as `TieredExpertProvider._compute` runs it: (when it ends, 1 if it
-        missed tier 1)."""
+        missed tier 1). A demand read or copy starts once the layer's routing is known (`hidden`:
+        its hidden state, after the router) and q* has decided, as the live engine issues it."""
         key, c = (layer, e), self.costs
         if self.fast.get(key) is not None:
             self.policy.count_resident(1, tokens)
@@ -418,7 +419,7 @@ class TieredReplay:
             hidden = self.timeline.run("cpu", hidden, overhead)
         if place is Placement.HOST:
             cuda_or_not_staged = c.device == "cuda" or staged is None
-            ready = self.mover.host_value(key, start) if cuda_or_not_staged else staged
+            ready = self.mover.host_value(key, hidden) if cuda_or_not_staged else staged
             if c.device == "cuda":  # hidden states device -> host and back: tiny, latency-bound
                 self.mover.bytes["activations"] += act
                 hidden += c.activation_s * tokens
@@ -428,19 +429,19 @@ class TieredReplay:
         if place is Placement.STAGED:  # the staged copy, used and let go
             return self._fast_compute(hidden, staged or 0.0, tokens), 1
         if place is Placement.SPLIT:
-            return self._split(key, tokens, start, hidden), 1
-        ready = self.mover.promote(key, start, staged)
+            return self._split(key, tokens, hidden), 1
+        ready = self.mover.promote(key, hidden, staged)
         if c.decode_s and key not in self.mover.moves_up:
             self.policy.compute.observe(c.device, f"decode/{c.codec}", 1, c.decode_s)
             ready = self.timeline.run("device", ready, c.decode_s)
         return self._fast_compute(hidden, ready, tokens), 1
 
-    def _split(self, key: ExpertKey, tokens: int, start: float, hidden: float) -> float:
+    def _split(self, key: ExpertKey, tokens: int, hidden: float) -> float:
         """A SPLIT as `TieredExpertProvider._split_compute` runs it: the link copies the device's
         share of the down projection's rows while the CPU computes gate/up and the other rows;
         the device computes its rows once they and the CPU's gate/up output are there."""
         c, share = self.costs, self.planner.take_split(key)
-        ready = self.mover.host_value(key, start)
+        ready = self.mover.host_value(key, hidden)
         hidden += c.activation_s * tokens  # hidden states device -> host and back
         s = c.host_compute_s(tokens)
         self.policy.compute.observe("cpu-host", c.codec, tokens, s)  # live: its time / its CPU share
