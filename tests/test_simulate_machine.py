@@ -167,6 +167,31 @@ def test_a_tiered_replay_charges_the_tier_moves_to_streams_only() -> None:
     assert per_stream.seconds < per_miss.seconds
 
 
+def test_a_demand_copy_starts_after_the_decision_that_asked_for_it() -> None:
+    """A STREAM's copy is issued once q* has decided and the tier moves are booked, as the live
+    engine issues it: the CPU's bookkeeping does not hide behind a copy that started at the
+    layer's start (before, 1 ms of it per miss left the per-layer LRU's PCIe 4 replay unchanged)."""
+    from freetoken_agents.engine.routing_trace import group_steps
+    from freetoken_agents.engine.simulate.replay import TieredReplay
+    from freetoken_agents.engine.simulate.shapes import shape_for
+    from freetoken_agents.engine.simulate.synthetic import MIXTRAL_8X7B, preset_trace
+
+    shape = shape_for("mixtral-8x7b")
+    steps = group_steps(preset_trace(MIXTRAL_8X7B, tokens=6, seed=0))
+    base = load_profile("rtx4090-pcie4")
+    budget = shape.total_expert_bytes("mxfp4") // 2
+
+    def run(profile):
+        replay = TieredReplay(
+            shape, profile, codec="mxfp4", fast_bytes=budget, host_bytes=None, placement="layer-lru"
+        )
+        return replay.run(steps)
+
+    cheap, slow = run(base), run(dataclasses.replace(base, stream_overhead_us=1000.0))
+    assert slow.fast_misses > 0
+    assert slow.seconds > cheap.seconds + 0.5 * slow.fast_misses * 1e-3
+
+
 def test_int8_and_mxfp4_experts_on_the_cpu_run_at_the_measured_kernel_rates() -> None:
     """A profile's `host_int8_gbps` / `host_mxfp4_gbps` (the engine's CPU kernels, measured by
     `measure_profile`) price int8 / MXFP4 experts on the CPU; 0 (built-ins) reads them at
