@@ -32,8 +32,9 @@ Each figure, and how it is measured (rates decimal GB/s = 1e9 bytes/s, sizes byt
 - expert_overhead_us: one routed expert of hidden 64, intermediate 64, fp32, on one token through
   the engine's `expert_forward` plus the weighted accumulate (``add_``) the decode loop runs,
   median wall time less its bytes at host_mem_gbps (>= 0.1 us).
-- tier_overhead_us: the engine's `TieredExpertProvider` over a scratch FTW file of tiny experts
-  (8 MoE layers x `moe_experts` experts (default 8), hidden 64, fp32) with routers for
+- tier_overhead_us: the engine's `TieredExpertProvider` over a scratch FTW file of experts
+  (8 MoE layers x `moe_experts` experts (default 8), fp32, `moe_hidden` x `moe_intermediate`,
+  default a tiny 64 x 64) with routers for
   pre-gating, tier 1 one expert short of all of them and holding the top-k (`moe_top_k`, default
   2) each step routes to (pre-gating and prefetch run, as whenever tier 1 cannot hold the model),
   in inference mode as the engine's decode step: its median time per MoE layer less the same
@@ -144,12 +145,16 @@ def measure_profile(
     matmul_k: int = 4096,
     moe_experts: int = 8,
     moe_top_k: int = 2,
+    moe_hidden: int = 64,
+    moe_intermediate: int = 64,
 ) -> HardwareProfile:
     """Measure this machine (see the module docstring); `quick` uses small sizes (seconds).
     `matmul_k`: the row length K of the one-token matmul host_mem_gbps is read with;
     `moe_experts`, `moe_top_k`: the MoE layer shape the tiered overheads are measured with (a
     model's own: pre-gating ranks a layer's experts, and a layer routes top-k; at least 2 x top-k
-    experts)."""
+    experts), and `moe_hidden`, `moe_intermediate` its experts' shape (default tiny: what the
+    CPU's Python costs beside a GPU; a CPU-only model's own shape measures it between the expert
+    matmuls that share its caches, as `bench/simulate_validate.py` does)."""
     sz = _QUICK if quick else _FULL
     host_gbps = _read_gbps(sz, matmul_k)
     logger.info("host memory: %.1f GB/s (one-token matmul reads)", host_gbps)
@@ -159,7 +164,12 @@ def measure_profile(
     logger.info("host copy: %.1f GB/s (2x bytes)", copy_gbps)
     layer_us, expert_us = _overheads_us(sz.overhead_reps, host_gbps, scratch_dir)
     tier_us, miss_us, stream_us = _tiered_overheads_us(
-        sz.overhead_reps, scratch_dir, experts=moe_experts, top_k=moe_top_k
+        sz.overhead_reps,
+        scratch_dir,
+        experts=moe_experts,
+        top_k=moe_top_k,
+        hidden=moe_hidden,
+        intermediate=moe_intermediate,
     )
     logger.info(
         "overheads (us): %.1f per layer, %.1f per expert, %.1f per tiered layer, %.1f per tier-1 miss"
@@ -360,20 +370,25 @@ def _tiered_overheads_us(
     experts: int = 8,
     top_k: int = 2,
     layers: int = 8,
+    hidden: int = 64,
+    intermediate: int = 64,
 ) -> tuple[float, float, float]:
     """(per MoE layer, per miss, per STREAM on top) fixed costs of the tiered provider in
     microseconds (module docstring), on a scratch FTW file of tiny experts: `layers` MoE layers
     of `experts` experts, `top_k` routed per token (2 x top_k <= experts). Pass a model's experts
     and top-k to measure the costs that grow with them (pre-gating ranks a layer's experts; a
     layer routes top-k). With fewer layers than the pre-gating depth ahead of most of them, the
-    last ones pre-gate less."""
+    last ones pre-gate less. `hidden`, `intermediate`: the experts' shape (fp32). Tiny ones leave
+    the CPU's caches to the bookkeeping, as on a GPU machine whose device computes the experts;
+    a CPU-only engine computes them between its Python, which then runs from colder caches (on
+    the 2-core Xeon, 8 experts top-2, 7 layers: a miss 27 us at 64 x 64, 83 at 512 x 1024)."""
     from ..memory import MemoryBudget, Placement, TieredExpertProvider
     from ..moe import Router
     from ..spec import MoESpec
 
     if not 1 <= top_k <= experts // 2:
         raise ValueError(f"measuring misses needs 2 x top_k <= experts, got top_k {top_k} of {experts}")
-    h, inter = 64, 64
+    h, inter = hidden, intermediate
     everything = layers * experts
     spec = MoESpec(num_experts=experts, top_k=top_k, intermediate_size=inter, routing="softmax_topk")
     g = torch.Generator().manual_seed(0)
