@@ -95,9 +95,10 @@ def test_the_tiered_overheads_are_measured_on_the_models_moe_layer(monkeypatch: 
     tier_us, miss_us, stream_us = _tiered_overheads_us(2, None, experts=16, top_k=4, layers=4)
     assert set(seen) == {(16, 4, True)}
     assert tier_us >= 0 and miss_us >= 0 and stream_us >= 0
-    # the last two configurations: every miss q*'s choice (streams among them: tier 1 takes them
-    # in), then every miss priced by q* and computed HOST (tier 1 takes in nothing after the 16
-    # experts it was given, 4 layers x top-4)
-    chosen, computed = providers[-2:]
-    assert chosen.policy.decisions["stream"] > 0 and chosen.fast.counters.inserts > 16
-    assert computed.fast.counters.inserts == 16 and computed.fast.counters.misses > 0
+    # the last configuration: every miss priced by q* (its decisions counted) and computed HOST,
+    # whatever q* chose: tier 1 takes in nothing after the 16 experts it was given (4 layers x
+    # top-4). (Before it, q*'s own choices: STREAM or HOST by the measured costs, timing-dependent.)
+    computed = providers[-1]
+    priced = sum(n for p, n in computed.policy.decisions.items() if p != "resident")
+    assert priced == computed.fast.counters.misses - 16 > 0  # (the 16 loads missed tier 1 too)
+    assert computed.fast.counters.inserts == 16
