@@ -281,7 +281,7 @@ def main() -> int:
     args.profile_k = args.profile_k or args.hidden
     # The tiered provider's Python measured between expert matmuls of this model's shape, as the
     # CPU-only engine runs it (tiny experts leave it warm caches: a miss ~27 us beside 64 x 64
-    # experts, ~83 beside 512 x 1024 ones on the 2-core Xeon).
+    # experts, ~83 beside 512 x 1024 ones on the 2-core Xeon, one thread).
     profile = measure_profile(
         matmul_k=args.profile_k, moe_hidden=args.hidden, moe_intermediate=args.intermediate
     )

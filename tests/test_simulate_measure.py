@@ -102,3 +102,16 @@ def test_the_tiered_overheads_are_measured_on_the_models_moe_layer(monkeypatch: 
     priced = sum(n for p, n in computed.policy.decisions.items() if p != "resident")
     assert priced == computed.fast.counters.misses - 16 > 0  # (the 16 loads missed tier 1 too)
     assert computed.fast.counters.inserts == 16
+
+
+def test_the_tiered_overheads_refuse_a_shape_they_cannot_measure() -> None:
+    """Misses need two disjoint top-k sets of experts, and a layer needs a size: a named
+    ValueError in one line, not an error from deep inside torch."""
+    from freetoken_agents.engine.simulate.measure import _tiered_overheads_us, measure_profile
+
+    with pytest.raises(ValueError, match="2 x top_k <= experts, got top_k 4 of 6"):
+        _tiered_overheads_us(2, None, experts=6, top_k=4)
+    with pytest.raises(ValueError, match="hidden and intermediate must be at least 1, got 8, 0, 64"):
+        _tiered_overheads_us(2, None, hidden=0)
+    with pytest.raises(ValueError, match="2 x top_k <= experts"):
+        measure_profile(quick=True, moe_experts=2, moe_top_k=2)

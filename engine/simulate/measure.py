@@ -154,7 +154,9 @@ def measure_profile(
     model's own: pre-gating ranks a layer's experts, and a layer routes top-k; at least 2 x top-k
     experts), and `moe_hidden`, `moe_intermediate` its experts' shape (default tiny: what the
     CPU's Python costs beside a GPU; a CPU-only model's own shape measures it between the expert
-    matmuls that share its caches, as `bench/simulate_validate.py` does)."""
+    matmuls that share its caches, as `bench/simulate_validate.py` does). ValueError, before
+    anything is measured, for a MoE shape it cannot measure."""
+    _check_tiered_shape(moe_experts, moe_top_k, moe_hidden, moe_intermediate)  # before any measuring
     sz = _QUICK if quick else _FULL
     host_gbps = _read_gbps(sz, matmul_k)
     logger.info("host memory: %.1f GB/s (one-token matmul reads)", host_gbps)
@@ -363,6 +365,16 @@ def _engine_layer_s(
     return (step_s - dense / bps - experts) / layers
 
 
+def _check_tiered_shape(experts: int, top_k: int, hidden: int, intermediate: int, layers: int = 1) -> None:
+    """ValueError, in one line, for a MoE layer shape `_tiered_overheads_us` cannot measure."""
+    if not 1 <= top_k <= experts // 2:
+        raise ValueError(f"measuring misses needs 2 x top_k <= experts, got top_k {top_k} of {experts}")
+    if min(layers, hidden, intermediate) < 1:
+        raise ValueError(
+            f"layers, hidden and intermediate must be at least 1, got {layers}, {hidden}, {intermediate}"
+        )
+
+
 def _tiered_overheads_us(
     reps: int,
     scratch_dir: str | os.PathLike[str] | None,
@@ -374,20 +386,20 @@ def _tiered_overheads_us(
     intermediate: int = 64,
 ) -> tuple[float, float, float]:
     """(per MoE layer, per miss, per STREAM on top) fixed costs of the tiered provider in
-    microseconds (module docstring), on a scratch FTW file of tiny experts: `layers` MoE layers
-    of `experts` experts, `top_k` routed per token (2 x top_k <= experts). Pass a model's experts
+    microseconds (module docstring), on a scratch FTW file of `layers` MoE layers of `experts`
+    experts, `top_k` routed per token (2 x top_k <= experts). Pass a model's experts
     and top-k to measure the costs that grow with them (pre-gating ranks a layer's experts; a
     layer routes top-k). With fewer layers than the pre-gating depth ahead of most of them, the
     last ones pre-gate less. `hidden`, `intermediate`: the experts' shape (fp32). Tiny ones leave
     the CPU's caches to the bookkeeping, as on a GPU machine whose device computes the experts;
     a CPU-only engine computes them between its Python, which then runs from colder caches (on
-    the 2-core Xeon, 8 experts top-2, 7 layers: a miss 27 us at 64 x 64, 83 at 512 x 1024)."""
+    the 2-core Xeon, one thread, 8 experts top-2, 7 layers: a miss 27 us at 64 x 64, 83 at
+    512 x 1024)."""
     from ..memory import MemoryBudget, Placement, TieredExpertProvider
     from ..moe import Router
     from ..spec import MoESpec
 
-    if not 1 <= top_k <= experts // 2:
-        raise ValueError(f"measuring misses needs 2 x top_k <= experts, got top_k {top_k} of {experts}")
+    _check_tiered_shape(experts, top_k, hidden, intermediate, layers)
     h, inter = hidden, intermediate
     everything = layers * experts
     spec = MoESpec(num_experts=experts, top_k=top_k, intermediate_size=inter, routing="softmax_topk")
