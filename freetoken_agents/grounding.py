@@ -121,27 +121,69 @@ def _number_content(piece: bytes) -> tuple[bytes, bool]:
     return piece, False
 
 
+def _opening(piece: bytes) -> tuple[str, bytes]:
+    """What a piece written where a value may start opens: ("string", what it writes after the
+    opening quote), ("number", what it writes of the number) or ("other", b"": white space alone,
+    a bracket, `null`...); white space before the value is dropped."""
+    rest = piece.lstrip(b" \t\r\n")
+    if rest[:1] == b'"':
+        return "string", rest[1:]
+    if rest[:1] and rest[0] in _NUMBER_BYTES:
+        return "number", rest
+    return "other", b""
+
+
+def _string_opening(piece: bytes) -> tuple[bytes, bool] | None:
+    kind, rest = _opening(piece)
+    return _string_content(rest) if kind == "string" else None
+
+
+def _number_opening(piece: bytes) -> tuple[bytes, bool] | None:
+    kind, rest = _opening(piece)
+    return _number_content(rest) if kind == "number" else None
+
+
 class _Table:
     """Pieces by the content they write: `continuing[c]` leave the value open after `c`,
-    `closing[c]` end it after `c` (`Osaka"}` -> `Osaka`; `3}` -> `3`)."""
+    `closing[c]` end it after `c` (`Osaka"}` -> `Osaka`; `3}` -> `3`). `split` gives a piece's
+    (content, closes), or None for a piece the table leaves out."""
 
     def __init__(self, pieces: Sequence[bytes], skipped: set[int], split: Any) -> None:
         self.continuing: dict[bytes, list[int]] = {}
         self.closing: dict[bytes, list[int]] = {}
+        self.ids: set[int] = set()  # every piece in the table
         for i, piece in enumerate(pieces):
-            if piece and i not in skipped:
-                content, closes = split(piece)
+            if piece and i not in skipped and (parts := split(piece)) is not None:
+                content, closes = parts
                 (self.closing if closes else self.continuing).setdefault(content, []).append(i)
+                self.ids.add(i)
         self.longest = max((len(c) for c in [*self.continuing, *self.closing]), default=0)
 
 
 class SpanIndex:
-    """One vocabulary's pieces by what they write in a string and in a number; built once per vocabulary."""
+    """One vocabulary's pieces by what they write in a string and in a number, and, where a value
+    starts, by what they open: a compact JSON grammar writes `": "` before a value, so a call whose
+    prefix ends at the colon leaves the next piece to open the value (` -`, ` "Os`), and what it
+    writes there must be a span too. Built once per vocabulary."""
 
     def __init__(self, pieces: Sequence[bytes], skip: Iterable[int]) -> None:
         skipped = set(skip)
         self.string = _Table(pieces, skipped, _string_content)
         self.number = _Table(pieces, skipped, _number_content)
+        self.string_open = _Table(pieces, skipped, _string_opening)
+        self.number_open = _Table(pieces, skipped, _number_opening)
+        # Pieces that open neither (white space, brackets, literals): the grammar decides those.
+        self.other = [i for i, p in enumerate(pieces) if p and i not in skipped and _opening(p)[0] == "other"]
+        self._other_masks: dict[tuple[str, int], torch.Tensor] = {}
+
+    def other_mask(self, size: int, device: torch.device) -> torch.Tensor:
+        """`other` as a bool mask [size] on `device` (a large vocabulary's set, built once)."""
+        key = (str(device), size)
+        if key not in self._other_masks:
+            mask = torch.zeros(size, dtype=torch.bool)
+            mask[[i for i in self.other if i < size]] = True
+            self._other_masks[key] = mask.to(device)
+        return self._other_masks[key]
 
 
 def _word_byte(c: int) -> bool:
@@ -313,15 +355,20 @@ class SpanGrounding:
 
     @property
     def grounded(self) -> str | None:
-        """ "string" inside a string value whose key path is a plain string's, "number" where a
-        number value at a number's key path starts or goes on; else None."""
+        """ "string" inside a string value whose key path is a plain string's ("enum" a mentioned
+        enum's), "number" inside a number value at a number's key path, "start" where such a value
+        may start; else None."""
         if self.in_string:
             if self.is_key or self.escaped:
                 return None
             path = self._path
             return "string" if path in self.string_paths else "enum" if path in self.mentioned else None
-        if (self.number is not None or self.expect_value) and self._path in self.number_paths:
-            return "number"
+        path = self._path
+        if self.number is not None:
+            return "number" if path in self.number_paths else None
+        grounded = path in self.string_paths or path in self.number_paths or path in self.mentioned
+        if self.expect_value and grounded:
+            return "start"  # the next piece may open the value (` "Os`, ` -`)
         return None
 
     # ---- masking ---------------------------------------------------------------------------------
@@ -335,7 +382,28 @@ class SpanGrounding:
             return self._allowed(self.index.number, self.numbers, self.number or b"", empty_closes=False)
         if kind == "enum":
             return self._allowed_enum(self.index.string, self.mentioned.get(self._path, ()), self.value)
+        if kind == "start":
+            return self._allowed_openers() | set(self.index.other)
         return set()
+
+    def _allowed_openers(self) -> set[int]:
+        """Where a value starts: the pieces that open a string or a number (white space before it
+        aside) and keep it a span, or any such piece where the key path's value is not grounded."""
+        index, path = self.index, self._path
+        strings, numbers = index.string_open, index.number_open
+        if path in self.string_paths or path in self.mentioned:
+            ids = set(strings.continuing.get(b"", ()))  # a bare opening quote: nothing written yet
+            if path in self.string_paths:
+                ids |= self._allowed(strings, self.strings, b"", empty_closes=True)
+            else:
+                ids |= self._allowed_enum(strings, self.mentioned[path], b"")
+        else:
+            ids = set(strings.ids)
+        if path in self.number_paths:
+            ids |= self._allowed(numbers, self.numbers, b"", empty_closes=False)
+        else:
+            ids |= numbers.ids
+        return ids
 
     @staticmethod
     def _allowed_enum(table: _Table, values: Sequence[bytes], value: bytes) -> set[int]:
@@ -380,11 +448,16 @@ class SpanGrounding:
         if kind is None:
             return logits
         flat = logits.view(-1)
-        keep = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
-        ids = [i for i in self.allowed(kind) if i < flat.numel()]
-        if not ids:
-            return logits
-        keep[torch.tensor(ids, device=flat.device)] = True
+        if kind == "start":  # the pieces that open no value as a mask: most of a large vocabulary
+            keep = self.index.other_mask(flat.numel(), flat.device).clone()
+            ids = [i for i in self._allowed_openers() if i < flat.numel()]
+        else:
+            keep = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
+            ids = [i for i in self.allowed(kind) if i < flat.numel()]
+            if not ids:
+                return logits
+        if ids:
+            keep[torch.tensor(ids, device=flat.device)] = True
         if not bool(torch.isfinite(flat[keep]).any()):
             return logits  # the schema's value is not in the text: the grammar decides alone
         flat.masked_fill_(~keep, float("-inf"))

@@ -36,15 +36,17 @@ PIECES = [
     *[b"3", b"7", b"2", b"-", b".", b"0", b"}", b"2}", b", ", b"37", b" ", b"in ", b"in"],
     *[b"fahren", b"heit", b'heit"', b"celsius", b'celsius"'],
 ]
+# Pieces that open a value with the white space before it, as a compact grammar's `": "` leaves them
+OPENING = [*PIECES, b" -", b" 3", b' "', b'"Os', b' "Os', b' "eke', b'""', b"null"]
 
 
-def grounding(sources: list[str]) -> SpanGrounding:
+def grounding(sources: list[str], pieces: list[bytes] = PIECES) -> SpanGrounding:
     strings, numbers, enums = schema_paths(name_args_schema([FORECAST]))
-    return SpanGrounding(SpanIndex(PIECES, skip=()), sources, strings, numbers, enum_paths=enums)
+    return SpanGrounding(SpanIndex(pieces, skip=()), sources, strings, numbers, enum_paths=enums)
 
 
-def allowed(g: SpanGrounding) -> set[bytes]:
-    return {PIECES[i] for i in g.allowed()}
+def allowed(g: SpanGrounding, pieces: list[bytes] = PIECES) -> set[bytes]:
+    return {pieces[i] for i in g.allowed()}
 
 
 def test_only_plain_string_and_number_fields_are_grounded_not_the_name_unmentioned_enums_or_keys():
@@ -64,8 +66,10 @@ def test_only_plain_string_and_number_fields_are_grounded_not_the_name_unmention
     g.feed(b'Osaka", "tags": ["')
     assert g.grounded
     g.feed(b'x"], "days": ')
+    assert g.grounded == "start"  # where the number may start
+    g.feed(b"3")
     assert g.grounded == "number"
-    g.feed(b"3}}")
+    g.feed(b"}}")
     assert not g.grounded and g.stack == []
 
 
@@ -95,7 +99,10 @@ def test_a_grounded_value_neither_starts_nor_ends_with_white_space():
 def test_a_grounded_number_is_a_number_of_the_text_or_its_leading_digits():
     g = grounding(["Forecast for 372 days, or -2.0?"])
     g.feed(b'{"name": "get_forecast", "arguments": {"days": ')
-    assert allowed(g) == {b"3", b"37", b"-"}  # 372's start, -2.0's sign ("2" and "7" start no number)
+    # 372's start, -2.0's sign ("2" and "7" start no number); white space before them, or
+    # what opens no number (the grammar's to allow or not)
+    assert allowed(g) & NUMBER_OPENERS == {b"3", b"37", b"-"}
+    assert b" " in allowed(g)
     g.feed(b"37")
     assert allowed(g) == {b"2", b"2}"}  # 37 is no whole number: 372 it is
     g.feed(b"2")
@@ -104,6 +111,29 @@ def test_a_grounded_number_is_a_number_of_the_text_or_its_leading_digits():
     g = grounding(["Forecast for 372 days, or -2.0?"])
     g.feed(b'{"name": "get_forecast", "arguments": {"days": -2')
     assert allowed(g) == {b"."} | ends  # -2 or -2.0
+
+
+NUMBER_OPENERS = {p for p in OPENING if p.lstrip()[:1] and p.lstrip()[0] in b"-+.0123456789eE"}
+
+
+@pytest.mark.parametrize("prefix", [b":", b": "])
+def test_a_value_is_grounded_from_the_piece_that_opens_it(prefix: bytes):
+    """A compact grammar writes `": "` before a value, and a forced call's prefix may end at the
+    colon: the piece that opens the value then carries the space (` -`, ` "Os`). It used to pass
+    unmasked, and a value no source holds followed (the embedded model wrote -74 for "74")."""
+    g = grounding(["Convert the temperature 74 for 3 days"], OPENING)
+    g.feed(b'{"name": "get_forecast", "arguments": {"days"' + prefix)
+    assert allowed(g, OPENING) & NUMBER_OPENERS == {b"3", b" 3", b"7"}  # not " -": no negative number
+    g = grounding(["Weather in Osaka?"], OPENING)
+    g.feed(b'{"name": "get_forecast", "arguments": {"city"' + prefix)
+    openers = {p for p in allowed(g, OPENING) if p.lstrip().startswith(b'"')}
+    assert openers == {b' "', b' "Os', b'"', b'"Os', b'""'}
+    logits = torch.zeros(len(OPENING))
+    g.restrict_(logits)
+    assert not torch.isfinite(logits[OPENING.index(b' "eke')])
+    assert torch.isfinite(logits[OPENING.index(b"null")])  # opens no string: the grammar decides
+    g.feed(b' "Os')
+    assert allowed(g, OPENING) == {b"aka", b'aka"}'}  # and it goes on as a span
 
 
 def test_non_ascii_text_is_a_span_raw_or_escaped():
@@ -154,6 +184,42 @@ def forced_city(text: str, sources: list[str] | None) -> str:
 def test_a_grounded_forced_call_copies_a_span_of_the_request(text: str):
     city = forced_city(text, [text])
     assert city and city in text
+
+
+CONVERT = {
+    "type": "function",
+    "function": {
+        "name": "convert_temperature",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "degrees": {"type": "number"},
+                "to_unit": {"type": "string", "enum": ["celsius", "kelvin"]},
+            },
+            "required": ["degrees"],
+        },
+    },
+}
+
+
+@pytestmark_model
+@pytest.mark.parametrize(
+    ("text", "degrees"),
+    [
+        ("Quick question: Please convert the temperature 74. Use the tool.", 74),
+        ("Hey, can you convert 348 degrees?", 348),
+    ],
+)
+def test_a_grounded_forced_number_is_one_the_request_writes(text: str, degrees: int):
+    """The forced call's prefix ends at `"degrees":`; the embedded model opened the value with ` -`
+    and wrote -74 and -48, numbers the request does not hold."""
+    m = model()
+    m.sync(m.render([{"role": "user", "content": text}], [CONVERT]))
+    request = GenerateRequest(tools=[CONVERT], force="convert_temperature", argument_sources=[text])
+    out = "".join(e.text for e in m.generate(request) if e.kind == "text")
+    (call,) = m.parser.parse(out, [CONVERT]).calls
+    assert str(call.arguments["degrees"]).removesuffix(".0") in text
+    assert call.arguments["degrees"] >= 0
 
 
 @pytestmark_model
