@@ -171,6 +171,28 @@ def test_simulate_reports_every_policy_and_a_bound_above_them() -> None:
     assert report.result("layer-lru").cpu_experts_per_token == 0
 
 
+def test_no_policy_beats_the_bound_with_little_ram() -> None:
+    """With tier 2 smaller than a layer's experts the bound read every routed expert from the
+    disk (tier 2's Belady misses over every use), while the policies' disks read only what
+    neither tier held: Belady streaming ran at 3.8x "the bound"."""
+    shape = shape_for("mixtral-8x7b")
+    records = preset_trace(MIXTRAL_8X7B, tokens=16, seed=0)
+    total = shape.total_expert_bytes("mxfp4")
+    report = simulate(
+        records,
+        shape,
+        load_profile("rtx4090-pcie4"),
+        fast_bytes=total // 2,
+        host_bytes=total // 100,
+        codec="mxfp4",
+    )
+    assert report.bound.limited_by == "disk"
+    for r in report.results:
+        assert 0 < r.tokens_per_s <= report.bound.tokens_per_s, r.policy
+    # Belady over both tiers together misses no more than Belady over tier 1 alone.
+    assert report.bound.misses_per_token["host"] <= report.bound.misses_per_token["fast"]
+
+
 def test_a_trace_of_another_model_is_refused_in_one_line() -> None:
     records = preset_trace(MIXTRAL_8X7B, tokens=2, seed=0)
     with pytest.raises(RoutingTraceError, match=r"^routing trace does not fit qwen3-30b-a3b: [^\n]*$"):

@@ -12,8 +12,9 @@ computed on the CPU per token, and q*'s decisions.
 The bound (`Bound`) is what no policy can beat on this machine: tier 1 run by Belady's offline
 optimum at the same budget, and each of its misses served at once by both the link and the CPU
 working in parallel (a miss costs link x cpu / (link + cpu) of either's time), beside the device
-computing the dense part and every routed expert, and the disk reading what tier 2 misses under
-Belady too: tok/s = tokens / max(device, misses, disk) over the decode steps.
+computing the dense part and every routed expert, and the disk reading what both tiers together
+miss under Belady too (exclusive tiers: their budgets' experts, all distinct):
+tok/s = tokens / max(device, misses, disk) over the decode steps.
 `online_bound` is the same with an LRU cache instead of Belady's: what a policy that cannot see
 the future could reach with every link and both processors perfectly overlapped (the published
 Mixtral routing misses 2.3x as often under LRU as under Belady with half the experts cached).
@@ -114,9 +115,13 @@ def bound(
     """`Bound` over the decode steps of `steps` (module docstring), both tiers run by `cache`
     (`stats.belady_missing`; `stats.lru_missing` for the online bound)."""
     keyed = layer_steps(steps, layers)
-    fast_missing = cache(keyed, fast_bytes // costs.fast_bytes)
+    fast_cap = fast_bytes // costs.fast_bytes
+    fast_missing = cache(keyed, fast_cap)
     n_keys = len({k for keys in keyed for k in keys})
-    host_cap = n_keys if host_bytes is None else host_bytes // costs.stored_bytes
+    # The disk reads what neither tier holds: RAM and fast memory together hold up to both
+    # budgets' distinct experts (exclusive tiers, as q*'s and the static split's), not tier 2's
+    # alone (with a small tier 2 that bound read every use from disk, below every policy).
+    host_cap = n_keys if host_bytes is None else fast_cap + host_bytes // costs.stored_bytes
     host_missing = cache(keyed, max(host_cap, max(map(len, keyed), default=0)))
     device = fast = disk = 0.0
     tokens = i = 0
