@@ -98,6 +98,29 @@ def test_plot_without_matplotlib_says_how_to_install(trace: str, tmp_path: Path,
     assert "pip install 'freetoken-agents[plot]'" in one_line_error(capsys)
 
 
+@pytest.mark.parametrize("where", ["missing/out.png", "."])
+def test_a_plot_that_cannot_be_written_is_refused_before_the_replays(
+    trace: str, tmp_path: Path, capsys, monkeypatch, where: str
+) -> None:
+    from freetoken_agents.cli import simulate as cli_simulate
+
+    ran = []
+    monkeypatch.setattr(cli_simulate, "simulate", lambda *a, **kw: ran.append(1))
+    assert main(run(trace, "--fast-mem", "0.1:0.9:9", "--plot", str(tmp_path / where))) == 1
+    assert "--plot" in one_line_error(capsys)
+    assert not ran  # a sweep's minutes of replays were lost to a typo in the plot's folder
+
+
+def test_a_profile_that_cannot_be_written_is_refused_before_measuring(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    calls = []
+    monkeypatch.setattr(measure, "measure_profile", lambda **kw: calls.append(kw))
+    assert main(["simulate", "--profile-here", "--out", str(tmp_path / "missing" / "p.toml")]) == 1
+    assert "--out" in one_line_error(capsys)
+    assert not calls
+
+
 def test_trace_of_another_model_is_one_line(trace: str, capsys) -> None:
     argv = ["simulate", "--trace", trace, "--model", "qwen3-30b-a3b", "--hardware", "rtx4090-pcie4"]
     assert main([*argv, "--fast-mem", "0.5"]) == 1

@@ -153,6 +153,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     ]
     if missing:
         raise CLIError(f"missing {', '.join(missing)} (or use --profile-here)")
+    if args.plot:  # before minutes of replays, not after them
+        _plot_backend()
+        _check_writable(args.plot, "--plot")
     shape, profile = shape_for(args.model), load_profile(args.hardware)
     records = list(read_trace(args.trace))
     routing_profile = list(read_trace(args.routing_profile)) if args.routing_profile else None
@@ -256,11 +259,7 @@ def format_reports(reports: Sequence[SimulationReport], total: int) -> str:
 def plot(reports: Sequence[SimulationReport], total: int, out: str) -> None:
     """Predicted tok/s and tier-1 misses per token against the fast budget (a share of the expert
     bytes) for every policy, the bound dashed; written to `out` with matplotlib's Agg canvas."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise CLIError(f"--plot needs matplotlib: {PLOT_HINT}") from None
+    FigureCanvasAgg, Figure = _plot_backend()
     xs = [r.fast_bytes / total for r in reports]
     style = "o-" if len(reports) > 1 else "o"
     fig = Figure(figsize=(11, 4.5))
@@ -285,7 +284,31 @@ def plot(reports: Sequence[SimulationReport], total: int, out: str) -> None:
     r0 = reports[0]
     fig.suptitle(f"simulated: {r0.model} on {r0.hardware}, {r0.codec} ({r0.decode_tokens} decode tokens)")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    try:
+        fig.savefig(out, dpi=120)
+    except OSError as e:
+        raise CLIError(f"cannot write the plot {out}: {e.strerror or e}") from None
+
+
+def _plot_backend() -> tuple[Any, Any]:
+    """matplotlib's Agg canvas and Figure, or CLIError saying how to install it."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise CLIError(f"--plot needs matplotlib: {PLOT_HINT}") from None
+    return FigureCanvasAgg, Figure
+
+
+def _check_writable(path: str, option: str) -> None:
+    """CLIError, before any work, where `path` cannot be written: its folder is missing or not a
+    folder, or `path` is a folder."""
+    target = Path(path)
+    folder = target.parent
+    if not folder.is_dir():
+        raise CLIError(f"{option} {path}: no such folder {folder}")
+    if target.is_dir():
+        raise CLIError(f"{option} {path}: is a folder")
 
 
 def _profile_here(args: argparse.Namespace) -> int:
@@ -293,6 +316,8 @@ def _profile_here(args: argparse.Namespace) -> int:
     given = [k for k in ("trace", "hardware", "fast_mem", "host_mem", "plot") if getattr(args, k)]
     if given:
         raise CLIError(f"--profile-here measures this machine; drop --{given[0].replace('_', '-')}")
+    if args.out is not None:  # before minutes of measuring
+        _check_writable(args.out, "--out")
     from ..engine.simulate.measure import measure_profile
 
     # With --model, memory is read as that model's decode reads it (rows of its hidden size), and
@@ -306,6 +331,10 @@ def _profile_here(args: argparse.Namespace) -> int:
     if args.out is None:
         write(toml)
     else:
-        Path(args.out).write_text(toml, encoding="utf-8")
+        try:
+            Path(args.out).write_text(toml, encoding="utf-8")
+        except OSError as e:  # what it measured is not lost: on stdout
+            write(toml)
+            raise CLIError(f"cannot write {args.out}: {e.strerror or e} (the profile is above)") from None
         write(f"wrote the measured profile to {args.out} (use it with --hardware {args.out})\n")
     return 0
