@@ -197,13 +197,15 @@ class _Source:
     never inside a UTF-8 character, and neither starting nor ending with white space; every
     character of a non-ASCII script is a word of its own.
     A value the text quotes ('...', \"...\", curly or CJK quotes) is copied whole or not at
-    all: a span starting at its first character ends at its closing quote, and none starts or
-    ends inside it ("Ursussol Labs", not "Ursussol").
+    all: a span starting at its first character ends at its closing quote, none starts or ends
+    inside it ("Ursussol Labs", not "Ursussol"), and none that starts before it ends at its
+    closing quote (not "called 'Ursussol Labs": an opening quote without its closing one).
     Numbers: a whole number or its leading digits ("71" of "71.0"), a sign included."""
 
     def __init__(self, text: bytes, number: bool = False) -> None:
         self.text = text
         self.only_end: dict[int, int] = {}  # a quoted value's start -> the one place it ends
+        self.only_start: dict[int, int] = {}  # a quoted value's end -> where a span ending there starts
         positions = range(len(text) + 1)
         if number:
             self.starts = [_number_starts(text, k) for k in positions]
@@ -219,6 +221,7 @@ class _Source:
                     self.ends[k] = False
                 self.starts[first] = self.ends[end] = True
                 self.only_end[first] = end
+                self.only_start[end] = first  # not "called 'X": an opening quote without its closing
 
 
 # Quote pairs users delimit values with, as JSON-escaped bytes in both escapings (a double quote is
@@ -431,12 +434,13 @@ class SpanGrounding:
                 after = start + len(value)
                 last = source.only_end.get(start, len(text))  # a quoted value ends at its quote
                 if source.starts[start] and after <= last:
-                    if value and source.ends[after]:
+                    ends_here = source.only_start.get
+                    if value and source.ends[after] and ends_here(after, start) == start:
                         ids.update(table.closing.get(b"", ()))
                     for end in range(after + 1, min(last, after + table.longest) + 1):
                         written = text[after:end]
                         ids.update(table.continuing.get(written, ()))
-                        if source.ends[end]:
+                        if source.ends[end] and ends_here(end, start) == start:
                             ids.update(table.closing.get(written, ()))
                 start = text.find(value, start + 1)
         return ids

@@ -277,6 +277,16 @@ def test_a_quoted_value_is_copied_whole_or_not_at_all():
     assert {b" ", b'"', b'"}'} <= allowed(g)
 
 
+def test_a_span_does_not_end_at_a_quoted_value_it_did_not_start_at():
+    """The embedded model wrote "playlist called 'ブチュヸゾギ" for a name quoted as 'ブチュヸゾギ':
+    a span from before the opening quote ended at the closing one."""
+    g = grounding(["in 'Osaka in' now"])
+    g.feed(b'{"name": "get_forecast", "arguments": {"city": "in \'Osaka')
+    assert allowed(g) == {b" "}
+    g.feed(b" in")
+    assert allowed(g) == set()  # not at the closing quote; on past it (no such piece here)
+
+
 def test_a_quote_that_is_an_apostrophe_quotes_nothing():
     g = grounding(["don't go to Osaka's port"])
     g.feed(b'{"name": "get_forecast", "arguments": {"city": "Os')
