@@ -173,7 +173,8 @@ class SpanIndex:
         self.string_open = _Table(pieces, skipped, _string_opening)
         self.number_open = _Table(pieces, skipped, _number_opening)
         # Pieces that open neither (white space, brackets, literals): the grammar decides those.
-        self.other = [i for i, p in enumerate(pieces) if p and i not in skipped and _opening(p)[0] == "other"]
+        opening = self.string_open.ids | self.number_open.ids
+        self.other = [i for i, p in enumerate(pieces) if p and i not in skipped and i not in opening]
         self._other_masks: dict[tuple[str, int], torch.Tensor] = {}
 
     def other_mask(self, size: int, device: torch.device) -> torch.Tensor:
@@ -369,8 +370,9 @@ class SpanGrounding:
         path = self._path
         if self.number is not None:
             return "number" if path in self.number_paths else None
-        grounded = path in self.string_paths or path in self.number_paths or path in self.mentioned
-        if self.expect_value and grounded:
+        if not self.expect_value:
+            return None
+        if path in self.string_paths or path in self.number_paths or path in self.mentioned:
             return "start"  # the next piece may open the value (` "Os`, ` -`)
         return None
 
