@@ -10,11 +10,17 @@ experts not in tier 1; tier 2: blocks read from the disk), bytes per token on ea
 computed on the CPU per token, and q*'s decisions.
 
 The bound (`Bound`) is what no policy can beat on this machine: tier 1 run by Belady's offline
-optimum at the same budget, and each of its misses served at once by both the link and the CPU
-working in parallel (a miss costs link x cpu / (link + cpu) of either's time), beside the device
-computing the dense part and every routed expert, and the disk reading what both tiers together
-miss under Belady too (exclusive tiers: their budgets' experts, all distinct):
-tok/s = tokens / max(device, misses, disk) over the decode steps.
+optimum at the same budget, each of its misses served by the link or the CPU, whichever the bound
+finds best, beside the device computing the dense part and every routed expert the CPU does not,
+and the disk reading what both tiers together miss under Belady too (exclusive tiers: their
+budgets' experts, all distinct). The link may work ahead of the layers (an oracle prefetch with
+room to spare), but a miss computed on the CPU needs its layer's hidden state: the layers run one
+after another, each taking its dense part and then the longer of its device experts and its CPU
+misses (`_layer_chain`):
+tok/s = tokens / max(layer chain, link, disk) over the decode steps.
+(Until 2026-12 the CPU's misses were summed over the whole trace as if a layer's misses could be
+computed during other layers' work, which no policy can do: the Mixtral / RTX 4090 / 50% bound
+read 81.7 tok/s where 58.4 is what the dependency allows.)
 `online_bound` is the same with an LRU cache instead of Belady's: what a policy that cannot see
 the future could reach with every link and both processors perfectly overlapped (the published
 Mixtral routing misses 2.3x as often under LRU as under Belady with half the experts cached).
@@ -68,7 +74,8 @@ class PolicyResult:
 @dataclass(frozen=True)
 class Bound:
     """The bound (module docstring): its tok/s, Belady's misses per token per tier, and which
-    resource sets it ("device", "misses" or "disk")."""
+    resource sets it: "layers" (the chain of layers, each its dense part and then its device
+    experts beside its CPU misses), "link" or "disk"."""
 
     tokens_per_s: float
     misses_per_token: dict[str, float]
@@ -123,18 +130,18 @@ def bound(
     # alone (with a small tier 2 that bound read every use from disk, below every policy).
     host_cap = n_keys if host_bytes is None else fast_cap + host_bytes // costs.stored_bytes
     host_missing = cache(keyed, max(host_cap, max(map(len, keyed), default=0)))
-    device = fast = disk = 0.0
-    tokens = i = 0
-    per_miss_link = costs.link_s + costs.decode_s
-    per_miss_cpu = costs.host_compute_s(1) + costs.activation_s
-    per_miss = per_miss_link * per_miss_cpu / (per_miss_link + per_miss_cpu)
+    link = costs.link_s + costs.decode_s  # a miss served by the link (and decoded on the device)
+    cpu = costs.host_compute_s(1)  # one served by the CPU (its fewest tokens: a bound)
+    chain = LayerChain(link=link, cpu=cpu)
     misses = host_misses = 0
+    tokens = i = 0
     for step in steps:
         decode = step.phase == "decode"
         for layer in layers:
             routed = step.layers.get(layer, {})
             if decode:
-                device += costs.dense_s(step.tokens) + sum(costs.fast_compute_s(t) for t in routed.values())
+                computes = [costs.fast_compute_s(t) for t in routed.values()]
+                chain.add(costs.dense_s(step.tokens), computes, len(fast_missing[i]))
                 misses += len(fast_missing[i])
                 host_misses += len(host_missing[i])
             i += 1
@@ -142,15 +149,50 @@ def bound(
     # Tier 2 starts warm (as in the replays): the first `host_cap` distinct reads are free.
     warm = min(host_cap, n_keys)
     host_misses = max(0, host_misses - warm)
-    fast, disk = misses * per_miss, host_misses * costs.disk_s
-    limits = {"device": device, "misses": fast, "disk": disk}
-    worst = max(limits, key=lambda k: limits[k])
+    layers_s, link_s = chain.balance()
+    limits = {"layers": layers_s, "link": link_s, "disk": host_misses * costs.disk_s}
+    top = max(limits.values())
+    # Balanced, the chain and the link take equally long: the chain is named (ties go first).
+    worst = next(k for k, v in limits.items() if v >= top * (1 - 1e-9))
     n = max(1, tokens)
     return Bound(
         tokens_per_s=tokens / limits[worst] if limits[worst] else 0.0,
         misses_per_token={"fast": misses / n, "host": host_misses / n},
         limited_by=worst,
     )
+
+
+@dataclass
+class LayerChain:
+    """The decode steps' layers, one after another, each with its misses split between the CPU
+    (within the layer, beside its device experts) and the link (any time before: an oracle
+    prefetch), the split that `balance` makes best. Per layer, the CPU taking c of m misses
+    makes it last dense + max(device experts - c x the largest device compute, c x `cpu`): free
+    while the CPU finishes first (c up to where the two meet), then `cpu` a miss more, each one
+    `link` less for the link. Fractional c: a miss split between the two, as q*'s SPLIT does."""
+
+    link: float  # seconds a miss takes the link
+    cpu: float  # seconds a miss takes the CPU
+    free_chain: float = 0.0  # the layers with each one's free CPU share taken
+    free_link: float = 0.0  # the link's misses left after those shares
+    movable: float = 0.0  # misses the CPU could still take, at `cpu` each on the chain
+
+    def add(self, dense: float, computes: Sequence[float], misses: int) -> None:
+        """One layer of one step: `dense` seconds, its routed experts' device compute times, and
+        how many of them miss tier 1."""
+        device, largest = sum(computes), max(computes, default=0.0)
+        meet = device / (largest + self.cpu) if largest + self.cpu > 0 else 0.0
+        taken = min(float(misses), meet)
+        self.free_chain += dense + max(device - taken * largest, taken * self.cpu)
+        self.free_link += (misses - taken) * self.link
+        self.movable += misses - taken
+
+    def balance(self) -> tuple[float, float]:
+        """(the chain of layers, the link) in seconds, with the misses past each layer's free CPU
+        share moved from the link to the CPU until the two take equally long (or none is left)."""
+        step = self.cpu + self.link
+        moved = min(max((self.free_link - self.free_chain) / step, 0.0), self.movable) if step else 0.0
+        return self.free_chain + moved * self.cpu, self.free_link - moved * self.link
 
 
 def simulate(
