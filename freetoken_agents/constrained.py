@@ -164,8 +164,15 @@ class GrammarFactory:
         )
         grounding = None
         if sources is not None:
-            strings, numbers, enums = schema_paths(schema)
-            grounding = SpanGrounding(self.vocab.span_index, sources, strings, numbers, enum_paths=enums)
+            paths = schema_paths(schema)
+            grounding = SpanGrounding(
+                self.vocab.span_index,
+                sources,
+                paths.strings,
+                paths.numbers,
+                enum_paths=paths.enums,
+                boolean_paths=paths.booleans,
+            )
         return JsonConstraint(compiled, self.vocab, grounding=grounding)
 
     def xml_parameters(self, schema: dict[str, Any]) -> JsonConstraint:

@@ -12,6 +12,7 @@ import torch
 
 from freetoken_agents import Agent, FreeTokenModel, GenerateRequest, default_model, tool
 from freetoken_agents.grounding import SpanGrounding, SpanIndex, conversation_sources, schema_paths
+from freetoken_agents.named_values import key_words, namings
 from freetoken_agents.parsers.base import name_args_schema
 
 FORECAST = {
@@ -41,8 +42,8 @@ OPENING = [*PIECES, b" -", b" 3", b' "', b'"Os', b' "Os', b' "eke', b'""', b"nul
 
 
 def grounding(sources: list[str], pieces: list[bytes] = PIECES) -> SpanGrounding:
-    strings, numbers, enums = schema_paths(name_args_schema([FORECAST]))
-    return SpanGrounding(SpanIndex(pieces, skip=()), sources, strings, numbers, enum_paths=enums)
+    paths = schema_paths(name_args_schema([FORECAST]))
+    return SpanGrounding(SpanIndex(pieces, skip=()), sources, *paths[:2], enum_paths=paths.enums)
 
 
 def allowed(g: SpanGrounding, pieces: list[bytes] = PIECES) -> set[bytes]:
@@ -50,7 +51,8 @@ def allowed(g: SpanGrounding, pieces: list[bytes] = PIECES) -> set[bytes]:
 
 
 def test_only_plain_string_and_number_fields_are_grounded_not_the_name_unmentioned_enums_or_keys():
-    strings, numbers, enums = schema_paths(name_args_schema([FORECAST]))
+    strings, numbers, enums, booleans = schema_paths(name_args_schema([FORECAST]))
+    assert not booleans
     assert strings == {(b"arguments", b"city"), (b"arguments", b"tags", b"*")}
     assert numbers == {(b"arguments", b"days")}
     assert enums == {(b"arguments", b"unit"): {"celsius", "fahrenheit"}}
@@ -314,3 +316,180 @@ def test_an_unbalanced_quote_quotes_nothing():
         g = grounding([text])
         g.feed(b'{"name": "get_forecast", "arguments": {"city": "Osaka')
         assert {b'"', b'"}'} <= allowed(g), text
+
+
+NAMING_PIECES = [*OPENING, b"Ky", b"oto", b'oto"', b"days", b"city", b" =", b" days", b"Quick"]
+
+
+def test_a_value_the_text_names_by_its_parameter_starts_where_the_text_writes_it():
+    """`days = 2` names the value of `days`: 372 (a number of the text) no longer starts it; a
+    quoted naming starts past its quote and ends at it; a parameter's words ("days" of a
+    `num_days`) name it too."""
+    g = grounding(["Forecast for 372 days, days = 2"], NAMING_PIECES)
+    g.feed(b'{"name": "get_forecast", "arguments": {"days": ')
+    assert allowed(g, NAMING_PIECES) & NUMBER_OPENERS == {b"2", b"2}"}
+    g = grounding(["Weather in Osaka, city='Kyoto' please"], NAMING_PIECES)
+    g.feed(b'{"name": "get_forecast", "arguments": {"city": "')
+    assert allowed(g, NAMING_PIECES) == {b"Ky"}  # not "Os", "in", nor an empty value
+    g.feed(b"Ky")
+    assert allowed(g, NAMING_PIECES) == {b"oto", b'oto"'}
+    schema = {
+        "type": "object",
+        "properties": {"num_days": {"type": "integer"}, "city": {"type": "string"}},
+    }
+    paths = schema_paths(schema)
+    g = SpanGrounding(SpanIndex(NAMING_PIECES, skip=()), ["Forecast for 372, num days: 2"], *paths[:2])
+    g.feed(b'{"num_days": ')
+    assert allowed(g, NAMING_PIECES) & NUMBER_OPENERS == {b"2", b"2}"}
+
+
+def test_no_span_runs_into_a_naming():
+    """The embedded model wrote "Kitu unit =" for a start in "from Kitu unit = km": a span that
+    starts before a parameter's naming ends before it, and none starts inside it."""
+    g = grounding(["Weather in Osaka days = 3"], NAMING_PIECES)
+    g.feed(b'{"name": "get_forecast", "arguments": {"city": "')
+    assert b"days" not in allowed(g, NAMING_PIECES)  # the naming's own word starts no value
+    g.feed(b"Osaka")
+    assert b'"' in allowed(g, NAMING_PIECES) and b" " not in allowed(g, NAMING_PIECES)  # not " days ="
+
+
+def test_a_naming_that_no_piece_can_follow_or_inside_a_quote_restricts_nothing():
+    g = grounding(["Weather in Osaka, city: Kyoto"])  # no piece writes "Kyoto"
+    g.feed(b'{"name": "get_forecast", "arguments": {"city": "')
+    assert {b"Os", b"in"} <= allowed(g)  # the spans of the text, as without the naming
+    g = grounding(["Weather in 'Osaka days: 3' now"], NAMING_PIECES)  # a quoted value's own text
+    g.feed(b'{"name": "get_forecast", "arguments": {"city": "Osaka days')
+    assert b":" not in allowed(g, NAMING_PIECES) and allowed(g, NAMING_PIECES) == set()
+    g = grounding(["Weather in 'Osaka days: 3' now"], NAMING_PIECES)
+    g.feed(b'{"name": "get_forecast", "arguments": {"city": "')
+    assert b"Os" in allowed(g, NAMING_PIECES)  # the quoted value is still one to copy whole
+
+
+STOCK = {
+    "type": "function",
+    "function": {
+        "name": "stock_quote",
+        "description": "Get the latest stock price for a ticker.",
+        "parameters": {
+            "type": "object",
+            "properties": {"ticker": {"type": "string"}, "currency": {"type": "string"}},
+            "required": ["ticker", "currency"],
+        },
+    },
+}
+PLAYLIST = {
+    "type": "function",
+    "function": {
+        "name": "new_playlist",
+        "description": "Create a music playlist.",
+        "parameters": {
+            "type": "object",
+            "properties": {"playlist_name": {"type": "string"}, "public": {"type": "boolean"}},
+            "required": ["playlist_name", "public"],
+        },
+    },
+}
+
+
+ROOM = {
+    "type": "function",
+    "function": {
+        "name": "reserve_room",
+        "description": "Book a hotel room in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "breakfast": {"type": "boolean"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytestmark_model
+@pytest.mark.parametrize(
+    ("text", "schema", "want"),
+    [
+        (
+            "Quick question: Please check the share price for RKI currency = GBP.",
+            STOCK,
+            {"ticker": "RKI", "currency": "GBP"},
+        ),
+        (
+            "Hi! What does new_playlist(playlist_name='隡烬龰', public=False) return?",
+            PLAYLIST,
+            {"playlist_name": "隡烬龰", "public": False},
+        ),
+        (
+            "Hi! What is the value of reserve_room(city='Urbika', breakfast=True)? Thanks!",
+            ROOM,
+            {"city": "Urbika", "breakfast": True},
+        ),
+    ],
+)
+def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, schema: dict, want: dict):
+    """Held-out requests of the generic evaluation on the embedded model: it wrote a ticker of
+    "RKI currency" (running into the naming of `currency`), a playlist name of
+    "playlist_name='隡烬龰', public=False) return?" (a span from before the naming) and
+    breakfast false for `breakfast=True`."""
+    m = model()
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": text},
+    ]
+    m.sync(m.render(messages, [schema]))
+    name = schema["function"]["name"]
+    request = GenerateRequest(tools=[schema], force=name, argument_sources=[text])
+    out = "".join(e.text for e in m.generate(request) if e.kind == "text")
+    (call,) = m.parser.parse(out, [schema]).calls
+    assert call.arguments == want
+
+
+def test_a_parameter_is_named_by_its_name_or_its_words_then_equals_or_colon():
+    assert key_words("duration_minutes") == ["duration_minutes", "duration minutes"]
+    assert key_words("maxResults") == ["maxResults", "max results"]
+    assert key_words("city") == ["city"]
+    text = b"Kitu unit = km, Max Results:5, f(city='Osaka'), the unit is km, days ="
+    found = namings(text, ["unit", "maxResults", "city", "days"], [b"'"])
+    assert [(n.key, text[n.start : n.value]) for n in found] == [
+        ("unit", b"unit = "),
+        ("maxResults", b"Max Results:"),
+        ("city", b"city='"),
+    ]  # not prose ("the unit is km"), nor a naming with no value after it
+
+
+BOOLEAN_PIECES = [b" true", b" false", b"tr", b"ue", b"f", b"true}", b"false,", b" ", b"null", b" t"]
+
+
+@pytest.mark.parametrize(
+    ("text", "wanted"),
+    [
+        ("Call new_playlist(name='Jazz', public=False)", {b" false", b"f", b"false,"}),
+        ("A playlist, public: yes", {b" true", b"tr", b"true}", b" t"}),
+        ("A playlist, high priority: off, public = ON", {b" true", b"tr", b"true}", b" t"}),
+    ],
+)
+def test_a_boolean_the_text_names_takes_the_truth_it_names(text: str, wanted: set[bytes]):
+    schema = {
+        "type": "object",
+        "properties": {"public": {"type": "boolean"}, "high_priority": {"type": "boolean"}},
+    }
+    paths = schema_paths(schema)
+    assert paths.booleans == {(b"public",), (b"high_priority",)}
+    g = SpanGrounding(SpanIndex(BOOLEAN_PIECES, skip=()), [text], *paths[:2], boolean_paths=paths.booleans)
+    g.feed(b'{"public":')
+    assert g.grounded == "boolean"
+    assert {BOOLEAN_PIECES[i] for i in g.allowed()} == wanted
+    logits = torch.zeros(len(BOOLEAN_PIECES))
+    g.restrict_(logits)
+    assert {BOOLEAN_PIECES[i] for i in torch.nonzero(torch.isfinite(logits)).flatten().tolist()} == wanted
+
+
+def test_a_boolean_named_both_ways_or_not_at_all_is_the_grammar_s():
+    schema = {"type": "object", "properties": {"public": {"type": "boolean"}}}
+    paths = schema_paths(schema)
+    for text in ["public: yes, or public: no?", "a public playlist", "public is true"]:
+        g = SpanGrounding(
+            SpanIndex(BOOLEAN_PIECES, skip=()), [text], *paths[:2], boolean_paths=paths.booleans
+        )
+        g.feed(b'{"public":')
+        assert g.grounded is None, text

@@ -1,0 +1,253 @@
+"""The two sides of a grounded argument (`grounding`): a vocabulary's pieces by what they write in a
+JSON string or number (`SpanIndex`), and a source text with where a value may start and end in it
+(`Source`: word boundaries, quoted values copied whole, the namings of parameters no span runs
+into). Texts and pieces are compared as the model writes them, JSON-escaped bytes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from .named_values import namings
+
+
+def escaped(text: str, ascii_only: bool = False) -> bytes:
+    return json.dumps(text, ensure_ascii=ascii_only)[1:-1].encode()
+
+
+NUMBER_BYTES = frozenset(b"-+.0123456789eE")
+_DIGITS = frozenset(b"0123456789")
+
+
+def _string_content(piece: bytes) -> tuple[bytes, bool]:
+    """(the bytes a piece writes inside an open string, whether it then closes the string)."""
+    in_escape = False
+    for k, c in enumerate(piece):
+        if in_escape:
+            in_escape = False
+        elif c == 0x5C:
+            in_escape = True
+        elif c == 0x22:
+            return piece[:k], True
+    return piece, False
+
+
+def _number_content(piece: bytes) -> tuple[bytes, bool]:
+    """(the bytes a piece adds to a number, whether it then ends the number)."""
+    for k, c in enumerate(piece):
+        if c not in NUMBER_BYTES:
+            return piece[:k], True
+    return piece, False
+
+
+def _opening(piece: bytes) -> tuple[str, bytes]:
+    """What a piece written where a value may start opens: ("string", what it writes after the
+    opening quote), ("number", what it writes of the number) or ("other", b"": white space alone,
+    a bracket, `null`...); white space before the value is dropped."""
+    rest = piece.lstrip(b" \t\r\n")
+    if rest[:1] == b'"':
+        return "string", rest[1:]
+    if rest[:1] and rest[0] in NUMBER_BYTES:
+        return "number", rest
+    return "other", b""
+
+
+def _string_opening(piece: bytes) -> tuple[bytes, bool] | None:
+    kind, rest = _opening(piece)
+    return _string_content(rest) if kind == "string" else None
+
+
+def _number_opening(piece: bytes) -> tuple[bytes, bool] | None:
+    kind, rest = _opening(piece)
+    return _number_content(rest) if kind == "number" else None
+
+
+class PieceTable:
+    """Pieces by the content they write: `continuing[c]` leave the value open after `c`,
+    `closing[c]` end it after `c` (`Osaka"}` -> `Osaka`; `3}` -> `3`). `split` gives a piece's
+    (content, closes), or None for a piece the table leaves out."""
+
+    def __init__(self, pieces: Sequence[bytes], skipped: set[int], split: Any) -> None:
+        self.continuing: dict[bytes, list[int]] = {}
+        self.closing: dict[bytes, list[int]] = {}
+        self.ids: set[int] = set()  # every piece in the table
+        for i, piece in enumerate(pieces):
+            if piece and i not in skipped and (parts := split(piece)) is not None:
+                content, closes = parts
+                (self.closing if closes else self.continuing).setdefault(content, []).append(i)
+                self.ids.add(i)
+        self.longest = max((len(c) for c in [*self.continuing, *self.closing]), default=0)
+
+
+class SpanIndex:
+    """One vocabulary's pieces by what they write in a string and in a number, and, where a value
+    starts, by what they open: a compact JSON grammar writes `": "` before a value, so a call whose
+    prefix ends at the colon leaves the next piece to open the value (` -`, ` "Os`), and what it
+    writes there must be a span too. Built once per vocabulary."""
+
+    def __init__(self, pieces: Sequence[bytes], skip: Iterable[int]) -> None:
+        skipped = set(skip)
+        self.string = PieceTable(pieces, skipped, _string_content)
+        self.number = PieceTable(pieces, skipped, _number_content)
+        self.string_open = PieceTable(pieces, skipped, _string_opening)
+        self.number_open = PieceTable(pieces, skipped, _number_opening)
+        # Pieces that open neither (white space, brackets, literals): the grammar decides those.
+        opening = self.string_open.ids | self.number_open.ids
+        self.other = [i for i, p in enumerate(pieces) if p and i not in skipped and i not in opening]
+        self._other_masks: dict[tuple[str, int], torch.Tensor] = {}
+        # Pieces that open `true` or `false` (` t`, `false`, `true}`), for a boolean the text names.
+        self.literal: dict[bytes, list[int]] = {b"true": [], b"false": []}
+        for i in self.other:
+            head = pieces[i].lstrip(b" \t\r\n")
+            for word, ids in self.literal.items():
+                if head and (word.startswith(head) or _ends_literal(head, word)):
+                    ids.append(i)
+
+    def other_mask(self, size: int, device: torch.device) -> torch.Tensor:
+        """`other` as a bool mask [size] on `device` (a large vocabulary's set, built once)."""
+        key = (str(device), size)
+        if key not in self._other_masks:
+            mask = torch.zeros(size, dtype=torch.bool)
+            mask[[i for i in self.other if i < size]] = True
+            self._other_masks[key] = mask.to(device)
+        return self._other_masks[key]
+
+
+def _ends_literal(head: bytes, word: bytes) -> bool:
+    """Whether `head` writes `word` and then only what may follow a value (`true}`, `false,`)."""
+    return head.startswith(word) and all(c in b",}] \t\r\n" for c in head[len(word) :])
+
+
+TRUTH = {b"true": b"true", b"yes": b"true", b"on": b"true", b"1": b"true"}
+TRUTH |= {b"false": b"false", b"no": b"false", b"off": b"false", b"0": b"false"}
+TRUTH_WORD = re.compile(rb"(true|yes|on|1|false|no|off|0)(?![\w])", re.IGNORECASE)
+
+
+def _word_byte(c: int) -> bool:
+    return c < 0x80 and (chr(c).isalnum() or c == 0x5F)
+
+
+class Source:
+    """One source text (bytes) and where a value may start (`starts[k]`) and end (`ends[k]`) in it.
+
+    Strings: at word boundaries (an argument copies whole words, "Osaka", not "saka" or "Os"),
+    never inside a UTF-8 character, and neither starting nor ending with white space; every
+    character of a non-ASCII script is a word of its own.
+    A value the text quotes ('...', \"...\", curly or CJK quotes) is copied whole or not at
+    all: a span starting at its first character ends at its closing quote, none starts or ends
+    inside it ("Ursussol Labs", not "Ursussol"), and none that starts before it ends at its
+    closing quote (not "called 'Ursussol Labs": an opening quote without its closing one).
+    Numbers: a whole number or its leading digits ("71" of "71.0"), a sign included."""
+
+    def __init__(self, text: bytes, number: bool = False) -> None:
+        self.text = text
+        self.only_end: dict[int, int] = {}  # a quoted value's start -> the one place it ends
+        self.only_start: dict[int, int] = {}  # a quoted value's end -> where a span ending there starts
+        self.walls: list[int] = []  # where a parameter is named: no span runs into it (`name_values`)
+        positions = range(len(text) + 1)
+        if number:
+            self.starts = [_number_starts(text, k) for k in positions]
+            self.ends = [_number_ends(text, k) for k in positions]
+        else:
+            cuts = [_word_cut(text, k) for k in positions]
+            self.starts = [cut and k < len(text) and text[k] not in _SPACES for k, cut in enumerate(cuts)]
+            self.ends = [cut and k > 0 and text[k - 1] not in _SPACES for k, cut in enumerate(cuts)]
+            for first, end in _quoted(text):  # a quoted value is copied whole or not at all
+                for k in range(first + 1, end):
+                    self.starts[k] = False
+                for k in range(first, end):
+                    self.ends[k] = False
+                self.starts[first] = self.ends[end] = True
+                self.only_end[first] = end
+                self.only_start[end] = first  # not "called 'X": an opening quote without its closing
+
+    def name_values(self, keys: Iterable[str]) -> dict[str, set[int]]:
+        """Where the text names a value of one of `keys` (`named_values.namings`): key -> where
+        such values start (those a span may start at). From a naming's first byte to its value, no
+        span starts, and none that starts before it runs into it."""
+        starts: dict[str, set[int]] = {}
+        quoted = list(self.only_end.items())
+        for naming in namings(self.text, keys, [opening for opening, _ in QUOTES]):
+            if any(first <= naming.start < end for first, end in quoted):
+                continue  # a quoted value's own text ('unit: x') names nothing
+            for k in range(naming.start, naming.value):
+                self.starts[k] = False
+            self.walls.append(len(self.text[: naming.start].rstrip()))  # "Kitu| unit = km"
+            if self.starts[naming.value]:
+                starts.setdefault(naming.key, set()).add(naming.value)
+        self.walls.sort()
+        return starts
+
+    def named_truths(self, keys: Iterable[str]) -> dict[str, set[bytes]]:
+        """Key -> the literals (`true`, `false`) the text names it with (`public=False`,
+        `high priority: off`, `breakfast: yes`)."""
+        truths: dict[str, set[bytes]] = {}
+        for naming in namings(self.text, keys, [opening for opening, _ in QUOTES]):
+            if said := TRUTH_WORD.match(self.text, naming.value):
+                truths.setdefault(naming.key, set()).add(TRUTH[said.group(1).lower()])
+        return truths
+
+    def last_end(self, start: int) -> int:
+        """The furthest a span starting at `start` may end: its quoted value's closing quote, the
+        next naming of a parameter, or the text's end."""
+        last = self.only_end.get(start, len(self.text))
+        wall = bisect.bisect_right(self.walls, start)
+        return min(last, self.walls[wall]) if wall < len(self.walls) else last
+
+
+# Quote pairs users delimit values with, as JSON-escaped bytes in both escapings (a double quote is
+# written \", a curly or CJK quote raw or as \uXXXX).
+QUOTES = [(b"'", b"'"), (b'\\"', b'\\"')] + [
+    (escaped(a, ascii_only), escaped(b, ascii_only))
+    for a, b in ("\u201c\u201d", "\u2018\u2019", "\u300c\u300d", "\u300e\u300f")
+    for ascii_only in (False, True)
+]
+
+
+def _quoted(text: bytes) -> list[tuple[int, int]]:
+    """(first, end) of each non-empty quoted value in `text`: an opening quote not preceded by a
+    word character and the next closing one not followed by one (so "don't" quotes nothing)."""
+    out = []
+    for opening, closing in QUOTES:
+        k = text.find(opening)
+        while k >= 0:
+            first = k + len(opening)
+            if k > 0 and _word_byte(text[k - 1]):
+                k = text.find(opening, k + 1)
+                continue
+            end = text.find(closing, first)
+            while end >= 0 and end + len(closing) < len(text) and _word_byte(text[end + len(closing)]):
+                end = text.find(closing, end + 1)
+            if end < 0:
+                break
+            if end > first:
+                out.append((first, end))
+            k = text.find(opening, end + len(closing))
+    return out
+
+
+_SPACES = frozenset(b" \t\r\n")
+
+
+def _word_cut(text: bytes, k: int) -> bool:
+    if k in (0, len(text)):
+        return True
+    inside_word = _word_byte(text[k - 1]) and _word_byte(text[k])
+    return not inside_word and not 0x80 <= text[k] < 0xC0  # not inside a UTF-8 character
+
+
+def _number_starts(text: bytes, k: int) -> bool:
+    n = len(text)
+    if k == n or (k > 0 and text[k - 1] in _DIGITS | {0x2E, 0x2D}):
+        return False
+    return text[k] in _DIGITS or (text[k] == 0x2D and k + 1 < n and text[k + 1] in _DIGITS)
+
+
+def _number_ends(text: bytes, k: int) -> bool:
+    return k > 0 and text[k - 1] in _DIGITS and (k == len(text) or text[k] not in _DIGITS)
