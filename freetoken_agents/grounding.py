@@ -137,22 +137,23 @@ class SpanGrounding:
         texts = {escaped(s, ascii_only) for s in sources if s for ascii_only in (False, True)}
         self.strings = [Source(t) for t in sorted(texts)]
         self.numbers = [Source(s.encode(), number=True) for s in sources if s]
-        # Values the text names by their parameter, per key path: id(source) -> where they start.
-        self.named: dict[Path, dict[int, set[int]]] = {}
+        # Values the text names by their parameter, per key path: source -> where they start; and
+        # the booleans it names with a truth word, where it names each with one only.
+        self.named: dict[Path, dict[Source, set[int]]] = {}
         by_key: dict[str, list[Path]] = {}
         for path in (*string_paths, *number_paths, *(enum_paths or {}), *boolean_paths):  # walls too
             if path and path[-1] != _ANY_ITEM:
                 by_key.setdefault(path[-1].decode("utf-8", "replace"), []).append(path)
-        for source in (*self.strings, *self.numbers):
-            for key, starts in source.name_values(by_key).items():
-                for path in by_key[key]:
-                    self.named.setdefault(path, {})[id(source)] = starts
-        # Booleans the text names with a truth word, where it names each with one only.
-        self.truths: dict[Path, bytes] = {}
         said: dict[str, set[bytes]] = {}
-        for source in self.strings:
-            for key, words in source.named_truths(by_key).items():
-                said.setdefault(key, set()).update(words)
+        for source in (*self.strings, *self.numbers):
+            starts_by_key, truths = source.name_values(by_key)
+            for key, starts in starts_by_key.items():
+                for path in by_key[key]:
+                    self.named.setdefault(path, {})[source] = starts
+            if not source.number:  # truth words as the model writes them: the escaped texts
+                for key, words in truths.items():
+                    said.setdefault(key, set()).update(words)
+        self.truths: dict[Path, bytes] = {}
         for key, words in said.items():
             for path in by_key[key]:
                 if len(words) == 1 and path in boolean_paths and path not in string_paths | number_paths:
@@ -300,15 +301,15 @@ class SpanGrounding:
         sources: list[Source],
         value: bytes,
         empty_closes: bool,
-        named: Mapping[int, set[int]] | None = None,
+        named: Mapping[Source, set[int]] | None = None,
     ) -> set[int]:
-        """Tokens that keep `value` a span of a source (one starting where `named` says, by
-        id(source), if given), or end it where a span may end."""
+        """Tokens that keep `value` a span of a source (one starting where `named` says for that
+        source, if given), or end it where a span may end."""
         empty = not value and empty_closes and named is None  # a named value is not empty
         ids: set[int] = set(table.closing.get(b"", ())) if empty else set()
         for source in sources:
             text = source.text
-            begins = named.get(id(source), ()) if named is not None else None
+            begins = named.get(source, ()) if named is not None else None
             start = text.find(value)
             while start >= 0:
                 after = start + len(value)

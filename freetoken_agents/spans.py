@@ -146,7 +146,7 @@ class Source:
     Numbers: a whole number or its leading digits ("71" of "71.0"), a sign included."""
 
     def __init__(self, text: bytes, number: bool = False) -> None:
-        self.text = text
+        self.text, self.number = text, number
         self.only_end: dict[int, int] = {}  # a quoted value's start -> the one place it ends
         self.only_start: dict[int, int] = {}  # a quoted value's end -> where a span ending there starts
         self.walls: list[int] = []  # where a parameter is named: no span runs into it (`name_values`)
@@ -167,31 +167,27 @@ class Source:
                 self.only_end[first] = end
                 self.only_start[end] = first  # not "called 'X": an opening quote without its closing
 
-    def name_values(self, keys: Iterable[str]) -> dict[str, set[int]]:
-        """Where the text names a value of one of `keys` (`named_values.namings`): key -> where
-        such values start (those a span may start at). From a naming's first byte to its value, no
-        span starts, and none that starts before it runs into it."""
+    def name_values(self, keys: Iterable[str]) -> tuple[dict[str, set[int]], dict[str, set[bytes]]]:
+        """Where the text names a value of one of `keys` (`named_values.namings`), in one scan:
+        (key -> where such values start (those a span may start at), key -> the literals, `true`
+        or `false`, a truth word names it with: `public=False`, `high priority: off`). From a
+        naming's first byte to its value no span starts, and none that starts before it runs into
+        it; a naming inside a quoted value ('unit: x') starts and stops no span."""
         starts: dict[str, set[int]] = {}
+        truths: dict[str, set[bytes]] = {}
         quoted = list(self.only_end.items())
         for naming in namings(self.text, keys, [opening for opening, _ in QUOTES]):
+            if said := TRUTH_WORD.match(self.text, naming.value):
+                truths.setdefault(naming.key, set()).add(TRUTH[said.group(1).lower()])
             if any(first <= naming.start < end for first, end in quoted):
-                continue  # a quoted value's own text ('unit: x') names nothing
+                continue
             for k in range(naming.start, naming.value):
                 self.starts[k] = False
             self.walls.append(len(self.text[: naming.start].rstrip()))  # "Kitu| unit = km"
             if self.starts[naming.value]:
                 starts.setdefault(naming.key, set()).add(naming.value)
         self.walls.sort()
-        return starts
-
-    def named_truths(self, keys: Iterable[str]) -> dict[str, set[bytes]]:
-        """Key -> the literals (`true`, `false`) the text names it with (`public=False`,
-        `high priority: off`, `breakfast: yes`)."""
-        truths: dict[str, set[bytes]] = {}
-        for naming in namings(self.text, keys, [opening for opening, _ in QUOTES]):
-            if said := TRUTH_WORD.match(self.text, naming.value):
-                truths.setdefault(naming.key, set()).add(TRUTH[said.group(1).lower()])
-        return truths
+        return starts, truths
 
     def last_end(self, start: int) -> int:
         """The furthest a span starting at `start` may end: its quoted value's closing quote, the
