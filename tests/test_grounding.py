@@ -365,44 +365,31 @@ def test_a_naming_that_no_piece_can_follow_or_inside_a_quote_restricts_nothing()
     assert b"Os" in allowed(g, NAMING_PIECES)  # the quoted value is still one to copy whole
 
 
-STOCK = {
-    "type": "function",
-    "function": {
-        "name": "stock_quote",
-        "description": "Get the latest stock price for a ticker.",
-        "parameters": {
-            "type": "object",
-            "properties": {"ticker": {"type": "string"}, "currency": {"type": "string"}},
-            "required": ["ticker", "currency"],
-        },
-    },
-}
-PLAYLIST = {
-    "type": "function",
-    "function": {
-        "name": "new_playlist",
-        "description": "Create a music playlist.",
-        "parameters": {
-            "type": "object",
-            "properties": {"playlist_name": {"type": "string"}, "public": {"type": "boolean"}},
-            "required": ["playlist_name", "public"],
-        },
-    },
-}
+def function_tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
+    """An OpenAI-style tool schema of an object of `properties`."""
+    parameters = {"type": "object", "properties": properties, "required": required}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": parameters},
+    }
 
 
-ROOM = {
-    "type": "function",
-    "function": {
-        "name": "reserve_room",
-        "description": "Book a hotel room in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "breakfast": {"type": "boolean"}},
-            "required": ["city"],
-        },
-    },
-}
+STRING, BOOLEAN = {"type": "string"}, {"type": "boolean"}
+STOCK = function_tool(
+    "stock_quote",
+    "Get the latest stock price for a ticker.",
+    {"ticker": STRING, "currency": STRING},
+    ["ticker", "currency"],
+)
+PLAYLIST = function_tool(
+    "new_playlist",
+    "Create a music playlist.",
+    {"playlist_name": STRING, "public": BOOLEAN},
+    ["playlist_name", "public"],
+)
+ROOM = function_tool(
+    "reserve_room", "Book a hotel room in a city.", {"city": STRING, "breakfast": BOOLEAN}, ["city"]
+)
 
 
 @pytestmark_model
