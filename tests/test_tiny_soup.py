@@ -65,3 +65,15 @@ def test_files_that_are_not_one_model_or_a_weight_outside_0_1_are_refused(tmp_pa
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
     assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
+
+
+def test_a_file_that_is_missing_or_not_ftw_is_one_line_not_a_traceback(tmp_path: Path, capsys) -> None:
+    """A file that is not FTW (or is not there) raised FTWFormatError from deep inside the reader."""
+    garbage = tmp_path / "garbage.ftw"
+    garbage.write_bytes(b"not an FTW file")
+    for path in (garbage, tmp_path / "missing.ftw"):
+        capsys.readouterr()
+        assert main([str(path), str(default_model()), "--weight", "0.5", "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {path}") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agents.engine import FTWFormatError
 from freetoken_agents.engine.ftw.reader import FTWFile
 
 from .warm import load_ftw
@@ -29,8 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 class SoupError(ValueError):
-    """Two FTW files that cannot be averaged (another architecture, shape or tokenizer), or a
-    weight outside [0, 1]."""
+    """Two FTW files that cannot be averaged (another architecture, shape or tokenizer, not
+    Qwen3-MoE), or a weight outside [0, 1]. A file that is not FTW: FTWFormatError."""
 
 
 def _check_pair(a: Path, b: Path) -> dict:
@@ -58,8 +59,11 @@ def soup(a: Path, b: Path, weight: float, out: Path) -> Path:
     if not 0.0 <= weight <= 1.0:
         raise SoupError(f"--weight must be between 0 and 1, got {weight}")
     metadata = _check_pair(a, b)
-    model, tokenizer = load_ftw(a)
-    other, _ = load_ftw(b)
+    try:
+        model, tokenizer = load_ftw(a)
+        other, _ = load_ftw(b)
+    except ValueError as e:  # not a Qwen3-MoE FTW file (warm.load_ftw)
+        raise SoupError(str(e)) from None
     theirs = dict(other.named_parameters())
     with torch.no_grad():
         for name, tensor in model.named_parameters():  # a tied lm_head once, not twice
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         soup(args.a, args.b, args.weight, args.out)
-    except (SoupError, OSError) as e:
+    except (SoupError, FTWFormatError, OSError) as e:  # a file missing, unreadable or not FTW
         sys.stderr.write(f"error: {e}\n")
         return 2
     return 0
