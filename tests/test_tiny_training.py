@@ -16,6 +16,8 @@ from freetoken_agents.recipes.tiny import coding, corpus, world
 from freetoken_agents.recipes.tiny.train import (
     batches,
     cache_argument,
+    distillation_loss,
+    distilled_blocks,
     encode,
     encode_all,
     render,
@@ -229,6 +231,75 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     fresh = load_file(tmp_path / "whole" / "last" / "model.safetensors")  # the step-2 weights differ
     assert not all(torch.equal(whole[k], fresh[k]) for k in whole)
+
+
+def test_distillation_loss_is_the_teachers_kl_over_the_labelled_next_tokens():
+    torch.manual_seed(0)
+    student, teacher = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    labels = torch.tensor([[-100, -100, 3, 4, -100], [-100, 1, 2, -100, -100]])
+    assert distillation_loss(student, student, labels).item() == pytest.approx(0.0, abs=1e-6)
+    # Position t predicts label t + 1: positions (0, 1), (0, 2), (1, 0) and (1, 1) count.
+    counted = [(0, 1), (0, 2), (1, 0), (1, 1)]
+    expected = sum(
+        torch.sum(teacher[b, t].softmax(-1) * (teacher[b, t].log_softmax(-1) - student[b, t].log_softmax(-1)))
+        for b, t in counted
+    ) / len(counted)
+    assert distillation_loss(student, teacher, labels).item() == pytest.approx(expected.item(), rel=1e-5)
+    moved = teacher.clone()
+    moved[0, 0] += 5.0  # predicts an unlabelled token
+    moved[1, 4] += 5.0  # the last position predicts nothing
+    assert distillation_loss(student, moved, labels).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_only_coding_and_world_batches_are_distilled():
+    examples = [((1, 2), [3], [3]), ((1, 2), [4], [4]), ((5,), [6], [6]), ((7,), [8], [8])]
+    assert distilled_blocks(examples, ["code", "code", "world", "generic"]) == {(1, 2), (5,)}
+    with pytest.raises(ValueError, match="shares its system block"):
+        distilled_blocks(examples, ["code", "generic", "world", "generic"])
+    # In the real corpus the three kinds never share a system block.
+    from transformers import PreTrainedTokenizerFast
+
+    from freetoken_agents.recipes.tiny.train import _character_tokenizer, split_system_block, train_tokenizer
+
+    dialogues = corpus.build_corpus(random.Random(0), 120, code_share=0.3, world_share=0.2)
+    bootstrap = PreTrainedTokenizerFast(
+        tokenizer_object=_character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE
+    )
+    rendered = [render(bootstrap, d) for d in dialogues]
+    tok = train_tokenizer([t for t, _ in rendered], 600)
+    examples = [split_system_block(*encode(tok, text, spans)) for text, spans in rendered]
+    blocks = distilled_blocks(examples, [d.kind for d in dialogues])
+    assert {"code", "world", "generic"} == {d.kind for d in dialogues}
+    assert blocks == {e[0] for e, d in zip(examples, dialogues, strict=True) if d.kind != "generic"}
+    assert blocks < {e[0] for e in examples}
+
+
+def test_a_teacher_adds_its_kl_to_the_coding_and_world_batches(tmp_path):
+    """Continuing a model with itself as the teacher: at weight 0 the run is the run without a
+    teacher bit for bit; at weight 1 the second step's weights differ (the student has moved)."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    start = train(tmp_path / "start", steps=1, dialogues=120, tokens_per_batch=1024, vocab_size=700)
+    kw = {"steps": 2, "dialogues": 120, "tokens_per_batch": 1024, "threads": 1, "init": start}
+    train(tmp_path / "alone", **kw)
+    train(tmp_path / "zero", teacher=start, distill=0.0, **kw)
+    train(tmp_path / "one", teacher=start, distill=1.0, **kw)
+    alone, zero, one = (
+        load_file(tmp_path / run / "hf" / "model.safetensors") for run in ("alone", "zero", "one")
+    )
+    assert all(torch.equal(alone[k], zero[k]) for k in alone)
+    assert not all(torch.equal(alone[k], one[k]) for k in alone)
+
+
+def test_a_missing_teacher_is_a_one_line_error(tmp_path, capsys):
+    from freetoken_agents.recipes.tiny.train import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(tmp_path / "run"), "--steps", "1", "--teacher", str(tmp_path / "nope.ftw")])
+    assert exc.value.code == 2
+    assert f"--teacher: no file {tmp_path / 'nope.ftw'}" in capsys.readouterr().err.splitlines()[-1]
+    assert not (tmp_path / "run").exists()
 
 
 def test_cache_argument_follows_the_transformers_release(tiny_checkpoint):

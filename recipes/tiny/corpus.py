@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from freetoken_agents.retry import DEFAULT_NOTE
 
@@ -30,10 +30,14 @@ from .world import (
 TOOL_SCHEMAS: list[dict[str, Any]] = [t.json_schema() for t in TOOLS]
 
 
+Kind = Literal["code", "world", "generic"]
+
+
 @dataclass
 class Dialogue:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)
+    kind: Kind = "generic"  # what it teaches: writing code, the four world tools, the user's own tools
 
 
 def _as_text(result: Any) -> str:
@@ -81,7 +85,7 @@ def tool_dialogue(rng: random.Random, split: Split = "train") -> Dialogue:
             {"role": "tool", "name": question.tool, "content": _as_text(result)},
             {"role": "assistant", "content": final_answer(rng, question, result)},
         ]
-    return Dialogue(messages, TOOL_SCHEMAS)
+    return Dialogue(messages, TOOL_SCHEMAS, kind="world")
 
 
 def _code_error(rng: random.Random, function: str) -> str:
@@ -114,7 +118,7 @@ def code_dialogue(rng: random.Random, split: Split = "train") -> Dialogue:
         {"role": "user", "content": task.prompt},
         {"role": "assistant", "content": reply},
     ]
-    return Dialogue(messages)
+    return Dialogue(messages, kind="code")
 
 
 def dialogue(rng: random.Random, split: Split = "train", code_share: float = 0.45) -> Dialogue:

@@ -63,7 +63,7 @@ from tqdm.auto import tqdm
 from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, EngineError, check_device, render_chat
 
 from . import generic
-from .corpus import TOOL_SCHEMAS, Dialogue, build_corpus
+from .corpus import TOOL_SCHEMAS, Dialogue, Kind, build_corpus
 from .warm import load_ftw
 
 logger = logging.getLogger(__name__)
@@ -283,6 +283,30 @@ def shared_block_forward(model: Any, block: torch.Tensor, ids: torch.Tensor, mas
     )
 
 
+def distillation_loss(
+    logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """KL(teacher || student) of the next-token distributions, averaged over the labelled tokens
+    (`labels` [B, T] as the model's own loss takes them: position t predicts label t + 1).
+
+    Learning without forgetting (Li & Hoiem 2016; Hinton et al. 2015): the whole distribution of a
+    model that already writes the code is a denser target than the one right token, so a
+    continuation that learns the user's tools keeps what the teacher knew."""
+    mask = labels[:, 1:] != -100  # [B, T-1]
+    student = torch.log_softmax(logits[:, :-1][mask].float(), dim=-1)  # [N, V]
+    target = torch.log_softmax(teacher_logits[:, :-1][mask].float(), dim=-1)  # [N, V]
+    return torch.nn.functional.kl_div(student, target, log_target=True, reduction="batchmean")
+
+
+def distilled_blocks(examples: list[Example], kinds: list[Kind]) -> set[tuple[int, ...]]:
+    """The system blocks of the coding and world dialogues: the batches a teacher keeps (a batch
+    holds the dialogues of one system block). A generic tool set is never one of them."""
+    kept = {block for (block, _, _), kind in zip(examples, kinds, strict=True) if kind != "generic"}
+    if any(block in kept for (block, _, _), kind in zip(examples, kinds, strict=True) if kind == "generic"):
+        raise ValueError("a generic dialogue shares its system block with a coding or world dialogue")
+    return kept
+
+
 def cache_argument(model: Any) -> str:
     """The name `model.forward` takes its KV cache by: `cache` in recent transformers 5 releases,
     `past_key_values` before (deprecated since, and removed in 5.40)."""
@@ -308,6 +332,8 @@ def train(
     world_share: float = 0.15,
     no_call_share: float = generic.NO_CALL_SHARE,
     resume: bool = False,
+    teacher: Path | None = None,
+    distill: float = 1.0,
 ) -> Path:
     """Train and write `out/hf` (the checkpoint) and `out/model.ftw`; returns the FTW path.
 
@@ -317,7 +343,10 @@ def train(
     `code_share`, `world_share`: the corpus mix (the rest is generic tool use, see `build_corpus`);
     `no_call_share`: the share of generic exchanges answered without a call.
     `save_every`: also write `out/last` (weights, tokenizer, optimizer and position in the batch
-    order) every N steps; `resume`: continue from `out/last` where a run stopped (same arguments)."""
+    order) every N steps; `resume`: continue from `out/last` where a run stopped (same arguments).
+    `teacher`: an FTW file (the tokenizer of the model trained) whose next-token distributions the
+    coding and world dialogues are also fitted to, `distill` times their KL added to the loss (see
+    `distillation_loss`); the generic dialogues learn from their labels alone."""
     from transformers import AutoModelForCausalLM
 
     from freetoken_agents.engine.loading.convert import convert_checkpoint
@@ -347,8 +376,16 @@ def train(
         model, tokenizer = load_ftw(init, max_position_embeddings=2048)
     else:
         tokenizer = train_tokenizer([t for t, _ in rendered[:20_000]], vocab_size)
-    examples = [split_system_block(ids, labels) for ids, labels in encode_all(tokenizer, rendered)]
-    examples = [e for e in examples if len(e[0]) + len(e[1]) <= MAX_TOKENS]
+    encoded = [split_system_block(ids, labels) for ids, labels in encode_all(tokenizer, rendered)]
+    kept = [i for i, e in enumerate(encoded) if len(e[0]) + len(e[1]) <= MAX_TOKENS]
+    examples = [encoded[i] for i in kept]
+    teacher_model, distilled = None, set()
+    if teacher is not None:
+        teacher_model, teacher_tokenizer = load_ftw(teacher, max_position_embeddings=2048)
+        if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"{teacher}: the teacher's tokenizer is not the one of the model trained")
+        teacher_model.to(device).eval().requires_grad_(False)
+        distilled = distilled_blocks(examples, [corpus[i].kind for i in kept])
     logger.info(
         "corpus: %d dialogues, %d conversation tokens, %d distinct system blocks",
         len(examples),
@@ -396,7 +433,12 @@ def train(
             for batch in micro:
                 block, ids, labels, mask = (t.to(device) for t in batch)
                 with autocast:
-                    part = shared_block_forward(model, block, ids, mask, labels=labels).loss
+                    output = shared_block_forward(model, block, ids, mask, labels=labels)
+                    part = output.loss
+                    if teacher_model is not None and tuple(batch[0].tolist()) in distilled:
+                        with torch.no_grad():
+                            target = shared_block_forward(teacher_model, block, ids, mask).logits
+                        part = part + distill * distillation_loss(output.logits, target, labels)
                 weight = int((labels != -100).sum()) / labelled
                 (part * weight).backward()
                 loss += part.detach() * weight
@@ -480,6 +522,13 @@ def main(argv: list[str] | None = None) -> None:
         default=generic.NO_CALL_SHARE,
         help="share of generic exchanges answered without a call",
     )
+    p.add_argument(
+        "--teacher",
+        type=Path,
+        default=None,
+        help="an FTW file the coding and world dialogues are distilled from",
+    )
+    p.add_argument("--distill", type=float, default=1.0, help="weight of the teacher's KL in the loss")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (bf16 autocast on CUDA)")
     p.add_argument("--code-share", type=float, default=0.3, help="share of coding dialogues")
     p.add_argument("--world-share", type=float, default=0.15, help="share of the four world tools' dialogues")
@@ -488,6 +537,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--code-share and --world-share must be >= 0 and add up to at most 1")
     if not 0 <= args.no_call_share <= 1:
         p.error(f"--no-call-share must be between 0 and 1, got {args.no_call_share}")
+    if args.teacher is not None and not args.teacher.is_file():
+        p.error(f"--teacher: no file {args.teacher}")
+    if args.distill < 0:
+        p.error(f"--distill must be >= 0, got {args.distill}")
     try:
         check_device(args.device)
     except EngineError as exc:
@@ -509,6 +562,8 @@ def main(argv: list[str] | None = None) -> None:
         world_share=args.world_share,
         no_call_share=args.no_call_share,
         resume=args.resume,
+        teacher=args.teacher,
+        distill=args.distill,
     )
 
 
