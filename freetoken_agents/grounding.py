@@ -140,6 +140,8 @@ class SpanGrounding:
         # Values the text names by their parameter, per key path: source -> where they start; and
         # the booleans it names with a truth word, where it names each with one only.
         self.named: dict[Path, dict[Source, set[int]]] = {}
+        # Per source, the values it names, start -> the keys naming it: no other key's value.
+        self.claimed: dict[Source, dict[int, set[str]]] = {}
         by_key: dict[str, list[Path]] = {}
         for path in (*string_paths, *number_paths, *(enum_paths or {}), *boolean_paths):  # walls too
             if path and path[-1] != _ANY_ITEM:
@@ -150,6 +152,8 @@ class SpanGrounding:
             for key, starts in starts_by_key.items():
                 for path in by_key[key]:
                     self.named.setdefault(path, {})[source] = starts
+                for start in starts:
+                    self.claimed.setdefault(source, {}).setdefault(start, set()).add(key)
             if not source.number:  # truth words as the model writes them: the escaped texts
                 for key, words in truths.items():
                     said.setdefault(key, set()).update(words)
@@ -290,10 +294,16 @@ class SpanGrounding:
     def _spans(self, table: PieceTable, sources: list[Source], value: bytes, empty_closes: bool) -> set[int]:
         """`_allowed` from where the text names this key path's value, if it does and one fits;
         else from every start."""
-        named = self.named.get(self._path)
+        path = self._path
+        named = self.named.get(path)
         if named is not None and (ids := self._allowed(table, sources, value, empty_closes, named)):
             return ids
-        return self._allowed(table, sources, value, empty_closes)
+        key = path[-1].decode("utf-8", "replace") if path else ""
+        others = {  # "trimel to -33.3, offset: 94": 94 is the offset's, not x's
+            source: {start for start, keys in claimed.items() if key not in keys}
+            for source, claimed in self.claimed.items()
+        }
+        return self._allowed(table, sources, value, empty_closes, excluded=others)
 
     @staticmethod
     def _allowed(
@@ -302,25 +312,29 @@ class SpanGrounding:
         value: bytes,
         empty_closes: bool,
         named: Mapping[Source, set[int]] | None = None,
+        excluded: Mapping[Source, set[int]] | None = None,
     ) -> set[int]:
         """Tokens that keep `value` a span of a source (one starting where `named` says for that
-        source, if given), or end it where a span may end."""
+        source, if given, and not where `excluded` says), or end it where a span may end."""
         empty = not value and empty_closes and named is None  # a named value is not empty
         ids: set[int] = set(table.closing.get(b"", ())) if empty else set()
         for source in sources:
             text = source.text
             begins = named.get(source, ()) if named is not None else None
+            barred = excluded.get(source, ()) if excluded is not None else ()
             start = text.find(value)
             while start >= 0:
                 after = start + len(value)
                 last = source.last_end(start)  # a quoted value ends at its quote
-                if source.starts[start] and after <= last and (begins is None or start in begins):
+                begins_here = start in begins if begins is not None else start not in barred
+                if source.starts[start] and after <= last and begins_here:
                     ends_here = source.only_start.get
                     if value and source.ends[after] and ends_here(after, start) == start:
                         ids.update(table.closing.get(b"", ()))
                     for end in range(after + 1, min(last, after + table.longest) + 1):
                         written = text[after:end]
-                        ids.update(table.continuing.get(written, ()))
+                        if source.next_end[end] <= last:  # it can still end before a wall
+                            ids.update(table.continuing.get(written, ()))
                         if source.ends[end] and ends_here(end, start) == start:
                             ids.update(table.closing.get(written, ()))
                 start = text.find(value, start + 1)

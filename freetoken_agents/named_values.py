@@ -3,7 +3,12 @@
 start such a parameter's value where the text writes it, and no other value's span runs into the
 naming ("Kitu unit = km" gives a `start` of "Kitu", not "Kitu unit =").
 
-Only a name followed by `=` or `:` names a value; prose ("the unit is km") is left to the model.
+A name names a value when `=` or `:` follows it (`unit: km`), or a quoted value (`subject 'Q3'`),
+or when it is listed after "with" or a comma (`with letter c`, `SZ, currency GBP`); so do "named",
+"called" and "titled" (`a customer named 'Acme'`) for the parameter whose word comes just before
+them (customer_name), or else for the one parameter whose name is a name or a title.
+Other prose ("the unit is km") is left to the model; a parameter's bare name (`currency GBP`) names
+nothing but is a place no other value's span runs into (`mentions`).
 """
 
 from __future__ import annotations
@@ -32,19 +37,60 @@ class Naming:
     value: int
 
 
+def _name_pattern(key: str) -> re.Pattern[bytes] | None:
+    """A whole-word (any case) occurrence of one of the ways a text writes `key`."""
+    names = b"|".join(re.escape(w.encode()) for w in key_words(key) if w)
+    return re.compile(rb"(?<![\w])(?:" + names + rb")(?![\w])", re.IGNORECASE) if names else None
+
+
+_SIGN = re.compile(rb"[ \t]*[=:][ \t]*")
+_GAP = re.compile(rb"[ \t]+")
+_LISTED = re.compile(rb"(?:(?<![\w])with|,)[ \t]+$", re.IGNORECASE)
+_VERB = re.compile(rb"(?<![\w])(named|called|titled)[ \t]+", re.IGNORECASE)
+_LAST_WORD = re.compile(rb"(\w+)[ \t]+$")
+_VERB_NOUNS = {b"named": ("name", "title"), b"called": ("name", "title"), b"titled": ("title",)}
+
+
 def namings(text: bytes, keys: Iterable[str], quotes: Sequence[bytes]) -> list[Naming]:
     """Every naming of one of `keys` in `text` (JSON-escaped bytes, as grounding compares them):
-    a whole-word name (any case) followed by `=` or `:` and a value. `quotes`: the opening quotes a
+    a whole-word name (any case) followed by `=` or `:` and a value, or by a quoted value; or
+    "named", "called" or "titled" and a value (see the module). `quotes`: the opening quotes a
     value may start with."""
+    keys = list(keys)
+
+    def value_at(k: int) -> tuple[int, bool] | None:  # (where the value starts, whether quoted)
+        quote = next((len(q) for q in quotes if text.startswith(q, k)), 0)
+        k += quote
+        return (k, quote > 0) if k < len(text) and not text[k : k + 1].isspace() else None
+
     found: list[Naming] = []
     for key in keys:
-        names = b"|".join(re.escape(w.encode()) for w in key_words(key) if w)
-        if not names:
+        if (pattern := _name_pattern(key)) is None:
             continue
-        pattern = re.compile(rb"(?<![\w])(?:" + names + rb")[ \t]*[=:][ \t]*", re.IGNORECASE)
         for match in pattern.finditer(text):
-            value = match.end()
-            value += next((len(q) for q in quotes if text.startswith(q, value)), 0)
-            if value < len(text) and not text[value : value + 1].isspace():
-                found.append(Naming(key, match.start(), value))
+            if sign := _SIGN.match(text, match.end()):
+                if value := value_at(sign.end()):
+                    found.append(Naming(key, match.start(), value[0]))
+            elif (gap := _GAP.match(text, match.end())) and (value := value_at(gap.end())):
+                listed = _LISTED.search(text, 0, match.start()) is not None  # "SZ, currency GBP"
+                if value[1] or listed:
+                    found.append(Naming(key, match.start(), value[0]))
+    words = {key: key_words(key)[-1].lower().split() for key in keys}
+    for match in _VERB.finditer(text):
+        if (value := value_at(match.end())) is None:
+            continue
+        before = _LAST_WORD.search(text, 0, match.start())
+        word = before.group(1).decode("utf-8", "replace").lower() if before else ""
+        by_word = [k for k in keys if word and {word, word.removesuffix("s")} & set(words[k])]
+        nouns = _VERB_NOUNS[match.group(1).lower()]
+        by_noun = [k for k in keys if set(nouns) & set(words[k])]
+        for key in by_word or (by_noun if len(by_noun) == 1 else []):
+            found.append(Naming(key, match.start(), value[0]))
     return sorted(found, key=lambda n: n.start)
+
+
+def mentions(text: bytes, keys: Iterable[str]) -> list[int]:
+    """Where `text` writes one of `keys` by name (whole words, any case), named value or not:
+    `currency GBP`. No other value's span runs into such a place ("SZ, currency GBP" gives a
+    ticker of "SZ")."""
+    return sorted({m.start() for key in keys if (p := _name_pattern(key)) for m in p.finditer(text)})

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .named_values import namings
+from .named_values import mentions, namings
 
 
 def escaped(text: str, ascii_only: bool = False) -> bytes:
@@ -141,15 +141,16 @@ class Source:
     character of a non-ASCII script is a word of its own.
     A value the text quotes ('...', \"...\", curly or CJK quotes) is copied whole or not at
     all: a span starting at its first character ends at its closing quote, none starts or ends
-    inside it ("Ursussol Labs", not "Ursussol"), and none that starts before it ends at its
-    closing quote (not "called 'Ursussol Labs": an opening quote without its closing one).
+    inside it ("Ursussol Labs", not "Ursussol"), and none that starts before it runs into it
+    (not "called 'Ursussol Labs"). An email address is copied whole too, and no span ends just
+    after a comma, a colon, a semicolon, `!`, `?` or an opening bracket ("Gerbun," is "Gerbun").
     Numbers: a whole number or its leading digits ("71" of "71.0"), a sign included."""
 
     def __init__(self, text: bytes, number: bool = False) -> None:
         self.text, self.number = text, number
         self.only_end: dict[int, int] = {}  # a quoted value's start -> the one place it ends
         self.only_start: dict[int, int] = {}  # a quoted value's end -> where a span ending there starts
-        self.walls: list[int] = []  # where a parameter is named: no span runs into it (`name_values`)
+        self.walls: list[int] = []  # where no span runs into: a quoted value, a parameter's name
         positions = range(len(text) + 1)
         if number:
             self.starts = [_number_starts(text, k) for k in positions]
@@ -157,8 +158,11 @@ class Source:
         else:
             cuts = [_word_cut(text, k) for k in positions]
             self.starts = [cut and k < len(text) and text[k] not in _SPACES for k, cut in enumerate(cuts)]
-            self.ends = [cut and k > 0 and text[k - 1] not in _SPACES for k, cut in enumerate(cuts)]
-            for first, end in _quoted(text):  # a quoted value is copied whole or not at all
+            self.ends = [cut and k > 0 and text[k - 1] not in _NO_END for k, cut in enumerate(cuts)]
+            for match in _EMAIL.finditer(text):  # an address is copied whole: not "banana91"
+                for k in range(match.start() + 1, match.end()):
+                    self.starts[k] = self.ends[k] = False
+            for quote, first, end in _quoted(text):  # a quoted value is copied whole or not at all
                 for k in range(first + 1, end):
                     self.starts[k] = False
                 for k in range(first, end):
@@ -166,13 +170,21 @@ class Source:
                 self.starts[first] = self.ends[end] = True
                 self.only_end[first] = end
                 self.only_start[end] = first  # not "called 'X": an opening quote without its closing
+                self.walls.append(len(text[:quote].rstrip()))  # nor "translate 'X' (": none runs into it
+            self.walls.sort()
+        # The first place at or after k where a span may end (past the text: none): a value is not
+        # written on into a place it cannot end before a wall ("SZ," before "currency GBP").
+        self.next_end = [len(text) + 1] * (len(text) + 2)
+        for k in reversed(positions):
+            self.next_end[k] = k if self.ends[k] else self.next_end[k + 1]
 
     def name_values(self, keys: Iterable[str]) -> tuple[dict[str, set[int]], dict[str, set[bytes]]]:
         """Where the text names a value of one of `keys` (`named_values.namings`), in one scan:
         (key -> where such values start (those a span may start at), key -> the literals, `true`
         or `false`, a truth word names it with: `public=False`, `high priority: off`). From a
         naming's first byte to its value no span starts, and none that starts before it runs into
-        it; a naming inside a quoted value ('unit: x') starts and stops no span."""
+        it; a naming inside a quoted value ('unit: x') starts and stops no span. A parameter's
+        name written without a value (`mentions`) is a wall too, and starts no span."""
         starts: dict[str, set[int]] = {}
         truths: dict[str, set[bytes]] = {}
         quoted = list(self.only_end.items())
@@ -186,6 +198,10 @@ class Source:
             self.walls.append(len(self.text[: naming.start].rstrip()))  # "Kitu| unit = km"
             if self.starts[naming.value]:
                 starts.setdefault(naming.key, set()).add(naming.value)
+        for at in mentions(self.text, keys):  # "SZ| currency GBP": not "SZ, currency GBP"
+            if not any(first <= at < end for first, end in quoted):
+                self.walls.append(len(self.text[:at].rstrip()))
+                self.starts[at] = False  # nor "high priority no": a parameter's name is no value
         self.walls.sort()
         return starts, truths
 
@@ -206,9 +222,10 @@ QUOTES = [(b"'", b"'"), (b'\\"', b'\\"')] + [
 ]
 
 
-def _quoted(text: bytes) -> list[tuple[int, int]]:
-    """(first, end) of each non-empty quoted value in `text`: an opening quote not preceded by a
-    word character and the next closing one not followed by one (so "don't" quotes nothing)."""
+def _quoted(text: bytes) -> list[tuple[int, int, int]]:
+    """(opening quote, first, end) of each non-empty quoted value in `text`: an opening quote not
+    preceded by a word character and the next closing one not followed by one (so "don't" quotes
+    nothing)."""
     out = []
     for opening, closing in QUOTES:
         k = text.find(opening)
@@ -223,12 +240,16 @@ def _quoted(text: bytes) -> list[tuple[int, int]]:
             if end < 0:
                 break
             if end > first:
-                out.append((first, end))
+                out.append((k, first, end))
             k = text.find(opening, end + len(closing))
     return out
 
 
 _SPACES = frozenset(b" \t\r\n")
+# A value ends at a word's end, never on white space, nor just after punctuation that closes a
+# clause or opens a bracket ("Gerbun," and "SZ," are "Gerbun" and "SZ").
+_NO_END = _SPACES | frozenset(b",;:!?([{")
+_EMAIL = re.compile(rb"[\w.%+-]+@[\w-]+(?:\.[\w-]+)+")
 
 
 def _word_cut(text: bytes, k: int) -> bool:

@@ -12,7 +12,7 @@ import torch
 
 from freetoken_agents import Agent, FreeTokenModel, GenerateRequest, default_model, tool
 from freetoken_agents.grounding import SpanGrounding, SpanIndex, conversation_sources, schema_paths
-from freetoken_agents.named_values import key_words, namings
+from freetoken_agents.named_values import key_words, mentions, namings
 from freetoken_agents.parsers.base import name_args_schema
 
 FORECAST = {
@@ -279,14 +279,13 @@ def test_a_quoted_value_is_copied_whole_or_not_at_all():
     assert {b" ", b'"', b'"}'} <= allowed(g)
 
 
-def test_a_span_does_not_end_at_a_quoted_value_it_did_not_start_at():
-    """The embedded model wrote "playlist called 'ブチュヸゾギ" for a name quoted as 'ブチュヸゾギ':
-    a span from before the opening quote ended at the closing one."""
+def test_no_span_runs_into_a_quoted_value_it_did_not_start_at():
+    """The embedded model wrote "playlist called 'ブチュヸゾギ" for a name quoted as 'ブチュヸゾギ'
+    (a span from before the opening quote ended at the closing one), and "translate 'dragon marble
+    honey silver' (" for 'dragon marble honey silver'."""
     g = grounding(["in 'Osaka in' now"])
-    g.feed(b'{"name": "get_forecast", "arguments": {"city": "in \'Osaka')
-    assert allowed(g) == {b" "}
-    g.feed(b" in")
-    assert allowed(g) == set()  # not at the closing quote; on past it (no such piece here)
+    g.feed(b'{"name": "get_forecast", "arguments": {"city": "in')
+    assert allowed(g) == {b'"', b'"}'}  # "in" ends before the quote: the quoted value is its own
 
 
 def test_a_quote_that_is_an_apostrophe_quotes_nothing():
@@ -390,6 +389,25 @@ PLAYLIST = function_tool(
 ROOM = function_tool(
     "reserve_room", "Book a hotel room in a city.", {"city": STRING, "breakfast": BOOLEAN}, ["city"]
 )
+EMAIL = function_tool(
+    "email_send",
+    "Send an email.",
+    {"recipient": STRING, "subject": STRING, "high_priority": BOOLEAN},
+    ["recipient"],
+)
+NEW_PLAYLIST = function_tool(
+    "new_playlist", "Create a music playlist.", {"playlist_name": STRING}, ["playlist_name"]
+)
+UNIT = {"type": "string", "enum": ["km", "miles"]}
+DISTANCE = function_tool(
+    "get_distance", "Get the distance between two places.", {"start": STRING, "unit": UNIT}, ["start", "unit"]
+)
+TRIMEL = function_tool(
+    "trimel_tool",
+    "Apply the trimel function to an input.",
+    {"x": {"type": "number"}, "offset": {"type": "integer"}},
+    ["x", "offset"],
+)
 
 
 @pytestmark_model
@@ -411,13 +429,28 @@ ROOM = function_tool(
             ROOM,
             {"city": "Urbika", "breakfast": True},
         ),
+        (
+            "With the email_send tool, send an email to zebra94@mountain.com. Please use a tool.",
+            EMAIL,
+            {"recipient": "zebra94@mountain.com"},
+        ),
+        ("Now make a new playlist called 'ブチュヸゾギ'.", NEW_PLAYLIST, {"playlist_name": "ブチュヸゾギ"}),
+        ("Tell me the stock price of SZ, currency GBP.", STOCK, {"ticker": "SZ", "currency": "GBP"}),
+        (
+            "I would like to know the distance from Gerbun, unit: miles.",
+            DISTANCE,
+            {"start": "Gerbun", "unit": "miles"},
+        ),
+        ("With the trimel_tool tool, apply trimel to -33.3, offset: 94.", TRIMEL, {"x": -33.3, "offset": 94}),
     ],
 )
 def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, schema: dict, want: dict):
     """Held-out requests of the generic evaluation on the embedded model: it wrote a ticker of
     "RKI currency" (running into the naming of `currency`), a playlist name of
     "playlist_name='隡烬龰', public=False) return?" (a span from before the naming) and
-    breakfast false for `breakfast=True`."""
+    breakfast false for `breakfast=True`; then "zebra94" (an address cut at its @), "playlist
+    called 'ブチュヸゾギ'." (a span running into a quoted value), "SZ, currency GBP" (into a
+    parameter's bare name), "Gerbun," (ending on a comma) and an x of 94.3 (the offset's 94)."""
     m = model()
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},
@@ -442,6 +475,79 @@ def test_a_parameter_is_named_by_its_name_or_its_words_then_equals_or_colon():
         ("maxResults", b"Max Results:"),
         ("city", b"city='"),
     ]  # not prose ("the unit is km"), nor a naming with no value after it
+
+
+def test_a_parameter_is_named_by_a_quoted_value_a_list_or_named_called_titled():
+    text = (
+        b"Create a customer named 'Acme' with email a@b.co, SZ, currency GBP, subject 'Q3', the book"
+        b" titled Dune, a letter appears"
+    )
+    keys = ["customer_name", "email", "currency", "subject", "title", "letter"]
+    found = namings(text, keys, [b"'"])
+    assert [(n.key, text[n.start : n.value]) for n in found] == [
+        ("customer_name", b"named '"),  # the word before "named" is the parameter's
+        ("email", b"email "),  # listed after "with"
+        ("currency", b"currency "),  # listed after a comma
+        ("subject", b"subject '"),  # a quoted value
+        ("title", b"titled "),  # the one parameter that is a title
+    ]  # "a letter appears" names nothing
+    assert [text[k:].split()[0] for k in mentions(text, keys)] == [
+        b"email",
+        b"currency",
+        b"subject",
+        b"letter",
+    ]
+    # "named" with two parameters that are names, neither the word before it: nothing is named
+    assert namings(b"a person named Bo", ["first_name", "last_name"], [b"'"]) == []
+
+
+def _source_grounding(text: str, properties: dict, pieces: list[bytes]) -> SpanGrounding:
+    paths = schema_paths({"type": "object", "properties": properties})
+    return SpanGrounding(SpanIndex(pieces, skip=()), [text], *paths[:2], boolean_paths=paths.booleans)
+
+
+def test_an_email_address_is_copied_whole():
+    """The embedded model wrote "banana91" and "kitten17@engine" for banana91@feather.com and
+    kitten17@engine.com."""
+    pieces = [b"banana91", b"@feather", b".com", b"feather", b'"', b"please"]
+    g = _source_grounding("Email banana91@feather.com, please", {"to": STRING}, pieces)
+    g.feed(b'{"to": "')
+    assert {b"banana91", b"please"} <= allowed(g, pieces) and b"feather" not in allowed(g, pieces)
+    g.feed(b"banana91")
+    assert allowed(g, pieces) == {b"@feather"}
+    g.feed(b"@feather")
+    assert allowed(g, pieces) == {b".com"}
+    g.feed(b".com")
+    assert allowed(g, pieces) == {b'"'}  # the address ends before its comma
+
+
+def test_a_value_ends_before_a_parameter_s_name_and_not_on_a_comma():
+    """ "SZ, currency GBP": the ticker stops before "currency" and does not end on the comma (nor
+    is it written on into the comma, where it could end nowhere), and the currency is GBP."""
+    pieces = [b"SZ", b",", b", ", b'"', b"currency", b"GBP", b"Price"]
+    properties = {"ticker": STRING, "currency": STRING, "note": STRING}
+    g = _source_grounding("Price of SZ, currency GBP.", properties, pieces)
+    g.feed(b'{"ticker": "SZ')
+    assert allowed(g, pieces) == {b'"'}
+    g.feed(b'", "currency": "')
+    assert allowed(g, pieces) == {b"GBP"}  # named by the list
+    g.feed(b'GBP", "note": "')
+    assert {b"Price", b"SZ"} <= allowed(g, pieces)
+    pieces = [b"bob", b"high", b" priority", b'"']  # the embedded model wrote "high priority no"
+    g = _source_grounding("Email bob high priority no", {"to": STRING, "high_priority": BOOLEAN}, pieces)
+    g.feed(b'{"to": "')
+    assert allowed(g, pieces) == {b"bob", b'"'}  # an empty value, or bob: a parameter's name is no value
+
+
+def test_a_value_the_text_names_for_one_parameter_is_not_another_s():
+    """ "apply trimel to -33.3, offset: 94": the embedded model wrote an x of 94.3."""
+    pieces = [b" -", b"-", b"33", b".3", b" 94", b"94", b"9", b"4", b"}"]
+    properties = {"x": {"type": "number"}, "offset": {"type": "integer"}}
+    g = _source_grounding("apply trimel to -33.3, offset: 94", properties, pieces)
+    g.feed(b'{"x":')
+    assert {b" -", b"-"} <= allowed(g, pieces) and not {b" 94", b"94", b"9"} & allowed(g, pieces)
+    g.feed(b' -33.3, "offset":')
+    assert {b" 94", b"94", b"9"} <= allowed(g, pieces) and not {b" -", b"-"} & allowed(g, pieces)
 
 
 BOOLEAN_PIECES = [b" true", b" false", b"tr", b"ue", b"f", b"true}", b"false,", b" ", b"null", b" t"]

@@ -20,11 +20,6 @@ from freetoken_agents import default_model
 from freetoken_agents.integrations.langchain import ChatFreeToken
 from freetoken_agents.integrations.langchain.messages import to_chat_dicts
 
-NOT_YET = (
-    "the embedded model, continued on the generic tool-use corpus (recipes/tiny/generic.py), has "
-    "not reached the targets yet (issue 34)"
-)
-
 
 @functools.cache
 def tiny_chat_checkpoint() -> Path:
@@ -74,18 +69,12 @@ class TestChatFreeTokenIntegration(ChatModelIntegrationTests):
             llm = embedded(llm)
         return llm
 
-    @pytest.mark.xfail(strict=True, reason=NOT_YET + ": the name must copy the prompt's Chinese text")
-    def test_unicode_tool_call_integration(
-        self, model: BaseChatModel, *, tool_choice: str | None = None, force_tool_call: bool = True
-    ) -> None:
-        super().test_unicode_tool_call_integration(
-            model, tool_choice=tool_choice, force_tool_call=force_tool_call
-        )
-
 
 # test_tool_calling(_async): {'input': 3} from "magic_function(3)", which the embedded model gets
 # with its default grounded arguments (freetoken_agents/grounding.py). test_agent_loop: with
 # tool_choice auto it decides to call get_weather for "What is the weather in San Francisco, CA?".
+# test_unicode_tool_call_integration: "a customer named '你好啊集团'" names the customer_name
+# (freetoken_agents/named_values.py), and a quoted value is copied whole.
 ON_THE_EMBEDDED_MODEL = {
     "test_tool_calling",
     "test_tool_calling_async",
