@@ -73,7 +73,7 @@ def namings(text: bytes, keys: Iterable[str], quotes: Sequence[bytes]) -> list[N
                     found.append(Naming(key, match.start(), value[0]))
             elif (gap := _GAP.match(text, match.end())) and (value := value_at(gap.end())):
                 listed = _LISTED.search(text, 0, match.start()) is not None  # "SZ, currency GBP"
-                if value[1] or listed:
+                if value[1] or (listed and key.lower() not in FUNCTION_WORDS):
                     found.append(Naming(key, match.start(), value[0]))
     words = {key: key_words(key)[-1].lower().split() for key in keys}
     for match in _VERB.finditer(text):
@@ -92,5 +92,15 @@ def namings(text: bytes, keys: Iterable[str], quotes: Sequence[bytes]) -> list[N
 def mentions(text: bytes, keys: Iterable[str]) -> list[int]:
     """Where `text` writes one of `keys` by name (whole words, any case), named value or not:
     `currency GBP`. No other value's span runs into such a place ("SZ, currency GBP" gives a
-    ticker of "SZ")."""
+    ticker of "SZ"). A key that is a function word (`to`, `from`) is left out: "a trip to Paris"
+    does not name it."""
+    keys = [key for key in keys if key.lower() not in FUNCTION_WORDS]
     return sorted({m.start() for key in keys if (p := _name_pattern(key)) for m in p.finditer(text)})
+
+
+# English words too common in any request for a parameter so named to be found by its bare name.
+FUNCTION_WORDS = frozenset(
+    "a an the to from in on at by for with of and or not no is are be as it its i me my we us our"
+    " you your he she they them this that these those if so than then up out off into onto over"
+    " under about via per do".split()
+)

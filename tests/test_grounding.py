@@ -499,6 +499,14 @@ def test_a_parameter_is_named_by_a_quoted_value_a_list_or_named_called_titled():
     ]
     # "named" with two parameters that are names, neither the word before it: nothing is named
     assert namings(b"a person named Bo", ["first_name", "last_name"], [b"'"]) == []
+    # A parameter named by a function word is not found by its bare name: "Trip to Paris" is whole.
+    text = b"Email bob@x.co, with subject Trip to Paris, to tell him"
+    assert mentions(text, ["to", "subject"]) == [text.index(b"subject")]
+    assert [n.key for n in namings(text, ["to", "subject"], [b"'"])] == ["subject"]
+    pieces = [b"Trip", b" to", b" Paris", b'"', b","]
+    g = _source_grounding(text.decode(), {"to": STRING, "subject": STRING}, pieces)
+    g.feed(b'{"subject": "Trip to')
+    assert b" Paris" in allowed(g, pieces)  # no wall at "to"
 
 
 def _source_grounding(text: str, properties: dict, pieces: list[bytes]) -> SpanGrounding:
