@@ -293,7 +293,7 @@ class SpanGrounding:
 
     def _spans(self, table: PieceTable, sources: list[Source], value: bytes, empty_closes: bool) -> set[int]:
         """`_allowed` from where the text names this key path's value, if it does and one fits;
-        else from every start."""
+        else from every start but those of values it names for other parameters."""
         path = self._path
         named = self.named.get(path)
         if named is not None and (ids := self._allowed(table, sources, value, empty_closes, named)):
