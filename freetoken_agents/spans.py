@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .named_values import mentions, namings
+from .named_values import FUNCTION_WORDS, mentions, namings
 
 
 def escaped(text: str, ascii_only: bool = False) -> bytes:
@@ -157,8 +157,19 @@ class Source:
             self.ends = [_number_ends(text, k) for k in positions]
         else:
             cuts = [_word_cut(text, k) for k in positions]
-            self.starts = [cut and k < len(text) and text[k] not in _SPACES for k, cut in enumerate(cuts)]
+            self.starts = [cut and k < len(text) and text[k] not in _NO_START for k, cut in enumerate(cuts)]
             self.ends = [cut and k > 0 and text[k - 1] not in _NO_END for k, cut in enumerate(cuts)]
+            for quote in {q for pair in QUOTES for q in pair}:  # a value starts after its quote
+                k = text.find(quote)
+                while k >= 0:
+                    self.starts[k] = False
+                    k = text.find(quote, k + 1)
+            for match in _LOWER_WORD.finditer(text):  # not "in notebook", "me", "with": no value
+                if self.starts[match.start()] and match.group().decode() in FUNCTION_WORDS:
+                    self.starts[match.start()] = False  # starts so ("The Hague" is capitalised)
+            for match in _ESCAPE.finditer(text):  # not "u201d" of "\u201d"
+                for k in range(match.start() + 1, match.end()):
+                    self.starts[k] = self.ends[k] = False
             for match in _EMAIL.finditer(text):  # an address is copied whole: not "banana91"
                 for k in range(match.start() + 1, match.end()):
                     self.starts[k] = self.ends[k] = False
@@ -249,7 +260,10 @@ _SPACES = frozenset(b" \t\r\n")
 # A value ends at a word's end, never on white space, nor just after punctuation that closes a
 # clause or opens a bracket ("Gerbun," and "SZ," are "Gerbun" and "SZ").
 _NO_END = _SPACES | frozenset(b",;:!?([{")
+_NO_START = _SPACES | frozenset(b",;:!?)]}")  # nor starts on what ends a clause or a bracket
 _EMAIL = re.compile(rb"[\w.%+-]+@[\w-]+(?:\.[\w-]+)+")
+_ESCAPE = re.compile(rb"\\(?:u[0-9a-fA-F]{4}|.)")  # one JSON escape: \u201d, \", \n
+_LOWER_WORD = re.compile(rb"(?<![\w])[a-z]+(?![\w])")
 
 
 def _word_cut(text: bytes, k: int) -> bool:

@@ -34,7 +34,7 @@ FORECAST = {
 }
 PIECES = [
     *[b"Os", b"aka", b"eke", b'aka"}', b'"', b'"}', b"O", b"sa", b"ka", b"\\u6771", "東".encode(), b"x"],
-    *[b"3", b"7", b"2", b"-", b".", b"0", b"}", b"2}", b", ", b"37", b" ", b"in ", b"in"],
+    *[b"3", b"7", b"2", b"-", b".", b"0", b"}", b"2}", b", ", b"37", b" ", b"ink ", b"ink"],
     *[b"fahren", b"heit", b'heit"', b"celsius", b'celsius"'],
 ]
 # Pieces that open a value with the white space before it, as a compact grammar's `": "` leaves them
@@ -78,21 +78,33 @@ def test_only_plain_string_and_number_fields_are_grounded_not_the_name_unmention
 def test_a_grounded_value_only_grows_into_a_span_of_whole_words_of_a_source():
     g = grounding(["What is the weather like in Osaka?"])
     g.feed(b'{"name": "get_forecast", "arguments": {"city": "')
-    assert allowed(g) == {b"Os", b"O", b"in", b"in ", b'"', b'"}'}  # a word's start, or an empty value
+    assert allowed(g) == {b"Os", b"O", b'"', b'"}'}  # a word's start, or an empty value
     g.feed(b"Os")
     assert allowed(g) == {b"aka", b'aka"}'}  # "Oseke" is no span; "Os" is no whole word
     g.feed(b"aka")
     assert allowed(g) == {b'"', b'"}'}
 
 
+def test_no_value_starts_with_a_lowercase_function_word_an_escape_s_letters_or_a_comma():
+    """The embedded model wrote "me", "in notebook", "with" and "to" for values; a capitalised
+    function word may start one ("The Hague"). In the ASCII-escaped form of "“castle saddle”" it
+    wrote "u201d": the letters of the closing quote's escape."""
+    pieces = [b"me", b"in", b"with", b"The", b" Hague", b"u201d", b"\\u201d", b",", b"castle", b'"']
+    g = _source_grounding("Show me the Hague in The Hague, with “castle”", {"city": STRING}, pieces)
+    g.feed(b'{"city": "')
+    assert allowed(g, pieces) == {b"The", b"castle", b'"'}
+    g.feed(b"The")
+    assert b" Hague" in allowed(g, pieces)
+
+
 def test_a_grounded_value_neither_starts_nor_ends_with_white_space():
-    g = grounding(["weather in Osaka"])
+    g = grounding(["weather ink Osaka"])
     g.feed(b'{"name": "get_forecast", "arguments": {"city": "')
-    assert {b"in", b"in ", b"O", b"Os"} <= allowed(g) and b" " not in allowed(g)
-    g.feed(b"in")
-    assert {b'"', b" "} <= allowed(g)  # "in", or on to "in Osaka"
+    assert {b"ink", b"ink ", b"O", b"Os"} <= allowed(g) and b" " not in allowed(g)
+    g.feed(b"ink")
+    assert {b'"', b" "} <= allowed(g)  # "ink", or on to "ink Osaka"
     g.feed(b" ")
-    assert b'"' not in allowed(g)  # not "in "
+    assert b'"' not in allowed(g)  # not "ink "
     logits = torch.zeros(len(PIECES))
     g.restrict_(logits)
     assert {PIECES[i] for i in torch.nonzero(torch.isfinite(logits)).flatten().tolist()} == allowed(g)
@@ -262,19 +274,19 @@ def test_grounding_is_the_embedded_model_s_default_only(tmp_path):
 
 
 def test_a_quoted_value_is_copied_whole_or_not_at_all():
-    """'Osaka in' is quoted: a span from its first character ends at its closing quote (not at
-    "Osaka", a whole word), and no span starts inside it (its "in"); outside it, words as usual."""
-    g = grounding(["in 'Osaka in' now"])
+    """'Osaka ink' is quoted: a span from its first character ends at its closing quote (not at
+    "Osaka", a whole word), and no span starts inside it (its "ink"); outside it, words as usual."""
+    g = grounding(["ink 'Osaka ink' now"])
     g.feed(b'{"name": "get_forecast", "arguments": {"city": "')
-    assert b"in" in allowed(g)  # the first word, outside the quotes
+    assert b"ink" in allowed(g)  # the first word, outside the quotes
     g.feed(b"Osaka")
     assert allowed(g) == {b" "}  # no closing after "Osaka": the quoted value goes on
-    g.feed(b" in")
+    g.feed(b" ink")
     assert allowed(g) == {b'"', b'"}'}  # it ends at its quote, and not past it
-    g = grounding(["in 'Osaka in' now"])
+    g = grounding(["ink 'Osaka ink' now"])
     g.feed(b'{"name": "get_forecast", "arguments": {"city": "Osaka ')
-    assert allowed(g) == {b"in"}  # still the quoted value, to its end
-    g = grounding(["in 'Osaka in' now, in Osaka"])  # outside the quotes "Osaka" is a whole word
+    assert allowed(g) == {b"ink"}  # still the quoted value, to its end
+    g = grounding(["ink 'Osaka ink' now, ink Osaka"])  # outside the quotes "Osaka" is a whole word
     g.feed(b'{"name": "get_forecast", "arguments": {"city": "Osaka')
     assert {b" ", b'"', b'"}'} <= allowed(g)
 
@@ -283,9 +295,9 @@ def test_no_span_runs_into_a_quoted_value_it_did_not_start_at():
     """The embedded model wrote "playlist called 'ブチュヸゾギ" for a name quoted as 'ブチュヸゾギ'
     (a span from before the opening quote ended at the closing one), and "translate 'dragon marble
     honey silver' (" for 'dragon marble honey silver'."""
-    g = grounding(["in 'Osaka in' now"])
-    g.feed(b'{"name": "get_forecast", "arguments": {"city": "in')
-    assert allowed(g) == {b'"', b'"}'}  # "in" ends before the quote: the quoted value is its own
+    g = grounding(["ink 'Osaka ink' now"])
+    g.feed(b'{"name": "get_forecast", "arguments": {"city": "ink')
+    assert allowed(g) == {b'"', b'"}'}  # "ink" ends before the quote: the quoted value is its own
 
 
 def test_a_quote_that_is_an_apostrophe_quotes_nothing():
@@ -353,9 +365,9 @@ def test_no_span_runs_into_a_naming():
 
 
 def test_a_naming_that_no_piece_can_follow_or_inside_a_quote_restricts_nothing():
-    g = grounding(["Weather in Osaka, city: Kyoto"])  # no piece writes "Kyoto"
+    g = grounding(["Weather ink Osaka, city: Kyoto"])  # no piece writes "Kyoto"
     g.feed(b'{"name": "get_forecast", "arguments": {"city": "')
-    assert {b"Os", b"in"} <= allowed(g)  # the spans of the text, as without the naming
+    assert {b"Os", b"ink"} <= allowed(g)  # the spans of the text, as without the naming
     g = grounding(["Weather in 'Osaka days: 3' now"], NAMING_PIECES)  # a quoted value's own text
     g.feed(b'{"name": "get_forecast", "arguments": {"city": "Osaka days')
     assert b":" not in allowed(g, NAMING_PIECES) and allowed(g, NAMING_PIECES) == set()
