@@ -5,6 +5,9 @@ small functions of `coding.py`.
     python -m freetoken_agents.recipes.tiny.train --out build/tiny            # from scratch
     python -m freetoken_agents.recipes.tiny.train --out build/tiny-generic \
         --init freetoken_agents/data/freetoken-tiny.ftw --steps 420 --dialogues 16000 --lr 1.5e-3 --threads 1
+    python -m freetoken_agents.recipes.tiny.train --out build/distilled \
+        --init freetoken_agents/data/freetoken-tiny.ftw --teacher freetoken_agents/data/freetoken-tiny.ftw \
+        --distill 5 --steps 2000 --lr 5e-4 --code-share 0.55   # its coding and world turns distilled
     python -m freetoken_agents.recipes.tiny.train --out /tmp/t --steps 20     # a smoke run
     python -m freetoken_agents.recipes.tiny.train --out build/tiny --device cuda  # on a GPU (bf16 autocast)
 
