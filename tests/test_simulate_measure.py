@@ -115,3 +115,29 @@ def test_the_tiered_overheads_refuse_a_shape_they_cannot_measure() -> None:
         _tiered_overheads_us(2, None, hidden=0)
     with pytest.raises(ValueError, match="2 x top_k <= experts"):
         measure_profile(quick=True, moe_experts=2, moe_top_k=2)
+
+
+def test_the_layer_and_expert_overheads_are_measured_at_the_models_moe_shape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU-only model's layers cost more than a tiny model's beside the same weights (attention,
+    norms and routers of its width; bench/simulate_validate.py's 512-wide model: 0.42-0.48 ms a
+    layer measured against 0.36 charged from a 64-wide one, 0 / 5 of 8 tiered configs predicted
+    within 25%, then 6-8 / 8). The per-layer and per-expert overheads are now measured on a model
+    of the MoE shape given: its width, its experts, heads of 64."""
+    import transformers
+
+    from freetoken_agents.engine.simulate import measure
+
+    built: list[dict] = []
+    real = transformers.MixtralConfig
+    monkeypatch.setattr(transformers, "MixtralConfig", lambda **kw: built.append(kw) or real(**kw))
+    layer_us, expert_us = measure._overheads_us(3, 20.0, tmp_path, hidden=256, intermediate=96)
+    assert math.isfinite(layer_us) and layer_us >= 0.1 and math.isfinite(expert_us) and expert_us >= 0.1
+    (config,) = built
+    assert (config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]) == (256, 96, 4)
+
+    forwarded: list[dict] = []
+    monkeypatch.setattr(measure, "_overheads_us", lambda *a, **kw: forwarded.append(kw) or (1.0, 1.0))
+    measure.measure_profile(quick=True, scratch_dir=tmp_path, moe_hidden=128, moe_intermediate=64)
+    assert forwarded == [{"hidden": 128, "intermediate": 64}]

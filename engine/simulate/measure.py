@@ -22,14 +22,16 @@ Each figure, and how it is measured (rates decimal GB/s = 1e9 bytes/s, sizes byt
 - link_gbps of a "cpu" profile (a copy within RAM: a decode or a copy into tier 1): repeated copies
   of a large buffer (256 MiB; quick: 32 MiB) with ``Tensor.copy_``, into an oracle; a copy reads
   and writes its size, so it counts 2x its size of memory traffic (the STREAM "copy" convention).
-- layer_overhead_us: the engine's own decode step of a tiny random Mixtral (hidden 64, 8 layers,
-  8 experts, top-2; written by transformers into `scratch_dir` and loaded as a user's checkpoint),
+- layer_overhead_us: the engine's own decode step of a random Mixtral (8 layers, 8 experts, top-2,
+  of the MoE shape below: tiny, hidden 64, by default; written by transformers into `scratch_dir`
+  and loaded as a user's checkpoint),
   median wall time less its weights' bytes at host_mem_gbps and its 16 routed experts (each at
   expert_overhead_us plus its bytes), per layer (>= 0.1 us): what a layer costs besides its
   weights (op launches, the Python around them), the token's own (final norm, lm_head, the step)
   shared out over its layers. A synthetic layer of the same ops measured half of it on the 2-core
   Xeon dev machine (83 us against the engine's ~170): the engine's layer has more Python.
-- expert_overhead_us: one routed expert of hidden 64, intermediate 64, fp32, on one token through
+- expert_overhead_us: one routed expert of that shape (`moe_hidden` x `moe_intermediate`), fp32,
+  on one token through
   the engine's `expert_forward` plus the weighted accumulate (``add_``) the decode loop runs,
   median wall time less its bytes at host_mem_gbps (>= 0.1 us).
 - tier_overhead_us: the engine's `TieredExpertProvider` over a scratch FTW file of experts
@@ -164,7 +166,9 @@ def measure_profile(
     logger.info("cpu kernels: int8 %.1f GB/s, mxfp4 %.1f GB/s (one token)", int8_gbps, mxfp4_gbps)
     copy_gbps = _copy_gbps(sz)
     logger.info("host copy: %.1f GB/s (2x bytes)", copy_gbps)
-    layer_us, expert_us = _overheads_us(sz.overhead_reps, host_gbps, scratch_dir)
+    layer_us, expert_us = _overheads_us(
+        sz.overhead_reps, host_gbps, scratch_dir, hidden=moe_hidden, intermediate=moe_intermediate
+    )
     tier_us, miss_us, stream_us = _tiered_overheads_us(
         sz.overhead_reps,
         scratch_dir,
@@ -296,15 +300,20 @@ def _codec_read_gbps(sz: _Sizes, k: int) -> tuple[float, float]:
 
 
 def _overheads_us(
-    reps: int, host_gbps: float, scratch_dir: str | os.PathLike[str] | None
+    reps: int,
+    host_gbps: float,
+    scratch_dir: str | os.PathLike[str] | None,
+    hidden: int = 64,
+    intermediate: int = 64,
 ) -> tuple[float, float]:
     """(per layer, per expert) fixed costs in microseconds (module docstring): one routed expert
-    through `expert_forward` and its accumulate, and the engine's own decode step of a tiny
-    random Mixtral, each less its weights' bytes at `host_gbps`."""
+    of `hidden` x `intermediate` through `expert_forward` and its accumulate, and the engine's own
+    decode step of a random Mixtral of that hidden size and those experts, each less its weights'
+    bytes at `host_gbps`."""
     from ..routed import expert_forward
     from ..spec import MoESpec
 
-    h, n_exp, inter = 64, 8, 64
+    h, n_exp, inter = hidden, 8, intermediate
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, h, generator=g)
     spec = MoESpec(num_experts=n_exp, top_k=2, intermediate_size=inter, routing="softmax_topk")
@@ -320,29 +329,35 @@ def _overheads_us(
     bps = host_gbps * 1e9
     with torch.inference_mode():
         expert_s = max(median_seconds(one_expert, reps) - 4 * 3 * h * inter / bps, 0.1e-6)
-    layer_s = _engine_layer_s(reps, bps, expert_s, scratch_dir)
+    layer_s = _engine_layer_s(reps, bps, expert_s, scratch_dir, hidden=h, intermediate=inter)
     return max(layer_s * 1e6, 0.1), expert_s * 1e6
 
 
 def _engine_layer_s(
-    reps: int, bps: float, expert_s: float, scratch_dir: str | os.PathLike[str] | None
+    reps: int,
+    bps: float,
+    expert_s: float,
+    scratch_dir: str | os.PathLike[str] | None,
+    hidden: int = 64,
+    intermediate: int = 64,
 ) -> float:
     """Seconds a decoder layer of the engine costs in a decode step besides its weights and its
-    routed experts: decode steps of a tiny random Mixtral (hidden 64, 8 layers, 8 experts, top-2;
-    written by transformers, loaded by the engine as a user's checkpoint is), less the weights'
-    bytes at `bps` and the two experts per layer at `expert_s` plus their bytes, per layer. The
-    token's own costs (final norm, lm_head, the step's Python) are shared out over its layers, as
-    the machine model has no term of its own for them."""
+    routed experts: decode steps of a random Mixtral (8 layers, 8 experts, top-2, `hidden` wide
+    with experts of `intermediate`, heads of 64 or 4 heads if more; written by transformers,
+    loaded by the engine as a user's checkpoint is), less the weights' bytes at `bps` and the two
+    experts per layer at `expert_s` plus their bytes, per layer. The token's own costs (final
+    norm, lm_head, the step's Python) are shared out over its layers, as the machine model has no
+    term of its own for them."""
     from transformers import MixtralConfig, MixtralForCausalLM
     from transformers.utils import logging as hf_logging
 
     from ..engine import Engine
 
-    layers, h, inter, vocab = 8, 64, 64, 256
+    layers, h, inter, vocab = 8, hidden, intermediate, 256
     cfg = MixtralConfig(
         vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=4 * reps + 64, tie_word_embeddings=False,
+        num_attention_heads=max(4, h // 64), num_key_value_heads=2, num_local_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=4 * reps + 64, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
     bars = hf_logging.is_progress_bar_enabled()
