@@ -45,6 +45,7 @@ def _name_pattern(key: str) -> re.Pattern[bytes] | None:
 
 _SIGN = re.compile(rb"[ \t]*[=:][ \t]*")
 _GAP = re.compile(rb"[ \t]+")
+_LOOK_BACK = 64  # bytes before a name or a verb searched for what precedes it
 _LISTED = re.compile(rb"(?:(?<![\w])with|,)[ \t]+$", re.IGNORECASE)
 _VERB = re.compile(rb"(?<![\w])(named|called|titled)[ \t]+", re.IGNORECASE)
 _LAST_WORD = re.compile(rb"(\w+)[ \t]+$")
@@ -72,14 +73,15 @@ def namings(text: bytes, keys: Iterable[str], quotes: Sequence[bytes]) -> list[N
                 if value := value_at(sign.end()):
                     found.append(Naming(key, match.start(), value[0]))
             elif (gap := _GAP.match(text, match.end())) and (value := value_at(gap.end())):
-                listed = _LISTED.search(text, 0, match.start()) is not None  # "SZ, currency GBP"
+                window = max(0, match.start() - _LOOK_BACK)  # not the whole prefix: linear time
+                listed = _LISTED.search(text, window, match.start()) is not None  # "SZ, currency GBP"
                 if value[1] or (listed and key.lower() not in FUNCTION_WORDS):
                     found.append(Naming(key, match.start(), value[0]))
     words = {key: key_words(key)[-1].lower().split() for key in keys}
     for match in _VERB.finditer(text):
         if (value := value_at(match.end())) is None:
             continue
-        before = _LAST_WORD.search(text, 0, match.start())
+        before = _LAST_WORD.search(text, max(0, match.start() - _LOOK_BACK), match.start())
         word = before.group(1).decode("utf-8", "replace").lower() if before else ""
         by_word = [k for k in keys if word and {word, word.removesuffix("s")} & set(words[k])]
         nouns = _VERB_NOUNS[match.group(1).lower()]

@@ -129,8 +129,8 @@ TRUTH |= {b"false": b"false", b"no": b"false", b"off": b"false", b"0": b"false"}
 TRUTH_WORD = re.compile(rb"(true|yes|on|1|false|no|off|0)(?![\w])", re.IGNORECASE)
 
 
-def _word_byte(c: int) -> bool:
-    return c < 0x80 and (chr(c).isalnum() or c == 0x5F)
+_WORD_BYTES = frozenset(b"0123456789_ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_word_byte = _WORD_BYTES.__contains__  # an ASCII letter, digit or underscore (a set lookup: hot)
 
 
 class Source:
@@ -181,7 +181,7 @@ class Source:
                 self.starts[first] = self.ends[end] = True
                 self.only_end[first] = end
                 self.only_start[end] = first  # not "called 'X": an opening quote without its closing
-                self.walls.append(len(text[:quote].rstrip()))  # nor "translate 'X' (": none runs into it
+                self.walls.append(_before_spaces(text, quote))  # nor "translate 'X' (": none runs into it
             self.walls.sort()
         # The first place at or after k where a span may end (past the text: none): a value is not
         # written on into a place it cannot end before a wall ("SZ," before "currency GBP").
@@ -198,20 +198,22 @@ class Source:
         name written without a value (`mentions`) is a wall too, and starts no span."""
         starts: dict[str, set[int]] = {}
         truths: dict[str, set[bytes]] = {}
-        quoted = list(self.only_end.items())
+        quoted = bytearray(len(self.text) + 1)  # 1 inside a quoted value
+        for first, end in self.only_end.items():
+            quoted[first:end] = b"\x01" * (end - first)
         for naming in namings(self.text, keys, [opening for opening, _ in QUOTES]):
             if said := TRUTH_WORD.match(self.text, naming.value):
                 truths.setdefault(naming.key, set()).add(TRUTH[said.group(1).lower()])
-            if any(first <= naming.start < end for first, end in quoted):
+            if quoted[naming.start]:
                 continue
             for k in range(naming.start, naming.value):
                 self.starts[k] = False
-            self.walls.append(len(self.text[: naming.start].rstrip()))  # "Kitu| unit = km"
+            self.walls.append(_before_spaces(self.text, naming.start))  # "Kitu| unit = km"
             if self.starts[naming.value]:
                 starts.setdefault(naming.key, set()).add(naming.value)
         for at in mentions(self.text, keys):  # "SZ| currency GBP": not "SZ, currency GBP"
-            if not any(first <= at < end for first, end in quoted):
-                self.walls.append(len(self.text[:at].rstrip()))
+            if not quoted[at]:
+                self.walls.append(_before_spaces(self.text, at))
                 self.starts[at] = False  # nor "high priority no": a parameter's name is no value
         self.walls.sort()
         return starts, truths
@@ -264,6 +266,14 @@ _NO_START = _SPACES | frozenset(b",;:!?)]}")  # nor starts on what ends a clause
 _EMAIL = re.compile(rb"[\w.%+-]+@[\w-]+(?:\.[\w-]+)+")
 _ESCAPE = re.compile(rb"\\(?:u[0-9a-fA-F]{4}|.)")  # one JSON escape: \u201d, \", \n
 _LOWER_WORD = re.compile(rb"(?<![\w])[a-z]+(?![\w])")
+
+
+def _before_spaces(text: bytes, k: int) -> int:
+    """Where the white space right before `k` starts (`k` if none): `len(text[:k].rstrip())`
+    without copying the text."""
+    while k > 0 and text[k - 1] in _SPACES:
+        k -= 1
+    return k
 
 
 def _word_cut(text: bytes, k: int) -> bool:
