@@ -141,7 +141,7 @@ class SpanGrounding:
         # the booleans it names with a truth word, where it names each with one only.
         self.named: dict[Path, dict[Source, set[int]]] = {}
         # Per source, the values it names, start -> the keys naming it: no other key's value.
-        self.claimed: dict[Source, dict[int, set[str]]] = {}
+        claimed: dict[Source, dict[int, set[str]]] = {}
         by_key: dict[str, list[Path]] = {}
         for path in (*string_paths, *number_paths, *(enum_paths or {}), *boolean_paths):  # walls too
             if path and path[-1] != _ANY_ITEM:
@@ -153,10 +153,22 @@ class SpanGrounding:
                 for path in by_key[key]:
                     self.named.setdefault(path, {})[source] = starts
                 for start in starts:
-                    self.claimed.setdefault(source, {}).setdefault(start, set()).add(key)
+                    claimed.setdefault(source, {}).setdefault(start, set()).add(key)
             if not source.number:  # truth words as the model writes them: the escaped texts
                 for key, words in truths.items():
                     said.setdefault(key, set()).update(words)
+        # Per key path, the starts the text names for other parameters ("trimel to -33.3,
+        # offset: 94": 94 is the offset's, not x's), once here rather than at every token.
+        self.barred: dict[Path, dict[Source, set[int]]] = {
+            path: {
+                source: {start for start, keys in by_start.items() if key not in keys}
+                for source, by_start in claimed.items()
+            }
+            for key, paths in by_key.items()
+            for path in paths
+        }
+        # An array's items and a value at the top are no parameter's: every named start is barred.
+        self.barred_to_all = {source: set(by_start) for source, by_start in claimed.items()}
         self.truths: dict[Path, bytes] = {}
         for key, words in said.items():
             for path in by_key[key]:
@@ -298,12 +310,8 @@ class SpanGrounding:
         named = self.named.get(path)
         if named is not None and (ids := self._allowed(table, sources, value, empty_closes, named)):
             return ids
-        key = path[-1].decode("utf-8", "replace") if path else ""
-        others = {  # "trimel to -33.3, offset: 94": 94 is the offset's, not x's
-            source: {start for start, keys in claimed.items() if key not in keys}
-            for source, claimed in self.claimed.items()
-        }
-        return self._allowed(table, sources, value, empty_closes, excluded=others)
+        barred = self.barred.get(path, self.barred_to_all)
+        return self._allowed(table, sources, value, empty_closes, excluded=barred)
 
     @staticmethod
     def _allowed(

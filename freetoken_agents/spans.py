@@ -159,7 +159,7 @@ class Source:
             cuts = [_word_cut(text, k) for k in positions]
             self.starts = [cut and k < len(text) and text[k] not in _NO_START for k, cut in enumerate(cuts)]
             self.ends = [cut and k > 0 and text[k - 1] not in _NO_END for k, cut in enumerate(cuts)]
-            for quote in {q for pair in QUOTES for q in pair}:  # a value starts after its quote
+            for quote in _QUOTE_MARKS:  # a value starts after its quote
                 k = text.find(quote)
                 while k >= 0:
                     self.starts[k] = False
@@ -167,10 +167,8 @@ class Source:
             for match in _LOWER_WORD.finditer(text):  # not "in notebook", "me", "with": no value
                 if self.starts[match.start()] and match.group().decode() in FUNCTION_WORDS:
                     self.starts[match.start()] = False  # starts so ("The Hague" is capitalised)
-            for match in _ESCAPE.finditer(text):  # not "u201d" of "\u201d"
-                for k in range(match.start() + 1, match.end()):
-                    self.starts[k] = self.ends[k] = False
-            for match in _EMAIL.finditer(text):  # an address is copied whole: not "banana91"
+            # Copied whole: a JSON escape (not "u201d" of "\u201d"), an address (not "banana91").
+            for match in (*_ESCAPE.finditer(text), *_EMAIL.finditer(text)):
                 for k in range(match.start() + 1, match.end()):
                     self.starts[k] = self.ends[k] = False
             for quote, first, end in _quoted(text):  # a quoted value is copied whole or not at all
@@ -233,6 +231,8 @@ QUOTES = [(b"'", b"'"), (b'\\"', b'\\"')] + [
     for a, b in ("\u201c\u201d", "\u2018\u2019", "\u300c\u300d", "\u300e\u300f")
     for ascii_only in (False, True)
 ]
+
+_QUOTE_MARKS = frozenset(q for pair in QUOTES for q in pair)
 
 
 def _quoted(text: bytes) -> list[tuple[int, int, int]]:
