@@ -355,3 +355,29 @@ def test_training_smoke_run_on_cuda_writes_an_ftw_the_engine_runs(tmp_path):
     engine = Engine.from_pretrained(ftw)
     ids = engine.apply_chat_template([{"role": "user", "content": "What is 2 plus 3?"}], corpus.TOOL_SCHEMAS)
     assert len(engine.generate(ids, max_new_tokens=4).token_ids) >= 1
+
+
+def test_a_teacher_the_run_cannot_distil_from_is_a_one_line_error(tmp_path, capsys):
+    """Without --init the run trains a tokenizer of its own; a file that is not FTW, or an FTW
+    file of another tokenizer, cannot teach it: each refused before any work."""
+    from freetoken_agents import default_model
+    from freetoken_agents.recipes.tiny.train import main
+
+    other = train(tmp_path / "other", steps=1, dialogues=60, tokens_per_batch=1024, vocab_size=700, threads=1)
+    not_ftw = tmp_path / "notes.txt"
+    not_ftw.write_text("not a model")
+    shipped = str(default_model())
+    cases = [
+        (["--teacher", shipped], "--teacher needs --init: the teacher's tokenizer must be the model's"),
+        (["--teacher", str(not_ftw), "--init", shipped], "not an FTW file"),
+        (
+            ["--teacher", str(other), "--init", shipped],
+            f"--teacher {other} has another tokenizer than --init",
+        ),
+    ]
+    for extra, message in cases:
+        with pytest.raises(SystemExit) as exc:
+            main(["--out", str(tmp_path / "run"), "--steps", "1", *extra])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err.splitlines()[-1]
+        assert not (tmp_path / "run").exists()

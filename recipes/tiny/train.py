@@ -63,7 +63,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, EngineError, check_device, render_chat
+from freetoken_agents.engine import (
+    DEFAULT_CHAT_TEMPLATE,
+    EngineError,
+    FTWFormatError,
+    check_device,
+    render_chat,
+)
+from freetoken_agents.engine.ftw.reader import FTWFile
 
 from . import generic
 from .corpus import TOOL_SCHEMAS, Dialogue, Kind, build_corpus
@@ -506,6 +513,24 @@ def _character_tokenizer() -> Any:
     return Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
 
 
+def _check_teacher(p: argparse.ArgumentParser, teacher: Path, init: Path | None, resume: bool) -> None:
+    """One-line errors, before any work, for a teacher the run cannot distil from: no such file,
+    not FTW, or a tokenizer other than the model's (a run from scratch trains a new one)."""
+    if not teacher.is_file():
+        p.error(f"--teacher: no file {teacher}")
+    if init is None:
+        if not resume:
+            p.error("--teacher needs --init: the teacher's tokenizer must be the model's")
+        return
+    try:
+        with FTWFile(teacher) as t, FTWFile(init) as i:
+            same = t.tokenizer_files == i.tokenizer_files
+    except (FTWFormatError, OSError) as e:
+        p.error(f"--teacher / --init: {e}")
+    if not same:
+        p.error(f"--teacher {teacher} has another tokenizer than --init {init}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="output folder (hf/ and model.ftw)")
@@ -540,8 +565,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--code-share and --world-share must be >= 0 and add up to at most 1")
     if not 0 <= args.no_call_share <= 1:
         p.error(f"--no-call-share must be between 0 and 1, got {args.no_call_share}")
-    if args.teacher is not None and not args.teacher.is_file():
-        p.error(f"--teacher: no file {args.teacher}")
+    if args.teacher is not None:
+        _check_teacher(p, args.teacher, args.init, args.resume)
     if args.distill < 0:
         p.error(f"--distill must be >= 0, got {args.distill}")
     try:
