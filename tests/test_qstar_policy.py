@@ -62,6 +62,23 @@ def test_eviction_of_a_hot_expert_is_charged():
     assert p.decide((0, 1), _case(victims=hot_victim, frequency=0.1)) is Placement.HOST
 
 
+def test_a_swap_must_win_by_more_than_the_frequencies_noise():
+    """A decayed count of uses varies by ~sqrt(f / 2) by chance: a candidate used 8% more often
+    than its victim lately is no evidence it will be used more, and swapping on it bought
+    nothing but the copy (Mixtral / RTX 4090 / 50% replay: 612 swaps in 577 tokens, no fewer
+    misses). A clearly hotter candidate still displaces a colder victim."""
+    p = _policy()
+    p.compute.set("cuda", "decoded", 1, 50e-6)
+    p.compute.set("cpu", "bf16", 1, 0.5e-3)  # a copy 0.4 ms: each use in tier 1 is worth 0.4 ms
+    victim = [(0.4e-3, 24.0)]
+    # Without a margin: 0.4 + 0.05 + 24 x 0.4 - 26 x 0.4 = -0.35 ms, below 0.5 ms on the host;
+    # the margin, sqrt(50 / 2) x 0.4 = 2 ms, makes it 1.65 ms.
+    assert p.decide((0, 1), _case(victims=victim, frequency=26.0)) is Placement.HOST
+    assert p.decide((0, 1), _case(victims=victim, frequency=40.0)) is Placement.STREAM
+    # No victims (free room): no margin to win.
+    assert p.decide((0, 1), _case(frequency=0.5, free_room=True)) is Placement.STREAM
+
+
 def test_measured_like_costs_make_decode_and_prefill_differ():
     """CPU GEMM cost grows with tokens, the PCIe copy of the weights does not (Fiddler)."""
     p = _policy()
