@@ -141,3 +141,14 @@ def test_the_layer_and_expert_overheads_are_measured_at_the_models_moe_shape(
     monkeypatch.setattr(measure, "_overheads_us", lambda *a, **kw: forwarded.append(kw) or (1.0, 1.0))
     measure.measure_profile(quick=True, scratch_dir=tmp_path, moe_hidden=128, moe_intermediate=64)
     assert forwarded == [{"hidden": 128, "intermediate": 64}]
+
+
+def test_an_expert_overhead_under_the_floor_is_the_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-expert overhead is floored at 0.1 us; floored in seconds and scaled, it read
+    0.0999... us, and the test above failed whenever a loaded machine timed an expert faster than
+    its bytes."""
+    from freetoken_agents.engine.simulate import measure
+
+    monkeypatch.setattr(measure, "median_seconds", lambda fn, reps: 0.0)
+    monkeypatch.setattr(measure, "_engine_layer_s", lambda *a, **kw: 0.0)
+    assert measure._overheads_us(1, 20.0, None) == (0.1, 0.1)
