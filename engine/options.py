@@ -52,7 +52,9 @@ class TieringOptions:
     its experts in one slot pool, computed by grouped GEMMs (float) or grouped GEMVs (int8, MXFP4
     kept compact) and capturable in a CUDA graph
     (None: on a GPU with placement "qstar"; on a CPU the experts that move up zero-copy and the
-    per-expert loop are faster, so there only when asked for)."""
+    per-expert loop are faster, so there only when asked for). `fill_at_load`: without a routing
+    profile, fill tier 1's free room at load with an even share of every layer's experts
+    (`TieredExpertProvider.fill_fast`; False: tier 1 starts empty and fills by demand)."""
 
     prefetch: bool = True
     prefetch_thread: bool = True
@@ -64,9 +66,11 @@ class TieringOptions:
     policy: Any = None
     clock: Callable[[], float] = time.monotonic
     expert_slots: bool | None = None
+    fill_at_load: bool = True
 
     def provider_kwargs(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        """The fields the provider's constructor takes (`fill_at_load` is the loader's)."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "fill_at_load"}
 
 
 class EngineOptions(BaseModel):
@@ -83,8 +87,9 @@ class EngineOptions(BaseModel):
     to (`routing_record`; JSON lines, `routing_trace`), None: no trace. routing_profile: a trace of
     this model (such a file) that tiered experts start from: q*'s routing frequencies seeded and
     tier 1 filled with its most used experts at load (`TieredExpertProvider.warm_start`); None:
-    a cold start. cuda_graphs: decode steps
-    replay a captured CUDA graph where the model allows it (`decode_runner`; False: always eager).
+    no routing known, tier 1 filled with an even share of every layer (`tiering.fill_at_load`).
+    cuda_graphs: decode steps replay a captured CUDA graph where the model allows it
+    (`decode_runner`; False: always eager).
     """
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True, extra="forbid")

@@ -342,7 +342,8 @@ def test_corrupted_block_mid_generation_is_named_and_the_session_stays_usable(bu
     damaged.write_bytes(ftw.read_bytes())
     ref = Engine.from_pretrained(ftw)  # all resident, same weights
     rec = Recorder(ref)
-    eng = tiered(damaged, MemoryBudget(), prefetch_thread=False)
+    # Tier 1 empty at load, so the damaged block is read mid-generation, not before the damage.
+    eng = tiered(damaged, MemoryBudget(), prefetch_thread=False, fill_at_load=False)
     tp = eng.experts
     info = tp.ftw.expert_info(*bad)
     with open(damaged, "r+b") as f:

@@ -58,8 +58,11 @@ def _decisions(engine: Engine) -> list[tuple[int, int]]:
 def test_all_resident_decode_makes_no_decision(mixtral):
     _, ftw = mixtral
     ref = Engine.from_pretrained(ftw)  # all resident, same (aligned) weights
-    eng = Engine.from_pretrained(
-        ftw, memory=MemoryBudget(), placement="qstar", tiering=TieringOptions(prefetch=False)
+    eng = Engine.from_pretrained(  # tier 1 filled by demand, not at load: the warm-up decides
+        ftw,
+        memory=MemoryBudget(),
+        placement="qstar",
+        tiering=TieringOptions(prefetch=False, fill_at_load=False),
     )
     ids = [5, 3, 8, 1, 9, 2, 7, 4]
     with ref.new_session() as a, eng.new_session() as b:
@@ -84,8 +87,11 @@ def test_with_every_expert_in_tier_1_decode_prices_nothing(mixtral):
     """Nothing can miss while tier 1 holds every expert, so a decode step leaves q*'s compute
     model alone (no per-expert observation on the hot path); the experts are still timed."""
     _, ftw = mixtral
-    eng = Engine.from_pretrained(
-        ftw, memory=MemoryBudget(), placement="qstar", tiering=TieringOptions(prefetch=False)
+    eng = Engine.from_pretrained(  # tier 1 filled by demand, not at load: the warm-up decides
+        ftw,
+        memory=MemoryBudget(),
+        placement="qstar",
+        tiering=TieringOptions(prefetch=False, fill_at_load=False),
     )
     tp = eng.experts
     with eng.new_session() as s:
@@ -137,7 +143,7 @@ def test_a_tier_2_block_is_parsed_once_while_it_stays_in_tier_2(mixtral, monkeyp
         ftw,
         memory=MemoryBudget(fast_bytes=1 << 20),
         placement="qstar",
-        tiering=TieringOptions(prefetch=False),
+        tiering=TieringOptions(prefetch=False, fill_at_load=False),  # (1, 3) not in tier 1
     )
     moves = engine.experts.moves
     parsed: list[tuple[int, int]] = []

@@ -74,8 +74,9 @@ def tiny_ftw(tiny_checkpoint, tmp_path_factory) -> Path:
     return ftw
 
 
-@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm-start"])
-def test_the_replay_takes_the_live_runs_decisions_on_the_same_routing(tiny_ftw: Path, warm: bool) -> None:
+@pytest.mark.parametrize("start", ["empty", "filled-at-load", "warm-start"])
+def test_the_replay_takes_the_live_runs_decisions_on_the_same_routing(tiny_ftw: Path, start: str) -> None:
+    warm = start == "warm-start"
     resident = Engine.from_pretrained(tiny_ftw)
     spec = resident.spec
     moe_layers = spec.moe_layers()
@@ -115,6 +116,8 @@ def test_the_replay_takes_the_live_runs_decisions_on_the_same_routing(tiny_ftw: 
     )
     if warm:
         assert live.warm_start(profile) == 5  # tier 1 full before the first token
+    elif start == "filled-at-load":
+        assert live.fill_fast() == 5
     gen = torch.Generator().manual_seed(0)
     for r in records:
         hidden = torch.randn(1, spec.hidden_size, generator=gen)
@@ -139,8 +142,11 @@ def test_the_replay_takes_the_live_runs_decisions_on_the_same_routing(tiny_ftw: 
         costs=costs,
         warm_host=False,
         warm_start=profile,
+        fill_at_load=start == "filled-at-load",
     )
-    assert len(replay.fast) == (5 if warm else 0)
+    assert len(replay.fast) == (0 if start == "empty" else 5)
+    if start == "filled-at-load":  # the same experts, in the same order
+        assert replay.fast.keys() == [(lay, e) for e in range(2) for lay in moe_layers][:5]
     replay.run(group_steps(records))
 
     placements = {p for _, p in live_policy.log}

@@ -54,9 +54,8 @@ def tiered(ftw: Path, **kwargs) -> Engine:
     return Engine.from_pretrained(
         ftw,
         memory=MemoryBudget(fast_bytes=4 * fast),  # room for 4 experts: half of one tiny layer's
-        tiering=TieringOptions(prefetch_thread=False),
         progress=False,
-        **kwargs,
+        **{"tiering": TieringOptions(prefetch_thread=False), **kwargs},
     )
 
 
@@ -71,9 +70,12 @@ def test_the_profile_seeds_the_frequencies_and_fills_tier1_with_its_most_used_ex
     with path.open("w") as f:
         write_trace(records, f)
 
-    cold = tiered(tiny_ftw)
-    assert len(cold.experts.fast) == 0  # a cold start: nothing before the first token
+    cold = tiered(tiny_ftw)  # no profile: an even share of every layer, filled at load
+    assert cold.experts.fast.keys() == [(lay, e) for e in range(8) for lay in layers][:4]
     cold.close()
+    empty = tiered(tiny_ftw, tiering=TieringOptions(prefetch_thread=False, fill_at_load=False))
+    assert len(empty.experts.fast) == 0
+    empty.close()
     engine = tiered(tiny_ftw, routing_profile=path)
     provider = engine.experts
     expected = RoutingFrequency(layers)
@@ -202,14 +204,24 @@ def test_the_replay_starts_warm_from_a_profile_and_misses_less_at_first() -> Non
     steps = group_steps(preset_trace(MIXTRAL_8X7B, tokens=80, seed=0))
     fast = shape.total_expert_bytes("mxfp4") // 2
 
-    def first_misses(warm_start) -> int:
+    def first_misses(warm_start, fill_at_load: bool = False) -> int:
         replay = TieredReplay(
-            shape, profile, codec="mxfp4", fast_bytes=fast, host_bytes=None, warm_start=warm_start
+            shape,
+            profile,
+            codec="mxfp4",
+            fast_bytes=fast,
+            host_bytes=None,
+            warm_start=warm_start,
+            fill_at_load=fill_at_load,
         )
         return sum(replay._run_step(step) for step in steps[20:30])
 
-    # Started from the first 20 tokens' routing, tier 1 is full of their most used experts.
+    # Started from the first 20 tokens' routing, tier 1 is full of their most used experts; an
+    # empty one fills by demand.
     assert first_misses(steps[:20]) < first_misses(())
+    # With no profile, tier 1 filled at load with any half of every layer misses less at first
+    # than one that fills by demand.
+    assert first_misses((), fill_at_load=True) < first_misses(())
     with pytest.raises(SimulationError, match="placement 'qstar' only"):
         TieredReplay(
             shape,

@@ -149,14 +149,17 @@ def assemble(path: str | Path, options: EngineOptions, open_model: OpenForCalibr
         memory = tiered_budget(memory, device, free_fast_bytes(device), free_host_bytes())
         provider = _tiered_provider(ftw_path, memory, model, dtype, dev, choice, options)
         experts, on_kv_resize = provider, provider.on_kv_resize
-        if options.routing_profile is not None:
-            try:  # streamed, read whole before a recorder replaces the file (if the same one)
+        try:
+            if options.routing_profile is not None:
+                # streamed, read whole before a recorder replaces the file (if the same one)
                 provider.warm_start(
                     iter_steps(read_trace(options.routing_profile)), progress=options.progress
                 )
-            except BaseException:
-                provider.close()  # its threads and files
-                raise
+            elif options.tiering.fill_at_load:
+                provider.fill_fast(progress=options.progress)
+        except BaseException:
+            provider.close()  # its threads and files
+            raise
     quantize_dense(model, dense_quant)
     on_forward = None
     if options.record_routing is not None:

@@ -157,6 +157,31 @@ class ExpertPlanner:
             chosen.append(key)
         return chosen[::-1]
 
+    def load_fill(self) -> list[ExpertKey]:
+        """What tier 1 takes at load when no routing has been seen (no routing profile): an even
+        share of every layer's experts, expert 0 of each layer, then expert 1, ..., while they
+        fit its free room. Free fast memory is never better left empty: filled by demand copies
+        instead, a cold tier 1 costs the first tokens their copies (Qwen3-30B-A3B on an RTX 4090
+        at 50% of the expert bytes holds 3,048 experts, ~0.3 s of copies), and filled by
+        copies of a long prompt's prefill it costs that prompt's first token. Which experts hardly
+        matters: q* replaces them as the routing shows what is used."""
+        room = self.fast.capacity_bytes
+        free = None if room is None else room - self.fast.used_bytes
+        width = max((e for _, e in self.fast_bytes), default=-1) + 1
+        chosen: list[ExpertKey] = []
+        for e in range(width):
+            for layer in self.layers:
+                key = (layer, e)
+                if key not in self.fast_bytes or key in self.fast:
+                    continue
+                size = self.fast_bytes[key]
+                if free is not None:
+                    if size > free:
+                        continue
+                    free -= size
+                chosen.append(key)
+        return chosen
+
     def begin_layer(self, layer: int, used: Sequence[int]) -> None:
         """`layer` runs with `used`: they are needed now; the layers already run (all of them when
         a new step begins) are not needed any more, nor are the copies staged for them and never

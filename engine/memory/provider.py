@@ -608,6 +608,21 @@ class TieredExpertProvider(ExpertStore):
         logger.info("warm start: %d experts in tier 1 from the routing profile", len(keys))
         return len(keys)
 
+    def fill_fast(self, *, progress: bool = False) -> int:
+        """Fill tier 1's free room now, before any routing is seen (`ExpertPlanner.load_fill`:
+        an even share of every layer), as llama.cpp fills the GPU's layers at load: the first
+        tokens then run from it instead of waiting for copies. q* replaces these experts as the
+        routing shows what is used. Placement "stream" (the per-layer LRU baseline) starts
+        empty. Returns how many experts it brought into tier 1."""
+        if not self.exclusive:
+            return 0
+        keys = self.planner.load_fill()
+        name = Path(self.ftw.path).name
+        for key in tqdm(keys, desc=f"fill {name}", unit="expert", disable=not progress):
+            self.moves.promote(key, None)
+        logger.info("tier 1 filled at load: %d experts", len(keys))
+        return len(keys)
+
     # ---- anchors: expert-cache state ------------------------------------------------------
     def snapshot_state(self) -> dict[str, list[ExpertKey]]:
         """Tier name -> experts held there, coldest first (an anchor records it with its KV)."""

@@ -182,6 +182,8 @@ class TieredReplay:
     False: empty, as a freshly loaded engine). `warm_start`: q* starts from this recorded routing
     as the live provider does with a routing profile (`ExpertPlanner.warm_start`: the frequencies
     seeded, tier 1 filled with the most used experts, untimed: the engine does it while loading).
+    Without one q* fills tier 1 as the engine does at load (`ExpertPlanner.load_fill`, untimed)
+    unless `fill_at_load` is False (tier 1 empty).
     `policy` and `costs` replace the ones the profile gives (tests: a live run's frozen costs and
     its experts' sizes)."""
 
@@ -203,6 +205,7 @@ class TieredReplay:
         costs: ExpertCosts | None = None,
         warm_host: bool = True,
         warm_start: Sequence[Step] = (),
+        fill_at_load: bool = True,
     ) -> None:
         if placement not in ("qstar", "layer-lru"):
             raise SimulationError(f"placement must be 'qstar' or 'layer-lru', got {placement!r}")
@@ -287,6 +290,9 @@ class TieredReplay:
             for key in self.planner.warm_start(warm_start):
                 self.mover.land(key)
             self.planner.refresh_hot()
+        elif exclusive and fill_at_load:
+            for key in self.planner.load_fill():
+                self.mover.land(key)
         self.spare_wanted = exclusive and dev == "cuda" and bool(depth) and self.prefetcher is not None
         self.recall = recall
         self.rng = random.Random(seed)
