@@ -82,8 +82,8 @@ copy. Replayed on the calibrated synthetic traces (`freetoken simulate`, MXFP4, 
 the expert bytes, started from the routing profile), q* swapped 612 times over Mixtral-8x7B's 577
 tokens with no fewer misses than none (29.63 a token against 29.60 with no swap at all); at one
 standard deviation 125 swaps, 29.51 misses and 27.38 -> 27.99 tok/s (Qwen3-30B-A3B 158.7 ->
-160.3). At 2: Mixtral 28.04 but 1-2% lower from a cold start, where the first swaps are what
-fills tier 1 with the used experts."""
+160.3). At 2: Mixtral 28.04 but 1-2% lower with no profile, where the first swaps are what
+replace tier 1's experts filled at load by the used ones."""
 
 
 _RESIDENT = Placement.RESIDENT.value

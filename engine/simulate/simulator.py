@@ -1,7 +1,8 @@
 """`simulate`: a routing trace replayed under every policy on one modelled machine, and the bound.
 
 Policies (`POLICIES`): "qstar" and "layer-lru" run through the engine's own tiers, planner and
-policy (`replay.TieredReplay`) from a cold start; "qstar-profiled" is q* started from the static
+policy (`replay.TieredReplay`) with no routing known (q*'s tier 1 filled at load with an even
+share of every layer, as the engine does; the per-layer LRU's empty); "qstar-profiled" is q* started from the static
 split's profiling pass (`baselines.profiling_steps`: the same routing the static split is placed
 by), as the engine starts from a recorded trace (`routing_profile=PATH`); "static", "stream" and
 "belady" are the baselines of `baselines`.
