@@ -22,6 +22,7 @@ raw and as `\\uXXXX`), so an escape sequence is copied as a whole.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -81,6 +82,31 @@ def _mentioned(value: str, sources: Sequence[str]) -> bool:
     return any(pattern.search(text) for text in sources)
 
 
+def tool_key_paths(schema: Any) -> dict[bytes, frozenset[Path]]:
+    """For a call schema of `{"name": <const>, ...}` objects (`name_args_schema`: one, or an
+    anyOf of one per tool), each tool's name (JSON-escaped) -> every key path its values and the
+    objects holding them take; {} for any other schema (every path is then the one schema's)."""
+    options = schema.get("anyOf", [schema]) if isinstance(schema, dict) else []
+    out: dict[bytes, frozenset[Path]] = {}
+    for option in options:
+        props = option.get("properties") if isinstance(option, dict) else None
+        name = props.get("name", {}).get("const") if isinstance(props, dict) else None
+        if not isinstance(name, str):
+            return {}
+        paths = schema_paths(option)
+        every = {*paths.strings, *paths.numbers, *paths.enums, *paths.booleans}
+        out[escaped(name)] = frozenset(path[:n] for path in every for n in range(1, len(path) + 1))
+    return out
+
+
+def _written_at(text: bytes, start: int, value: bytes) -> bool:
+    """Whether `text` writes `value` (case aside) as a whole word at `start`."""
+    end = start + len(value)
+    if text[start:end].lower() != value.lower():
+        return False
+    return end == len(text) or not (chr(text[end]).isalnum() or text[end] == 0x5F)
+
+
 def _walk(
     schema: Any,
     path: Path,
@@ -127,8 +153,13 @@ class SpanGrounding:
         number_paths: frozenset[Path] = frozenset(),
         enum_paths: Mapping[Path, Iterable[str]] | None = None,
         boolean_paths: frozenset[Path] = frozenset(),
+        tool_paths: Mapping[bytes, frozenset[Path]] | None = None,
     ) -> None:
         self.index, self.string_paths, self.number_paths = index, string_paths, number_paths
+        # Each tool's key paths (`tool_key_paths`): a key the text names for one tool's parameter
+        # is not asked of another tool's call (its schema has no such key).
+        self.tool_paths = tool_paths or {}
+        self.tool: bytes | None = None  # the tool's name, once the call writes it
         # Enum values written in the conversation, per path: the value is one of them where any is.
         self.mentioned: dict[Path, list[bytes]] = {}
         for path, values in (enum_paths or {}).items():
@@ -169,12 +200,35 @@ class SpanGrounding:
         }
         # An array's items and a value at the top are no parameter's: every named start is barred.
         self.barred_to_all = {source: set(by_start) for source, by_start in claimed.items()}
+        # An enum the text names (`source language english`) takes the value named, not any
+        # value the text mentions ("translate to spanish, source language english").
+        for path, said_values in list(self.mentioned.items()):
+            by_source = self.named.get(path)
+            if not by_source:
+                continue
+            at_naming = [
+                v
+                for v in said_values
+                if any(_written_at(src.text, at, v) for src, starts in by_source.items() for at in starts)
+            ]
+            if at_naming:
+                self.mentioned[path] = at_naming
         self.truths: dict[Path, bytes] = {}
         for key, words in said.items():
             for path in by_key[key]:
                 if len(words) == 1 and path in boolean_paths and path not in string_paths | number_paths:
                     self.truths[path] = next(iter(words))
-        self.stack: list[list[Any]] = []  # [kind, key, expecting a key] per open container
+        # Per object's key path, the keys the text names a value under (`unit = km`, `public:
+        # no`, and the keys leading to such a value): the object does not close without them.
+        self.named_keys: dict[Path, frozenset[bytes]] = {}
+        named_paths = [p for p, by in self.named.items() if any(by.values())] + list(self.truths)
+        for path in named_paths:
+            if _ANY_ITEM not in path:
+                for depth in range(len(path)):
+                    keys = self.named_keys.get(path[:depth], frozenset())
+                    self.named_keys[path[:depth]] = keys | {path[depth]}
+        # [kind, key, expecting a key, the keys written] per open container
+        self.stack: list[list[Any]] = []
         self.in_string = self.escaped = self.is_key = False
         self.expect_value = True  # a value may start here (top level, after ":", "[" or an array's ",")
         self.value = b""  # the open string's bytes as written
@@ -195,6 +249,9 @@ class SpanGrounding:
                 self.in_string = False
                 if self.is_key and self.stack:
                     self.stack[-1][1], self.stack[-1][2] = self.value, False
+                    self.stack[-1][3].add(self.value)
+                elif len(self.stack) == 1 and self.stack[0][1] == b"name":  # the call's tool
+                    self.tool = self.value
                 return
             self.value += bytes((c,))
             return
@@ -213,9 +270,9 @@ class SpanGrounding:
         elif c in NUMBER_BYTES and starts_value:
             self.number = bytes((c,))
         elif c == 0x7B:  # {
-            self.stack.append(["object", b"", True])
+            self.stack.append(["object", b"", True, set()])
         elif c == 0x5B:  # [
-            self.stack.append(["array", _ANY_ITEM, False])
+            self.stack.append(["array", _ANY_ITEM, False, set()])
             self.expect_value = True
         elif c in (0x7D, 0x5D):  # } ]
             if self.stack:
@@ -350,7 +407,76 @@ class SpanGrounding:
 
     def restrict_(self, logits: torch.Tensor) -> torch.Tensor:
         """Mask logits [V] (already grammar-masked) to tokens that keep a grounded value a span;
-        unchanged outside one, or when no token the grammar allows would."""
+        unchanged outside one, or when no token the grammar allows would. Then, where an object
+        misses a key the text names a value under, to tokens that neither close it nor start
+        another key (`_keep_named_keys_`)."""
+        self._ground_(logits)
+        if self.named_keys and self._missing_keys():
+            self._keep_named_keys_(logits)
+        return logits
+
+    # ---- keys the text names ---------------------------------------------------------------------
+    def _missing(self, depth: int) -> frozenset[bytes]:
+        """The named keys the object open at `depth` of the stack has not written (of the chosen
+        tool's keys, where the schema is one per tool)."""
+        frame = self.stack[depth]
+        if frame[0] != "object":
+            return frozenset()
+        path = tuple(f[1] for f in self.stack[:depth])
+        missing = self.named_keys.get(path, frozenset()) - frame[3]
+        if missing and depth and self.tool_paths:
+            known = self.tool_paths.get(self.tool) if self.tool is not None else None
+            if known is None:  # no tool chosen yet (or an unknown one): nothing to ask for
+                return frozenset()
+            missing = frozenset(k for k in missing if (*path, k) in known)
+        return missing
+
+    def _missing_keys(self) -> bool:
+        return any(self._missing(d) for d in range(len(self.stack)))
+
+    def _breaks_named_keys(self, piece: bytes) -> bool:
+        """Whether writing `piece` here closes an object that misses a named key, or writes a key
+        that is not one of the named keys it misses (keys follow the schema's order, so an
+        unnamed optional key there would be a guess the text does not make)."""
+        probe = copy.copy(self)
+        probe.stack = [[*frame[:3], set(frame[3])] for frame in self.stack]
+        for c in piece:
+            in_key = probe.in_string and probe.is_key and not probe.escaped
+            if not probe.in_string and c == 0x7D and probe.stack and probe._missing(len(probe.stack) - 1):
+                return True
+            if in_key and c != 0x22 and probe.stack:
+                missing = probe._missing(len(probe.stack) - 1)
+                if missing and not any(k.startswith(probe.value + bytes((c,))) for k in missing):
+                    return True
+            if in_key and c == 0x22 and probe.stack:
+                missing = probe._missing(len(probe.stack) - 1)
+                if missing and probe.value not in missing:
+                    return True
+            probe._feed_byte(c)
+        return False
+
+    def _keep_named_keys_(self, logits: torch.Tensor) -> None:
+        """Mask the tokens the grammar (and grounding) allow that would close an object missing a
+        key the text names, or start another key in it; unchanged where that leaves none."""
+        flat = logits.view(-1)
+        if self.in_string and self.is_key:  # any piece may continue the key
+            candidates = torch.nonzero(torch.isfinite(flat)).flatten().tolist()
+        else:
+            candidates = [i for i in self.index.structural if i < flat.numel()]
+            if not candidates:
+                return
+            idx = torch.tensor(candidates, device=flat.device)
+            candidates = idx[torch.isfinite(flat[idx])].tolist()
+        pieces = self.index.pieces
+        bad = [i for i in candidates if self._breaks_named_keys(pieces[i])]
+        if not bad:
+            return
+        keep = torch.isfinite(flat)
+        keep[torch.tensor(bad, device=flat.device)] = False
+        if bool(keep.any()):
+            flat.masked_fill_(~keep, float("-inf"))
+
+    def _ground_(self, logits: torch.Tensor) -> torch.Tensor:
         kind = self.grounded
         if kind is None:
             return logits

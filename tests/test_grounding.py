@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from freetoken_agents import Agent, FreeTokenModel, GenerateRequest, default_model, tool
-from freetoken_agents.grounding import SpanGrounding, SpanIndex, conversation_sources, schema_paths
+from freetoken_agents.grounding import (
+    SpanGrounding,
+    SpanIndex,
+    conversation_sources,
+    schema_paths,
+    tool_key_paths,
+)
 from freetoken_agents.named_values import key_words, mentions, namings
 from freetoken_agents.parsers.base import name_args_schema
 
@@ -414,6 +420,16 @@ UNIT = {"type": "string", "enum": ["km", "miles"]}
 DISTANCE = function_tool(
     "get_distance", "Get the distance between two places.", {"start": STRING, "unit": UNIT}, ["start", "unit"]
 )
+ROUTE = function_tool(
+    "route_length", "Get the distance between two places.", {"start": STRING, "unit": UNIT}, ["start"]
+)
+TEMPERATURE_UNIT = {"type": "string", "enum": ["celsius", "fahrenheit", "kelvin"]}
+TEMP_CONVERT = function_tool(
+    "temp_convert",
+    "Convert a temperature between units.",
+    {"value": {"type": "number"}, "from_unit": TEMPERATURE_UNIT, "to_unit": TEMPERATURE_UNIT},
+    ["value"],
+)
 TRIMEL = function_tool(
     "trimel_tool",
     "Apply the trimel function to an input.",
@@ -454,6 +470,12 @@ TRIMEL = function_tool(
             {"start": "Gerbun", "unit": "miles"},
         ),
         ("With the trimel_tool tool, apply trimel to -33.3, offset: 94.", TRIMEL, {"x": -33.3, "offset": 94}),
+        ("Look up how far it is from Kitu unit = km. Use the tool.", ROUTE, {"start": "Kitu", "unit": "km"}),
+        (
+            "Hi! What does temp_convert(value=351, from_unit='fahrenheit', to_unit='celsius') return?",
+            TEMP_CONVERT,
+            {"value": 351, "from_unit": "fahrenheit", "to_unit": "celsius"},
+        ),
     ],
 )
 def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, schema: dict, want: dict):
@@ -462,7 +484,8 @@ def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, sc
     "playlist_name='隡烬龰', public=False) return?" (a span from before the naming) and
     breakfast false for `breakfast=True`; then "zebra94" (an address cut at its @), "playlist
     called 'ブチュヸゾギ'." (a span running into a quoted value), "SZ, currency GBP" (into a
-    parameter's bare name), "Gerbun," (ending on a comma) and an x of 94.3 (the offset's 94)."""
+    parameter's bare name), "Gerbun," (ending on a comma) and an x of 94.3 (the offset's 94); then
+    no unit for "unit = km" (an optional key the text names) and fahrenheit for both units."""
     m = model()
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},
@@ -523,7 +546,9 @@ def test_a_parameter_is_named_by_a_quoted_value_a_list_or_named_called_titled():
 
 def _source_grounding(text: str, properties: dict, pieces: list[bytes]) -> SpanGrounding:
     paths = schema_paths({"type": "object", "properties": properties})
-    return SpanGrounding(SpanIndex(pieces, skip=()), [text], *paths[:2], boolean_paths=paths.booleans)
+    return SpanGrounding(
+        SpanIndex(pieces, skip=()), [text], *paths[:2], enum_paths=paths.enums, boolean_paths=paths.booleans
+    )
 
 
 def test_an_email_address_is_copied_whole():
@@ -570,6 +595,76 @@ def test_a_value_the_text_names_for_one_parameter_is_not_another_s():
     assert {b" 94", b"94", b"9"} <= allowed(g, pieces) and not {b" -", b"-"} & allowed(g, pieces)
 
 
+def _finite(logits: torch.Tensor, pieces: list[bytes]) -> set[bytes]:
+    return {pieces[i] for i in torch.nonzero(torch.isfinite(logits)).flatten().tolist()}
+
+
+def test_a_call_does_not_close_without_a_key_the_text_names_nor_guess_another_key_first():
+    """Held-out requests on the embedded model: "from Kitu unit = km" gave {"start": "Kitu"} and
+    "a meeting about 'X' duration minutes: 13" a guessed room. Keys follow the schema's order, so
+    before the named key only it may be written, and the object closes once it is."""
+    pieces = [b"Kitu", b'"', b'"}', b"}", b", ", b'"room', b'"unit', b'": ', b"km", b'km"}', b'"un', b"it"]
+    properties = {"start": STRING, "room": STRING, "unit": {"type": "string", "enum": ["km", "miles"]}}
+    g = _source_grounding("How far is it from Kitu unit = km", properties, pieces)
+    g.feed(b'{"start": "Kitu')
+    logits = torch.zeros(len(pieces))
+    g.restrict_(logits)
+    assert b'"' in _finite(logits, pieces) and b'"}' not in _finite(logits, pieces)  # it misses the unit
+    g.feed(b'", ')
+    logits = torch.zeros(len(pieces))
+    g.restrict_(logits)
+    assert {b'"unit', b'"un'} <= _finite(logits, pieces) and not {b'"room', b"}"} & _finite(logits, pieces)
+    g.feed(b'"unit": "km')
+    logits = torch.zeros(len(pieces))
+    g.restrict_(logits)
+    assert {b'"', b'"}'} <= _finite(logits, pieces)  # every named key written: it may close
+    # Nothing named: any key, and the object may close at once.
+    g = _source_grounding("How far is it from Kitu", properties, pieces)
+    g.feed(b'{"start": "Kitu')
+    logits = torch.zeros(len(pieces))
+    g.restrict_(logits)
+    assert b'"}' in _finite(logits, pieces)
+
+
+def test_a_key_named_for_one_tool_is_not_asked_of_another_tool_s_call():
+    """With several tools offered the key paths are every tool's: "unit = km" names ROUTE's unit,
+    and a call of another tool, which has no unit, must still be able to close."""
+    pieces = [b"Kitu", b'"', b'"}', b'"}}', b", ", b'"days', b'"unit']
+    other = function_tool(
+        "forecast", "The weather.", {"start": STRING, "days": {"type": "integer"}}, ["start"]
+    )
+    schema = name_args_schema([ROUTE, other])
+    paths = schema_paths(schema)
+    index = SpanIndex(pieces, skip=())
+    text = ["From Kitu unit = km"]
+
+    def closing_after_start(tool: str) -> bool:
+        g = SpanGrounding(index, text, *paths[:2], enum_paths=paths.enums, tool_paths=tool_key_paths(schema))
+        g.feed(b'{"name": "' + tool.encode() + b'", "arguments": {"start": "Kitu')
+        logits = torch.zeros(len(pieces))
+        g.restrict_(logits)
+        return bool({b'"}', b'"}}'} & _finite(logits, pieces))
+
+    assert not closing_after_start("route_length")
+    assert closing_after_start("forecast")
+
+
+def test_an_enum_the_text_names_takes_the_value_named_not_another_it_mentions():
+    """ "temp_convert(value=351, from_unit='fahrenheit', to_unit='celsius')": the embedded model
+    wrote fahrenheit for both units; both are mentioned, each named for one."""
+    pieces = [b"fahrenheit", b"celsius", b'"', b"fa", b"cel"]
+    unit = {"type": "string", "enum": ["celsius", "fahrenheit", "kelvin"]}
+    text = "What does temp_convert(value=351, from_unit='fahrenheit', to_unit='celsius') return?"
+    g = _source_grounding(text, {"from_unit": unit, "to_unit": unit}, pieces)
+    g.feed(b'{"from_unit": "')
+    assert allowed(g, pieces) == {b"fahrenheit", b"fa"}
+    g.feed(b'fahrenheit", "to_unit": "')
+    assert allowed(g, pieces) == {b"celsius", b"cel"}
+    g = _source_grounding("Convert to celsius from fahrenheit", {"to_unit": unit}, pieces)
+    g.feed(b'{"to_unit": "')
+    assert {b"fahrenheit", b"celsius"} <= allowed(g, pieces)  # mentioned, named for no unit
+
+
 BOOLEAN_PIECES = [b" true", b" false", b"tr", b"ue", b"f", b"true}", b"false,", b" ", b"null", b" t"]
 
 
@@ -594,6 +689,8 @@ def test_a_boolean_the_text_names_takes_the_truth_it_names(text: str, wanted: se
     assert {BOOLEAN_PIECES[i] for i in g.allowed()} == wanted
     logits = torch.zeros(len(BOOLEAN_PIECES))
     g.restrict_(logits)
+    if "high priority" in text:  # named too: `true}` would close the call without it
+        wanted = wanted - {b"true}"}
     assert {BOOLEAN_PIECES[i] for i in torch.nonzero(torch.isfinite(logits)).flatten().tolist()} == wanted
 
 

@@ -2,10 +2,10 @@
 
 Policies (`POLICIES`): "qstar" and "layer-lru" run through the engine's own tiers, planner and
 policy (`replay.TieredReplay`) with no routing known (q*'s tier 1 filled at load with an even
-share of every layer, as the engine does; the per-layer LRU's empty); "qstar-profiled" is q* started from the static
-split's profiling pass (`baselines.profiling_steps`: the same routing the static split is placed
-by), as the engine starts from a recorded trace (`routing_profile=PATH`); "static", "stream" and
-"belady" are the baselines of `baselines`.
+share of every layer, as the engine does; the per-layer LRU's empty); "qstar-profiled" is q*
+started from the static split's profiling pass (`baselines.profiling_steps`: the same routing
+the static split is placed by), as the engine starts from a recorded trace
+(`routing_profile=PATH`); "static", "stream" and "belady" are the baselines of `baselines`.
 Each gives a `PolicyResult`: predicted decode tok/s, misses per token per tier (tier 1: routed
 experts not in tier 1; tier 2: blocks read from the disk), bytes per token on each link, experts
 computed on the CPU per token, and q*'s decisions.
