@@ -100,6 +100,20 @@ def mentions(text: bytes, keys: Iterable[str]) -> list[int]:
     return sorted({m.start() for key in keys if (p := _name_pattern(key)) for m in p.finditer(text)})
 
 
+def after_names(text: bytes, keys: Iterable[str]) -> list[tuple[str, int]]:
+    """(key, where the word after it starts) for every whole-word name of one of `keys` followed
+    by spaces and a word: `breakfast true` gives ("breakfast", 10). A boolean's name then a truth
+    word names it (`Source.name_values`)."""
+    found = []
+    for key in keys:
+        if key.lower() in FUNCTION_WORDS or (pattern := _name_pattern(key)) is None:
+            continue
+        for match in pattern.finditer(text):
+            if gap := _GAP.match(text, match.end()):
+                found.append((key, gap.end()))
+    return found
+
+
 # English words too common in any request for a parameter so named to be found by its bare name.
 FUNCTION_WORDS = frozenset(
     "a an the to from in on at by for with of and or not no is are be as it its i me my we us our"

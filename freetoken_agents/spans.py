@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .named_values import FUNCTION_WORDS, mentions, namings
+from .named_values import FUNCTION_WORDS, after_names, mentions, namings
 
 
 def escaped(text: str, ascii_only: bool = False) -> bytes:
@@ -212,6 +212,9 @@ class Source:
             self.walls.append(_before_spaces(self.text, naming.start))  # "Kitu| unit = km"
             if self.starts[naming.value]:
                 starts.setdefault(naming.key, set()).add(naming.value)
+        for key, at in after_names(self.text, keys):  # "breakfast true": a boolean named bare
+            if not quoted[at] and (said := TRUTH_WORD.match(self.text, at)):
+                truths.setdefault(key, set()).add(TRUTH[said.group(1).lower()])
         for at in mentions(self.text, keys):  # "SZ| currency GBP": not "SZ, currency GBP"
             if not quoted[at]:
                 self.walls.append(_before_spaces(self.text, at))

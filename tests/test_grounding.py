@@ -674,9 +674,13 @@ BOOLEAN_PIECES = [b" true", b" false", b"tr", b"ue", b"f", b"true}", b"false,", 
         ("Call new_playlist(name='Jazz', public=False)", {b" false", b"f", b"false,"}),
         ("A playlist, public: yes", {b" true", b"tr", b"true}", b" t"}),
         ("A playlist, high priority: off, public = ON", {b" true", b"tr", b"true}", b" t"}),
+        ("Create a playlist named 'Jazz' public on, genre: rock", {b" true", b"tr", b"true}", b" t"}),
+        ("A playlist public no", {b" false", b"f", b"false,"}),
     ],
 )
 def test_a_boolean_the_text_names_takes_the_truth_it_names(text: str, wanted: set[bytes]):
+    """Named by `=` or `:`, or by its bare name then a truth word: the embedded model wrote false
+    for "reserve a room in Uthnurkrith, NSW breakfast on" and "a playlist named 'X' public on"."""
     schema = {
         "type": "object",
         "properties": {"public": {"type": "boolean"}, "high_priority": {"type": "boolean"}},
