@@ -42,6 +42,9 @@ STOP_WORDS = frozenset(
 )
 
 _LETTERS = re.compile(r"[^\W\d_]+")
+# Short words the stop words leave out (under three letters, so never content words): they break
+# an acronym's run of words ("text to speech" is no "tts").
+_FUNCTION_WORDS = frozenset("a an as at be by do if in is it me my no of on or so to up us we".split())
 _HUMP = re.compile(r"(?<=[a-z])(?=[A-Z])")
 
 
@@ -62,11 +65,30 @@ def tool_name(tool: dict[str, Any]) -> str:
     return str(tool.get("function", tool).get("name", ""))
 
 
+def acronyms(text: str) -> frozenset[str]:
+    """The initials of every run of three or four consecutive words of `text` that are not stop
+    words ("Compute the body mass index." gives "bmi"): a request may name its tool so."""
+    words = [w.lower() for w in _LETTERS.findall(_HUMP.sub(" ", text))]
+    out: set[str] = set()
+    run: list[str] = []
+    for word in [*words, ""]:
+        if word and word not in STOP_WORDS and word not in _FUNCTION_WORDS:
+            run.append(word[0])
+            continue
+        for n in (3, 4):
+            out.update("".join(run[i : i + n]) for i in range(len(run) - n + 1))
+        run = []
+    return frozenset(out)
+
+
 def tool_words(tool: dict[str, Any]) -> frozenset[str]:
-    """The content words of a tool's name and description."""
+    """The content words of a tool's name and description, and the description's acronyms
+    (`acronyms`: a description spells out what a name or a request may abbreviate)."""
     name = re.sub(r"[_\-.]+", " ", tool_name(tool))
     description = tool.get("function", tool).get("description")
-    return content_words(name) | content_words(description if isinstance(description, str) else "")
+    description = description if isinstance(description, str) else ""
+    words = content_words(name) | content_words(description)
+    return words | acronyms(description)
 
 
 def relevant_tools(

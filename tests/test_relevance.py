@@ -12,7 +12,7 @@ import pytest
 from freetoken_agents import Agent, FreeTokenModel, GenerateRequest, default_model, tool
 from freetoken_agents.model import trained_tools
 from freetoken_agents.parsers.hermes import HermesParser
-from freetoken_agents.relevance import content_words, relevant_tools, tool_words, user_sources
+from freetoken_agents.relevance import acronyms, content_words, relevant_tools, tool_words, user_sources
 
 
 def schema(name: str, description: str, **properties: str) -> dict:
@@ -52,6 +52,16 @@ def test_content_words_split_identifiers_and_keep_any_script():
 def test_tool_words_are_the_name_s_parts_and_the_description_s_words():
     assert tool_words(SHARE) == {"fetch", "share", "price", "stock", "ticker"}
     assert tool_words({"name": "bare_tool"}) == {"bare"}  # a bare schema, no description
+
+
+def test_a_request_may_name_a_tool_by_the_acronym_of_words_of_its_description():
+    """ "Get the bmi for a weight of 419" reached no tool: the held-out `body_mass_index: Compute the
+    body mass index.` shares no word with it."""
+    bmi = schema("body_mass_index", "Compute the body mass index.", weight="number")
+    assert "bmi" in tool_words(bmi)
+    assert relevant_tools([FORECAST, bmi], ["Get the bmi for a weight of 419."]) == [bmi]
+    assert acronyms("Convert text to speech, or speech to text.") == set()  # runs of three words
+    assert acronyms("Query the domain name system records.") == {"dns", "dnsr", "nsr"}
 
 
 def test_relevant_tools_share_a_word_with_the_request_or_were_trained_keeping_their_order():
