@@ -29,9 +29,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .spans import NUMBER_BYTES, PieceTable, Source, SpanIndex, escaped
+from .named_values import key_words
+from .spans import EMAIL, NUMBER_BYTES, PieceTable, Source, SpanIndex, escaped
 
 Path = tuple[bytes, ...]
+# Parameter names (in words, `key_words`) whose value is an email address: where the text writes
+# one, such a string parameter's value is one the text writes (as if named: `unit = km`).
+ADDRESS_KEYS = frozenset({"to", "recipient", "recipients", "email", "email address", "cc", "bcc"})
 _ANY_ITEM = b"*"  # an array's element in a key path
 
 
@@ -185,6 +189,16 @@ class SpanGrounding:
                     self.named.setdefault(path, {})[source] = starts
                 for start in starts:
                     claimed.setdefault(source, {}).setdefault(start, set()).add(key)
+            if not source.number:  # an address parameter takes an address the text writes
+                for key in by_key:
+                    if key_words(key)[-1].lower() not in ADDRESS_KEYS:
+                        continue
+                    if addresses := {m.start() for m in EMAIL.finditer(source.text)}:
+                        for path in by_key[key]:
+                            if path in string_paths and source not in self.named.get(path, {}):
+                                self.named.setdefault(path, {})[source] = addresses
+                        for start in addresses:
+                            claimed.setdefault(source, {}).setdefault(start, set()).add(key)
             if not source.number:  # truth words as the model writes them: the escaped texts
                 for key, words in truths.items():
                     said.setdefault(key, set()).update(words)

@@ -171,7 +171,7 @@ class Source:
                 if self.starts[match.start()] and match.group().decode() in FUNCTION_WORDS:
                     self.starts[match.start()] = False  # starts so ("The Hague" is capitalised)
             # Copied whole: a JSON escape (not "u201d" of "\u201d"), an address (not "banana91").
-            for match in (*_ESCAPE.finditer(text), *_EMAIL.finditer(text)):
+            for match in (*_ESCAPE.finditer(text), *EMAIL.finditer(text)):
                 for k in range(match.start() + 1, match.end()):
                     self.starts[k] = self.ends[k] = False
             for quote, first, end in _quoted(text):  # a quoted value is copied whole or not at all
@@ -269,7 +269,7 @@ _SPACES = frozenset(b" \t\r\n")
 # clause or opens a bracket ("Gerbun," and "SZ," are "Gerbun" and "SZ").
 _NO_END = _SPACES | frozenset(b",;:!?([{")
 _NO_START = _SPACES | frozenset(b",;:!?)]}")  # nor starts on what ends a clause or a bracket
-_EMAIL = re.compile(rb"[\w.%+-]+@[\w-]+(?:\.[\w-]+)+")
+EMAIL = re.compile(rb"[\w.%+-]+@[\w-]+(?:\.[\w-]+)+")  # an email address
 _ESCAPE = re.compile(rb"\\(?:u[0-9a-fA-F]{4}|.)")  # one JSON escape: \u201d, \", \n
 _LOWER_WORD = re.compile(rb"(?<![\w])[a-z]+(?![\w])")
 

@@ -555,8 +555,8 @@ def test_an_email_address_is_copied_whole():
     """The embedded model wrote "banana91" and "kitten17@engine" for banana91@feather.com and
     kitten17@engine.com."""
     pieces = [b"banana91", b"@feather", b".com", b"feather", b'"', b"please"]
-    g = _source_grounding("Email banana91@feather.com, please", {"to": STRING}, pieces)
-    g.feed(b'{"to": "')
+    g = _source_grounding("Email banana91@feather.com, please", {"note": STRING}, pieces)
+    g.feed(b'{"note": "')
     assert {b"banana91", b"please"} <= allowed(g, pieces) and b"feather" not in allowed(g, pieces)
     g.feed(b"banana91")
     assert allowed(g, pieces) == {b"@feather"}
@@ -564,6 +564,24 @@ def test_an_email_address_is_copied_whole():
     assert allowed(g, pieces) == {b".com"}
     g.feed(b".com")
     assert allowed(g, pieces) == {b'"'}  # the address ends before its comma
+
+
+@pytest.mark.parametrize("key", ["to", "recipient", "email_address", "cc"])
+def test_an_address_parameter_takes_an_address_the_text_writes(key: str):
+    """Held-out requests on the embedded model: "Use mail_message to email guitar7@letter.com"
+    gave a `to` of "mail_message to", and "Send an email to pencil96@kitten.com, please. Please
+    use a tool." a recipient of "use". A parameter named as an address takes one the text writes;
+    other parameters may not start there."""
+    pieces = [b"pencil96", b"@kitten", b".com", b"use", b"Send", b'"']
+    text = "Send an email to pencil96@kitten.com, please. Please use a tool."
+    g = _source_grounding(text, {key: STRING, "subject": STRING}, pieces)
+    g.feed(b'{"' + key.encode() + b'": "')
+    assert allowed(g, pieces) == {b"pencil96"}
+    g.feed(b'pencil96@kitten.com", "subject": "')
+    assert b"pencil96" not in allowed(g, pieces) and b"Send" in allowed(g, pieces)
+    g = _source_grounding("Send an email, please", {key: STRING}, pieces)  # no address: any span
+    g.feed(b'{"' + key.encode() + b'": "')
+    assert b"Send" in allowed(g, pieces)
 
 
 def test_a_value_ends_before_a_parameter_s_name_and_not_on_a_comma():
