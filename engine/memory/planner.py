@@ -143,19 +143,7 @@ class ExpertPlanner:
                 used = step.layers.get(layer)
                 if used:
                     self.routing.note(layer, sorted(used))
-        room = self.fast.capacity_bytes
-        free = None if room is None else room - self.fast.used_bytes
-        chosen: list[ExpertKey] = []
-        for key in self.routing.hottest():
-            if key in self.fast:
-                continue
-            size = self.fast_bytes[key]
-            if free is not None:
-                if size > free:
-                    continue
-                free -= size
-            chosen.append(key)
-        return chosen[::-1]
+        return self._fitting(self.routing.hottest())[::-1]
 
     def load_fill(self) -> list[ExpertKey]:
         """What tier 1 takes at load when no routing has been seen (no routing profile): an even
@@ -165,21 +153,25 @@ class ExpertPlanner:
         at 50% of the expert bytes holds 3,048 experts, ~0.3 s of copies), and filled by
         copies of a long prompt's prefill it costs that prompt's first token. Which experts hardly
         matters: q* replaces them as the routing shows what is used."""
+        width = max((e for _, e in self.fast_bytes), default=-1) + 1
+        keys = [(layer, e) for e in range(width) for layer in self.layers]
+        return self._fitting([k for k in keys if k in self.fast_bytes])
+
+    def _fitting(self, keys: Iterable[ExpertKey]) -> list[ExpertKey]:
+        """Those of `keys` not in tier 1 that its free room takes, in order (one that does not fit
+        is passed over for smaller ones after it)."""
         room = self.fast.capacity_bytes
         free = None if room is None else room - self.fast.used_bytes
-        width = max((e for _, e in self.fast_bytes), default=-1) + 1
         chosen: list[ExpertKey] = []
-        for e in range(width):
-            for layer in self.layers:
-                key = (layer, e)
-                if key not in self.fast_bytes or key in self.fast:
+        for key in keys:
+            if key in self.fast:
+                continue
+            size = self.fast_bytes[key]
+            if free is not None:
+                if size > free:
                     continue
-                size = self.fast_bytes[key]
-                if free is not None:
-                    if size > free:
-                        continue
-                    free -= size
-                chosen.append(key)
+                free -= size
+            chosen.append(key)
         return chosen
 
     def begin_layer(self, layer: int, used: Sequence[int]) -> None:
