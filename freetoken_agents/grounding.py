@@ -476,10 +476,9 @@ class SpanGrounding:
         if self.in_string and self.is_key:  # any piece may continue the key
             candidates = torch.nonzero(torch.isfinite(flat)).flatten().tolist()
         else:
-            candidates = [i for i in self.index.structural if i < flat.numel()]
-            if not candidates:
+            idx = self.index.structural_ids(flat.numel(), flat.device)
+            if not idx.numel():
                 return
-            idx = torch.tensor(candidates, device=flat.device)
             candidates = idx[torch.isfinite(flat[idx])].tolist()
         pieces = self.index.pieces
         bad = [i for i in candidates if self._breaks_named_keys(pieces[i])]

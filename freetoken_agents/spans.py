@@ -103,7 +103,7 @@ class SpanIndex:
         # Pieces that open neither (white space, brackets, literals): the grammar decides those.
         opening = self.string_open.ids | self.number_open.ids
         self.other = [i for i, p in enumerate(pieces) if p and i not in skipped and i not in opening]
-        self._other_masks: dict[tuple[str, int], torch.Tensor] = {}
+        self._on_device: dict[tuple[object, ...], torch.Tensor] = {}  # built once per device
         # Pieces that open `true` or `false` (` t`, `false`, `true}`), for a boolean the text names.
         self.literal: dict[bytes, list[int]] = {b"true": [], b"false": []}
         for i in self.other:
@@ -112,14 +112,22 @@ class SpanIndex:
                 if head and (word.startswith(head) or _ends_literal(head, word)):
                     ids.append(i)
 
+    def structural_ids(self, size: int, device: torch.device) -> torch.Tensor:
+        """`structural` below `size` as an index tensor on `device` (built once per device)."""
+        key = ("structural", str(device), size)
+        if key not in self._on_device:
+            ids = [i for i in self.structural if i < size]
+            self._on_device[key] = torch.tensor(ids, dtype=torch.long).to(device)
+        return self._on_device[key]
+
     def other_mask(self, size: int, device: torch.device) -> torch.Tensor:
         """`other` as a bool mask [size] on `device` (a large vocabulary's set, built once)."""
         key = (str(device), size)
-        if key not in self._other_masks:
+        if key not in self._on_device:
             mask = torch.zeros(size, dtype=torch.bool)
             mask[[i for i in self.other if i < size]] = True
-            self._other_masks[key] = mask.to(device)
-        return self._other_masks[key]
+            self._on_device[key] = mask.to(device)
+        return self._on_device[key]
 
 
 def _ends_literal(head: bytes, word: bytes) -> bool:
