@@ -23,6 +23,7 @@ raw and as `\\uXXXX`), so an escape sequence is copied as a whole.
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -103,6 +104,39 @@ def tool_key_paths(schema: Any) -> dict[bytes, frozenset[Path]]:
     return out
 
 
+def sole_required_strings(schema: Any) -> dict[bytes | None, Path]:
+    """Per tool of a call schema (`name_args_schema`; None for a schema that is no call), the key
+    path of its one required plain string parameter (no enum, const, pattern or format), where it
+    has exactly one: a title, a query, a text to translate. A tool with two (an origin and a
+    destination, a channel and a message) has none here."""
+    options = schema.get("anyOf", [schema]) if isinstance(schema, dict) else []
+    out: dict[bytes | None, Path] = {}
+    for option in options:
+        props = option.get("properties") if isinstance(option, dict) else None
+        if not isinstance(props, dict):
+            continue
+        name = props.get("name", {}).get("const") if isinstance(props.get("name"), dict) else None
+        tool: bytes | None = None
+        params, prefix = option, ()
+        if isinstance(name, str):
+            rest = [(k, v) for k, v in props.items() if k != "name"]
+            if len(rest) != 1 or not isinstance(rest[0][1], dict):
+                continue
+            tool, prefix, params = escaped(name), (escaped(rest[0][0]),), rest[0][1]
+        fields = params.get("properties") or {}
+        strings = [k for k in params.get("required") or () if _plain_string(fields.get(k))]
+        if len(strings) == 1:
+            out[tool] = (*prefix, escaped(strings[0]))
+    return out
+
+
+def _plain_string(schema: Any) -> bool:
+    if not isinstance(schema, dict) or {"enum", "const", "pattern", "format"} & schema.keys():
+        return False
+    kind = schema.get("type")
+    return kind == "string" or (isinstance(kind, list) and "string" in kind)
+
+
 def _written_at(text: bytes, start: int, value: bytes) -> bool:
     """Whether `text` writes `value` (case aside) as a whole word at `start`."""
     end = start + len(value)
@@ -158,12 +192,15 @@ class SpanGrounding:
         enum_paths: Mapping[Path, Iterable[str]] | None = None,
         boolean_paths: frozenset[Path] = frozenset(),
         tool_paths: Mapping[bytes, frozenset[Path]] | None = None,
+        sole_required: Mapping[bytes | None, Path] | None = None,
     ) -> None:
         self.index, self.string_paths, self.number_paths = index, string_paths, number_paths
         # Each tool's key paths (`tool_key_paths`): a key the text names for one tool's parameter
         # is not asked of another tool's call (its schema has no such key).
         self.tool_paths = tool_paths or {}
         self.tool: bytes | None = None  # the tool's name, once the call writes it
+        # Per tool (None: a schema that is no call), its one required plain string parameter.
+        self.sole_required = sole_required or {}
         # Enum values written in the conversation, per path: the value is one of them where any is.
         self.mentioned: dict[Path, list[bytes]] = {}
         for path, values in (enum_paths or {}).items():
@@ -232,6 +269,16 @@ class SpanGrounding:
             for path in by_key[key]:
                 if len(words) == 1 and path in boolean_paths and path not in string_paths | number_paths:
                     self.truths[path] = next(iter(words))
+        # The one value the text quotes that no naming claims, where it quotes one only (the same
+        # text counted once, in both escapings): the value of the tool's one required plain string
+        # parameter, where it has one (`sole_required_strings`).
+        quoted: dict[bytes, dict[Source, set[int]]] = {}
+        for source in self.strings:
+            for first, end in source.only_end.items():
+                if first not in claimed.get(source, {}):
+                    text = json.loads(b'"' + source.text[first:end] + b'"')
+                    quoted.setdefault(text.encode(), {}).setdefault(source, set()).add(first)
+        self.quoted = next(iter(quoted.values())) if len(quoted) == 1 else None
         # Per object's key path, the keys the text names a value under (`unit = km`, `public:
         # no`, and the keys leading to such a value): the object does not close without them.
         self.named_keys: dict[Path, frozenset[bytes]] = {}
@@ -379,6 +426,8 @@ class SpanGrounding:
         else from every start but those of values it names for other parameters."""
         path = self._path
         named = self.named.get(path)
+        if named is None and self.quoted and self.sole_required.get(self.tool) == path:
+            named = self.quoted
         if named is not None and (ids := self._allowed(table, sources, value, empty_closes, named)):
             return ids
         barred = self.barred.get(path, self.barred_to_all)

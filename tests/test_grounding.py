@@ -16,6 +16,7 @@ from freetoken_agents.grounding import (
     SpanIndex,
     conversation_sources,
     schema_paths,
+    sole_required_strings,
     tool_key_paths,
 )
 from freetoken_agents.named_values import key_words, mentions, namings
@@ -430,6 +431,8 @@ TEMP_CONVERT = function_tool(
     {"value": {"type": "number"}, "from_unit": TEMPERATURE_UNIT, "to_unit": TEMPERATURE_UNIT},
     ["value"],
 )
+MEETING = function_tool("book_meeting", "Schedule a meeting.", {"title": STRING, "date": STRING}, ["title"])
+MEETING_WANT = {"title": "candle guitar", "date": "2027-10-17"}
 TRIMEL = function_tool(
     "trimel_tool",
     "Apply the trimel function to an input.",
@@ -476,6 +479,7 @@ TRIMEL = function_tool(
             TEMP_CONVERT,
             {"value": 351, "from_unit": "fahrenheit", "to_unit": "celsius"},
         ),
+        ("Hey, schedule a meeting about 'candle guitar' date = 2027-10-17.", MEETING, MEETING_WANT),
     ],
 )
 def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, schema: dict, want: dict):
@@ -485,7 +489,8 @@ def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, sc
     breakfast false for `breakfast=True`; then "zebra94" (an address cut at its @), "playlist
     called 'ブチュヸゾギ'." (a span running into a quoted value), "SZ, currency GBP" (into a
     parameter's bare name), "Gerbun," (ending on a comma) and an x of 94.3 (the offset's 94); then
-    no unit for "unit = km" (an optional key the text names) and fahrenheit for both units."""
+    no unit for "unit = km" (an optional key the text names) and fahrenheit for both units; then
+    a title of "meeting about" where the request quotes 'candle guitar'."""
     m = model()
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},
@@ -665,6 +670,31 @@ def test_a_key_named_for_one_tool_is_not_asked_of_another_tool_s_call():
 
     assert not closing_after_start("route_length")
     assert closing_after_start("forecast")
+
+
+def test_the_one_required_string_takes_the_one_value_the_text_quotes():
+    """Held-out requests on the embedded model: "schedule a meeting about 'candle guitar'" gave a
+    title of "meeting about", "what the web says about "coffee"" a query of "says about". A tool's
+    one required plain string takes the text's one quoted value that no naming claims; a tool
+    with two (an origin and a destination) is left to the model, and so are its other strings."""
+    pieces = [b"meeting", b"candle", b" guitar", b"'", b'"', b"Paris", b"2027"]
+    text = ["Hey, schedule a meeting about 'candle guitar' in Paris on 2027"]
+
+    def allowed_for(properties: dict, required: list[str], key: str) -> set[bytes]:
+        schema = name_args_schema([function_tool("book", "Book it.", properties, required)])
+        paths = schema_paths(schema)
+        g = SpanGrounding(
+            SpanIndex(pieces, skip=()), text, *paths[:2], sole_required=sole_required_strings(schema)
+        )
+        g.feed(b'{"name": "book", "arguments": {"' + key.encode() + b'": "')
+        return allowed(g, pieces)
+
+    assert allowed_for({"title": STRING, "city": STRING}, ["title"], "title") == {b"candle"}
+    assert {b"meeting", b"Paris"} <= allowed_for({"title": STRING, "city": STRING}, ["title"], "city")
+    two = {"origin": STRING, "destination": STRING}
+    assert {b"meeting", b"candle", b"Paris"} <= allowed_for(two, ["origin", "destination"], "origin")
+    assert sole_required_strings(name_args_schema([MEETING])) == {b"book_meeting": (b"arguments", b"title")}
+    assert sole_required_strings(name_args_schema([TEMP_CONVERT])) == {}  # no required string
 
 
 def test_an_enum_the_text_names_takes_the_value_named_not_another_it_mentions():
