@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .named_values import key_words
-from .spans import EMAIL, NUMBER_BYTES, PieceTable, Source, SpanIndex, escaped
+from .spans import NUMBER_BYTES, PieceTable, Source, SpanIndex, escaped
 
 Path = tuple[bytes, ...]
 # Parameter names (in words, `key_words`) whose value is an email address: where the text writes
@@ -219,6 +219,7 @@ class SpanGrounding:
             if path and path[-1] != _ANY_ITEM:
                 by_key.setdefault(path[-1].decode("utf-8", "replace"), []).append(path)
         said: dict[str, set[bytes]] = {}
+        address_keys = [key for key in by_key if key_words(key)[-1].lower() in ADDRESS_KEYS]
         for source in (*self.strings, *self.numbers):
             starts_by_key, truths = source.name_values(by_key)
             for key, starts in starts_by_key.items():
@@ -226,16 +227,13 @@ class SpanGrounding:
                     self.named.setdefault(path, {})[source] = starts
                 for start in starts:
                     claimed.setdefault(source, {}).setdefault(start, set()).add(key)
-            if not source.number:  # an address parameter takes an address the text writes
-                for key in by_key:
-                    if key_words(key)[-1].lower() not in ADDRESS_KEYS:
-                        continue
-                    if addresses := {m.start() for m in EMAIL.finditer(source.text)}:
-                        for path in by_key[key]:
-                            if path in string_paths and source not in self.named.get(path, {}):
-                                self.named.setdefault(path, {})[source] = addresses
-                        for start in addresses:
-                            claimed.setdefault(source, {}).setdefault(start, set()).add(key)
+            if source.addresses:  # an address parameter takes an address the text writes
+                for key in address_keys:
+                    for path in by_key[key]:
+                        if path in string_paths and source not in self.named.get(path, {}):
+                            self.named.setdefault(path, {})[source] = set(source.addresses)
+                    for start in source.addresses:
+                        claimed.setdefault(source, {}).setdefault(start, set()).add(key)
             if not source.number:  # truth words as the model writes them: the escaped texts
                 for key, words in truths.items():
                     said.setdefault(key, set()).update(words)

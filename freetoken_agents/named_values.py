@@ -44,7 +44,7 @@ def _name_pattern(key: str) -> re.Pattern[bytes] | None:
 
 
 _SIGN = re.compile(rb"[ \t]*[=:][ \t]*")
-_GAP = re.compile(rb"[ \t]+")
+GAP = re.compile(rb"[ \t]+")  # white space within a line
 _LOOK_BACK = 64  # bytes before a name or a verb searched for what precedes it
 _LISTED = re.compile(rb"(?:(?<![\w])with|,)[ \t]+$", re.IGNORECASE)
 _VERB = re.compile(rb"(?<![\w])(named|called|titled)[ \t]+", re.IGNORECASE)
@@ -72,7 +72,7 @@ def namings(text: bytes, keys: Iterable[str], quotes: Sequence[bytes]) -> list[N
             if sign := _SIGN.match(text, match.end()):
                 if value := value_at(sign.end()):
                     found.append(Naming(key, match.start(), value[0]))
-            elif (gap := _GAP.match(text, match.end())) and (value := value_at(gap.end())):
+            elif (gap := GAP.match(text, match.end())) and (value := value_at(gap.end())):
                 window = max(0, match.start() - _LOOK_BACK)  # not the whole prefix: linear time
                 listed = _LISTED.search(text, window, match.start()) is not None  # "SZ, currency GBP"
                 if value[1] or (listed and key.lower() not in FUNCTION_WORDS):
@@ -96,22 +96,18 @@ def mentions(text: bytes, keys: Iterable[str]) -> list[int]:
     `currency GBP`. No other value's span runs into such a place ("SZ, currency GBP" gives a
     ticker of "SZ"). A key that is a function word (`to`, `from`) is left out: "a trip to Paris"
     does not name it."""
-    keys = [key for key in keys if key.lower() not in FUNCTION_WORDS]
-    return sorted({m.start() for key in keys if (p := _name_pattern(key)) for m in p.finditer(text)})
+    return sorted({start for _, start, _ in name_matches(text, keys)})
 
 
-def after_names(text: bytes, keys: Iterable[str]) -> list[tuple[str, int]]:
-    """(key, where the word after it starts) for every whole-word name of one of `keys` followed
-    by spaces and a word: `breakfast true` gives ("breakfast", 10). A boolean's name then a truth
-    word names it (`Source.name_values`)."""
-    found = []
-    for key in keys:
-        if key.lower() in FUNCTION_WORDS or (pattern := _name_pattern(key)) is None:
-            continue
-        for match in pattern.finditer(text):
-            if gap := _GAP.match(text, match.end()):
-                found.append((key, gap.end()))
-    return found
+def name_matches(text: bytes, keys: Iterable[str]) -> list[tuple[str, int, int]]:
+    """(key, start, end) of every whole-word name (any case) of one of `keys` in `text`, but those
+    of keys that are function words (`mentions`)."""
+    return [
+        (key, m.start(), m.end())
+        for key in keys
+        if key.lower() not in FUNCTION_WORDS and (p := _name_pattern(key))
+        for m in p.finditer(text)
+    ]
 
 
 # English words too common in any request for a parameter so named to be found by its bare name.

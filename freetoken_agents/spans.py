@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .named_values import FUNCTION_WORDS, after_names, mentions, namings
+from .named_values import FUNCTION_WORDS, GAP, name_matches, namings
 
 
 def escaped(text: str, ascii_only: bool = False) -> bytes:
@@ -162,6 +162,7 @@ class Source:
         self.only_end: dict[int, int] = {}  # a quoted value's start -> the one place it ends
         self.only_start: dict[int, int] = {}  # a quoted value's end -> where a span ending there starts
         self.walls: list[int] = []  # where no span runs into: a quoted value, a parameter's name
+        self.addresses: frozenset[int] = frozenset()  # where an email address starts (strings)
         positions = range(len(text) + 1)
         if number:
             self.starts = [_number_starts(text, k) for k in positions]
@@ -179,7 +180,9 @@ class Source:
                 if self.starts[match.start()] and match.group().decode() in FUNCTION_WORDS:
                     self.starts[match.start()] = False  # starts so ("The Hague" is capitalised)
             # Copied whole: a JSON escape (not "u201d" of "\u201d"), an address (not "banana91").
-            for match in (*_ESCAPE.finditer(text), *EMAIL.finditer(text)):
+            emails = list(_EMAIL.finditer(text))
+            self.addresses = frozenset(m.start() for m in emails)
+            for match in (*_ESCAPE.finditer(text), *emails):
                 for k in range(match.start() + 1, match.end()):
                     self.starts[k] = self.ends[k] = False
             for quote, first, end in _quoted(text):  # a quoted value is copied whole or not at all
@@ -220,13 +223,14 @@ class Source:
             self.walls.append(_before_spaces(self.text, naming.start))  # "Kitu| unit = km"
             if self.starts[naming.value]:
                 starts.setdefault(naming.key, set()).add(naming.value)
-        for key, at in after_names(self.text, keys):  # "breakfast true": a boolean named bare
-            if not quoted[at] and (said := TRUTH_WORD.match(self.text, at)):
+        for key, at, end in name_matches(self.text, keys):  # named value or not: `currency GBP`
+            if quoted[at]:
+                continue
+            self.walls.append(_before_spaces(self.text, at))  # "SZ| currency GBP": not "SZ, currency GBP"
+            self.starts[at] = False  # nor "high priority no": a parameter's name is no value
+            gap = GAP.match(self.text, end)  # "breakfast true": a boolean named by its bare name
+            if gap and (said := TRUTH_WORD.match(self.text, gap.end())):
                 truths.setdefault(key, set()).add(TRUTH[said.group(1).lower()])
-        for at in mentions(self.text, keys):  # "SZ| currency GBP": not "SZ, currency GBP"
-            if not quoted[at]:
-                self.walls.append(_before_spaces(self.text, at))
-                self.starts[at] = False  # nor "high priority no": a parameter's name is no value
         self.walls.sort()
         return starts, truths
 
@@ -277,7 +281,7 @@ _SPACES = frozenset(b" \t\r\n")
 # clause or opens a bracket ("Gerbun," and "SZ," are "Gerbun" and "SZ").
 _NO_END = _SPACES | frozenset(b",;:!?([{")
 _NO_START = _SPACES | frozenset(b",;:!?)]}")  # nor starts on what ends a clause or a bracket
-EMAIL = re.compile(rb"[\w.%+-]+@[\w-]+(?:\.[\w-]+)+")  # an email address
+_EMAIL = re.compile(rb"[\w.%+-]+@[\w-]+(?:\.[\w-]+)+")  # an email address
 _ESCAPE = re.compile(rb"\\(?:u[0-9a-fA-F]{4}|.)")  # one JSON escape: \u201d, \", \n
 _LOWER_WORD = re.compile(rb"(?<![\w])[a-z]+(?![\w])")
 

@@ -602,8 +602,7 @@ class TieredExpertProvider(ExpertStore):
             raise EngineError("a routing profile warm-starts placement 'qstar' only, not 'stream'")
         name = Path(self.ftw.path).name
         keys = self.planner.warm_start(tqdm(steps, desc=f"profile {name}", unit="step", disable=not progress))
-        for key in tqdm(keys, desc=f"warm {name}", unit="expert", disable=not progress):
-            self.moves.promote(key, None)
+        self._promote_all(keys, f"warm {name}", progress)
         self.planner.refresh_hot()
         logger.info("warm start: %d experts in tier 1 from the routing profile", len(keys))
         return len(keys)
@@ -617,11 +616,14 @@ class TieredExpertProvider(ExpertStore):
         if not self.exclusive:
             return 0
         keys = self.planner.load_fill()
-        name = Path(self.ftw.path).name
-        for key in tqdm(keys, desc=f"fill {name}", unit="expert", disable=not progress):
-            self.moves.promote(key, None)
+        self._promote_all(keys, f"fill {Path(self.ftw.path).name}", progress)
         logger.info("tier 1 filled at load: %d experts", len(keys))
         return len(keys)
+
+    def _promote_all(self, keys: list[ExpertKey], desc: str, progress: bool) -> None:
+        """Bring `keys` into tier 1 in order (read from tier 3 where tier 2 lacks them)."""
+        for key in tqdm(keys, desc=desc, unit="expert", disable=not progress):
+            self.moves.promote(key, None)
 
     # ---- anchors: expert-cache state ------------------------------------------------------
     def snapshot_state(self) -> dict[str, list[ExpertKey]]:
