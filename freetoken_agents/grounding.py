@@ -87,20 +87,35 @@ def _mentioned(value: str, sources: Sequence[str]) -> bool:
     return any(pattern.search(text) for text in sources)
 
 
+def _call_tool(option: Any) -> tuple[str, str, dict[str, Any]] | None:
+    """(tool name, arguments key, parameters schema) of one option of a call schema (`{"name":
+    {"const": N}, K: parameters}`, as `name_args_schema` builds it); None for any other schema
+    (a property "name" whose schema is `true` or no const included)."""
+    props = option.get("properties") if isinstance(option, dict) else None
+    if not isinstance(props, dict) or not isinstance(props.get("name"), dict):
+        return None
+    name = props["name"].get("const")
+    rest = [(k, v) for k, v in props.items() if k != "name"]
+    if not isinstance(name, str) or len(rest) != 1 or not isinstance(rest[0][1], dict):
+        return None
+    return name, rest[0][0], rest[0][1]
+
+
+def _options(schema: Any) -> list[Any]:
+    return schema.get("anyOf", [schema]) if isinstance(schema, dict) else []
+
+
 def tool_key_paths(schema: Any) -> dict[bytes, frozenset[Path]]:
     """For a call schema of `{"name": <const>, ...}` objects (`name_args_schema`: one, or an
     anyOf of one per tool), each tool's name (JSON-escaped) -> every key path its values and the
     objects holding them take; {} for any other schema (every path is then the one schema's)."""
-    options = schema.get("anyOf", [schema]) if isinstance(schema, dict) else []
     out: dict[bytes, frozenset[Path]] = {}
-    for option in options:
-        props = option.get("properties") if isinstance(option, dict) else None
-        name = props.get("name", {}).get("const") if isinstance(props, dict) else None
-        if not isinstance(name, str):
+    for option in _options(schema):
+        if (call := _call_tool(option)) is None:
             return {}
         paths = schema_paths(option)
         every = {*paths.strings, *paths.numbers, *paths.enums, *paths.booleans}
-        out[escaped(name)] = frozenset(path[:n] for path in every for n in range(1, len(path) + 1))
+        out[escaped(call[0])] = frozenset(path[:n] for path in every for n in range(1, len(path) + 1))
     return out
 
 
@@ -109,20 +124,14 @@ def sole_required_strings(schema: Any) -> dict[bytes | None, Path]:
     path of its one required plain string parameter (no enum, const, pattern or format), where it
     has exactly one: a title, a query, a text to translate. A tool with two (an origin and a
     destination, a channel and a message) has none here."""
-    options = schema.get("anyOf", [schema]) if isinstance(schema, dict) else []
     out: dict[bytes | None, Path] = {}
-    for option in options:
-        props = option.get("properties") if isinstance(option, dict) else None
-        if not isinstance(props, dict):
+    for option in _options(schema):
+        if not isinstance(option, dict):
             continue
-        name = props.get("name", {}).get("const") if isinstance(props.get("name"), dict) else None
         tool: bytes | None = None
         params, prefix = option, ()
-        if isinstance(name, str):
-            rest = [(k, v) for k, v in props.items() if k != "name"]
-            if len(rest) != 1 or not isinstance(rest[0][1], dict):
-                continue
-            tool, prefix, params = escaped(name), (escaped(rest[0][0]),), rest[0][1]
+        if (call := _call_tool(option)) is not None:
+            tool, prefix, params = escaped(call[0]), (escaped(call[1]),), call[2]
         fields = params.get("properties") or {}
         strings = [k for k in params.get("required") or () if _plain_string(fields.get(k))]
         if len(strings) == 1:

@@ -697,6 +697,16 @@ def test_the_one_required_string_takes_the_one_value_the_text_quotes():
     assert sole_required_strings(name_args_schema([TEMP_CONVERT])) == {}  # no required string
 
 
+def test_a_schema_that_is_no_call_has_no_tools_even_with_a_property_named_name():
+    """A tool whose body schema is its parameters (no name/arguments wrapper) may have a parameter
+    "name" whose schema is `true`: reading the tools of the schema raised AttributeError."""
+    schema = {"type": "object", "properties": {"name": True, "city": STRING}, "required": ["city"]}
+    assert tool_key_paths(schema) == {}
+    assert sole_required_strings(schema) == {None: (b"city",)}
+    call = name_args_schema([MEETING])
+    assert tool_key_paths(call)[b"book_meeting"] >= {(b"arguments",), (b"arguments", b"title")}
+
+
 def test_an_enum_the_text_names_takes_the_value_named_not_another_it_mentions():
     """ "temp_convert(value=351, from_unit='fahrenheit', to_unit='celsius')": the embedded model
     wrote fahrenheit for both units; both are mentioned, each named for one."""
