@@ -38,7 +38,14 @@ from freetoken_agents.engine.generate import Sampler
 
 from ._body_formats import JsonLexer, XmlParamsLexer, xml_structural_tag
 from .detokenize import IncrementalDetokenizer
-from .grounding import SpanGrounding, SpanIndex, schema_paths, sole_required_strings, tool_key_paths
+from .grounding import (
+    SpanGrounding,
+    SpanIndex,
+    object_keys,
+    schema_paths,
+    sole_required_strings,
+    tool_key_paths,
+)
 from .parsers.qwen3_coder import xml_parameters
 from .schema_check import check_schema
 
@@ -174,6 +181,7 @@ class GrammarFactory:
                 boolean_paths=paths.booleans,
                 tool_paths=tool_key_paths(schema),
                 sole_required=sole_required_strings(schema),
+                objects=object_keys(schema),
             )
         return JsonConstraint(compiled, self.vocab, grounding=grounding)
 

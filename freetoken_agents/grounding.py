@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .named_values import key_words
+from .said_keys import ObjectKeys, objects_of, unsaid_keys
 from .spans import NUMBER_BYTES, PieceTable, Source, SpanIndex, escaped
 
 Path = tuple[bytes, ...]
@@ -139,6 +140,16 @@ def sole_required_strings(schema: Any) -> dict[bytes | None, Path]:
     return out
 
 
+def object_keys(schema: Any) -> dict[bytes | None, dict[Path, ObjectKeys]]:
+    """Per tool of a call schema (None for a schema that is no call), per object's key path, its
+    keys in order and the names that mention each optional one (`said_keys.objects_of`)."""
+    out: dict[bytes | None, dict[Path, ObjectKeys]] = {}
+    for option in _options(schema):
+        call = _call_tool(option)
+        out[escaped(call[0]) if call is not None else None] = objects_of(option)
+    return out
+
+
 def _plain_string(schema: Any) -> bool:
     if not isinstance(schema, dict) or {"enum", "const", "pattern", "format"} & schema.keys():
         return False
@@ -202,6 +213,7 @@ class SpanGrounding:
         boolean_paths: frozenset[Path] = frozenset(),
         tool_paths: Mapping[bytes, frozenset[Path]] | None = None,
         sole_required: Mapping[bytes | None, Path] | None = None,
+        objects: Mapping[bytes | None, Mapping[Path, ObjectKeys]] | None = None,
     ) -> None:
         self.index, self.string_paths, self.number_paths = index, string_paths, number_paths
         # Each tool's key paths (`tool_key_paths`): a key the text names for one tool's parameter
@@ -295,6 +307,14 @@ class SpanGrounding:
                 for depth in range(len(path)):
                     keys = self.named_keys.get(path[:depth], frozenset())
                     self.named_keys[path[:depth]] = keys | {path[depth]}
+        # Per tool, per object path: its keys in order, and the optional ones the conversation
+        # does not mention (`said_keys`), which the call does not write.
+        objects = objects or {}
+        said_paths = {*self.mentioned, *self.truths, *(p for p, by in self.named.items() if any(by.values()))}
+        self.unsaid = unsaid_keys(objects, sources, said_paths)
+        self.key_order = {
+            tool: {path: keys.order for path, keys in by.items()} for tool, by in objects.items()
+        }
         # [kind, key, expecting a key, the keys written] per open container
         self.stack: list[list[Any]] = []
         self.in_string = self.escaped = self.is_key = False
@@ -478,14 +498,15 @@ class SpanGrounding:
     def restrict_(self, logits: torch.Tensor) -> torch.Tensor:
         """Mask logits [V] (already grammar-masked) to tokens that keep a grounded value a span;
         unchanged outside one, or when no token the grammar allows would. Then, where an object
-        misses a key the text names a value under, to tokens that neither close it nor start
-        another key (`_keep_named_keys_`)."""
+        misses a key the text names a value under, or holds optional keys the text does not
+        mention, to tokens that write neither such a key nor close the object too early
+        (`_keep_keys_`)."""
         self._ground_(logits)
-        if self.named_keys and self._missing_keys():
-            self._keep_named_keys_(logits)
+        if (self.named_keys and self._missing_keys()) or self._holds_back_keys():
+            self._keep_keys_(logits)
         return logits
 
-    # ---- keys the text names ---------------------------------------------------------------------
+    # ---- which keys an object writes -------------------------------------------------------------
     def _missing(self, depth: int) -> frozenset[bytes]:
         """The named keys the object open at `depth` of the stack has not written (of the chosen
         tool's keys, where the schema is one per tool)."""
@@ -504,30 +525,59 @@ class SpanGrounding:
     def _missing_keys(self) -> bool:
         return any(self._missing(d) for d in range(len(self.stack)))
 
-    def _breaks_named_keys(self, piece: bytes) -> bool:
+    def _keys_left(self, depth: int) -> list[bytes] | None:
+        """The keys the object open at `depth` may still write, in the schema's order (the
+        grammar's), where it holds back an optional key the text does not mention; None where
+        it holds back none."""
+        frame = self.stack[depth]
+        if frame[0] != "object":
+            return None
+        path = tuple(f[1] for f in self.stack[:depth])
+        unsaid = self.unsaid.get(self.tool, {}).get(path)
+        if not unsaid:
+            return None
+        order = self.key_order[self.tool][path]
+        last = max((order.index(k) for k in frame[3] if k in order), default=-1)
+        return [k for k in order[last + 1 :] if k not in unsaid]
+
+    def _holds_back_keys(self) -> bool:
+        return bool(self.unsaid) and any(self._keys_left(d) is not None for d in range(len(self.stack)))
+
+    def _breaks_keys(self, piece: bytes) -> bool:
         """Whether writing `piece` here closes an object that misses a named key, or writes a key
         that is not one of the named keys it misses (keys follow the schema's order, so an
-        unnamed optional key there would be a guess the text does not make)."""
+        unnamed optional key there would be a guess the text does not make), or writes an
+        optional key the text does not mention (`said_keys`)."""
         probe = copy.copy(self)
         probe.stack = [[*frame[:3], set(frame[3])] for frame in self.stack]
         for c in piece:
             in_key = probe.in_string and probe.is_key and not probe.escaped
-            if not probe.in_string and c == 0x7D and probe.stack and probe._missing(len(probe.stack) - 1):
-                return True
-            if in_key and c != 0x22 and probe.stack:
-                missing = probe._missing(len(probe.stack) - 1)
-                if missing and not any(k.startswith(probe.value + bytes((c,))) for k in missing):
+            top = len(probe.stack) - 1
+            if not probe.in_string and probe.stack:
+                if c == 0x7D and probe._missing(top):
                     return True
-            if in_key and c == 0x22 and probe.stack:
-                missing = probe._missing(len(probe.stack) - 1)
-                if missing and probe.value not in missing:
+                frame = probe.stack[top]
+                key_next = c == 0x2C or (c == 0x22 and frame[2])  # a comma or a key's quote
+                if key_next and frame[0] == "object" and probe._keys_left(top) == []:
+                    return True
+            if in_key and probe.stack:
+                missing, left = probe._missing(top), probe._keys_left(top)
+                if c != 0x22:
+                    prefix = probe.value + bytes((c,))
+                    if missing and not any(k.startswith(prefix) for k in missing):
+                        return True
+                    if left is not None and not any(k.startswith(prefix) for k in left):
+                        return True
+                elif (missing and probe.value not in missing) or (
+                    left is not None and probe.value not in left
+                ):
                     return True
             probe._feed_byte(c)
         return False
 
-    def _keep_named_keys_(self, logits: torch.Tensor) -> None:
-        """Mask the tokens the grammar (and grounding) allow that would close an object missing a
-        key the text names, or start another key in it; unchanged where that leaves none."""
+    def _keep_keys_(self, logits: torch.Tensor) -> None:
+        """Mask the tokens the grammar (and grounding) allow that `_breaks_keys`; unchanged where
+        that leaves none."""
         flat = logits.view(-1)
         if self.in_string and self.is_key:  # any piece may continue the key
             candidates = torch.nonzero(torch.isfinite(flat)).flatten().tolist()
@@ -537,7 +587,7 @@ class SpanGrounding:
                 return
             candidates = idx[torch.isfinite(flat[idx])].tolist()
         pieces = self.index.pieces
-        bad = [i for i in candidates if self._breaks_named_keys(pieces[i])]
+        bad = [i for i in candidates if self._breaks_keys(pieces[i])]
         if not bad:
             return
         keep = torch.isfinite(flat)

@@ -94,8 +94,11 @@ class SpanIndex:
     def __init__(self, pieces: Sequence[bytes], skip: Iterable[int]) -> None:
         skipped = set(skip)
         self.pieces = pieces
-        # Pieces that may close an object or write a key's bytes (`SpanGrounding`'s named keys).
-        self.structural = [i for i, p in enumerate(pieces) if i not in skipped and (b"}" in p or b'"' in p)]
+        # Pieces that may close an object, write a key's bytes or the comma before a key
+        # (`SpanGrounding`'s keys: which an object writes).
+        self.structural = [
+            i for i, p in enumerate(pieces) if i not in skipped and (b"}" in p or b'"' in p or b"," in p)
+        ]
         self.string = PieceTable(pieces, skipped, _string_content)
         self.number = PieceTable(pieces, skipped, _number_content)
         self.string_open = PieceTable(pieces, skipped, _string_opening)

@@ -433,6 +433,18 @@ TEMP_CONVERT = function_tool(
 )
 MEETING = function_tool("book_meeting", "Schedule a meeting.", {"title": STRING, "date": STRING}, ["title"])
 MEETING_WANT = {"title": "candle guitar", "date": "2027-10-17"}
+TRANSLATE = function_tool(
+    "translate_text",
+    "Translate text into another language.",
+    {"source_text": STRING, "target_language": {"type": "string", "enum": ["spanish", "japanese"]}},
+    ["source_text"],
+)
+CALENDAR = function_tool(
+    "book_meeting",
+    "Schedule a meeting.",
+    {"title": STRING, "date": STRING, "duration_minutes": {"type": "integer"}},
+    ["title"],
+)
 TRIMEL = function_tool(
     "trimel_tool",
     "Apply the trimel function to an input.",
@@ -480,6 +492,16 @@ TRIMEL = function_tool(
             {"value": 351, "from_unit": "fahrenheit", "to_unit": "celsius"},
         ),
         ("Hey, schedule a meeting about 'candle guitar' date = 2027-10-17.", MEETING, MEETING_WANT),
+        (
+            "Hello. Please translate 'dragon marble honey silver' (Hello Group).",
+            TRANSLATE,
+            {"source_text": "dragon marble honey silver"},
+        ),
+        (
+            "Go ahead and put a meeting called 'Sustimses Systems' in the calendar. Please use a tool.",
+            CALENDAR,
+            {"title": "Sustimses Systems"},
+        ),
     ],
 )
 def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, schema: dict, want: dict):
@@ -490,7 +512,8 @@ def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, sc
     called 'ブチュヸゾギ'." (a span running into a quoted value), "SZ, currency GBP" (into a
     parameter's bare name), "Gerbun," (ending on a comma) and an x of 94.3 (the offset's 94); then
     no unit for "unit = km" (an optional key the text names) and fahrenheit for both units; then
-    a title of "meeting about" where the request quotes 'candle guitar'."""
+    a title of "meeting about" where the request quotes 'candle guitar'; then optional keys no
+    word of the request mentions (a target language, a date of "tool")."""
     m = model()
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},
