@@ -370,7 +370,7 @@ class TurnDecoder:
         decode = None
         if self.req.constrain:
             schema = parser.body_schema(tools)
-            constraint = _body_constraint(m, parser.body_format, schema, self.req.argument_sources)
+            constraint = _body_constraint(m, parser.body_format, schema, self.req.argument_sources, tools)
             decode = ConstrainedDecode(
                 m, constraint, budget=limit, room=room, sampler=self.sample, tokenizer=m.tokenizer
             )
@@ -492,13 +492,13 @@ def _thinking(model: TurnModel) -> _Think | None:
 
 
 def _body_constraint(
-    model: TurnModel, body_format: str, schema: dict, sources: list[str] | None
+    model: TurnModel, body_format: str, schema: dict, sources: list[str] | None, tools: list[dict]
 ) -> JsonConstraint:
     """The grammar of a call's body in the parser's `body_format` (see ToolCallParser); a JSON
-    body's plain string arguments grounded in `sources` when given."""
+    body's plain string arguments grounded in `sources` when given (`tools`: the tools called)."""
     if body_format == "xml_parameters":
         return model.grammars().xml_parameters(schema)
-    return model.grammars().json_schema(schema, sources)
+    return model.grammars().json_schema(schema, sources, tools)
 
 
 def _tool_name(tool: dict) -> str:

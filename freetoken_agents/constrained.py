@@ -45,6 +45,7 @@ from .grounding import (
     schema_paths,
     sole_required_strings,
     tool_key_paths,
+    tool_texts,
 )
 from .parsers.qwen3_coder import xml_parameters
 from .schema_check import check_schema
@@ -157,11 +158,17 @@ class GrammarFactory:
         self.vocab = _Vocab(self.info, tokenizer, vocab_size, stop_token_ids)
         self._cache: OrderedDict[str, Any] = OrderedDict()  # least recently used first
 
-    def json_schema(self, schema: dict[str, Any], sources: Sequence[str] | None = None) -> JsonConstraint:
+    def json_schema(
+        self,
+        schema: dict[str, Any],
+        sources: Sequence[str] | None = None,
+        tools: Sequence[dict[str, Any]] = (),
+    ) -> JsonConstraint:
         """The constraint for `schema`; SchemaRejected (before compiling) when `check_schema`
         refuses it: too costly to compile, or without a finite value. `sources`: ground the value's
         plain string and number fields in these texts, and its string enums in the values they mention
-        (`grounding.SpanGrounding`); None: the grammar alone."""
+        (`grounding.SpanGrounding`); None: the grammar alone. `tools`: the tools whose calls the
+        schema describes (their names and descriptions: no value starts on a tool's own words)."""
         # Property order is part of the grammar (xgrammar emits properties in schema order), so
         # the schema is neither sorted for compiling nor for the cache key.
         check_schema(schema)  # linear, no recursion: before json.dumps meets a 10,000-deep schema
@@ -182,6 +189,7 @@ class GrammarFactory:
                 tool_paths=tool_key_paths(schema),
                 sole_required=sole_required_strings(schema),
                 objects=object_keys(schema),
+                tool_texts=tool_texts(tools),
             )
         return JsonConstraint(compiled, self.vocab, grounding=grounding)
 

@@ -39,6 +39,7 @@ Path = tuple[bytes, ...]
 # one, such a string parameter's value is one the text writes (as if named: `unit = km`).
 ADDRESS_KEYS = frozenset({"to", "recipient", "recipients", "email", "email address", "cc", "bcc"})
 _ANY_ITEM = b"*"  # an array's element in a key path
+_LOWER_WORD = re.compile(rb"(?<![\w])[a-z]+(?![\w])")
 
 
 def conversation_sources(messages: Sequence[dict[str, Any]]) -> list[str]:
@@ -150,6 +151,21 @@ def object_keys(schema: Any) -> dict[bytes | None, dict[Path, ObjectKeys]]:
     return out
 
 
+def tool_texts(tools: Sequence[dict[str, Any]]) -> dict[bytes | None, str]:
+    """Each tool's own words, its name and description, by its JSON-escaped name (a call schema's
+    `name`), and under None where there is one tool (a body schema of its parameters alone)."""
+    out: dict[bytes | None, str] = {}
+    for spec in tools:
+        fn = spec.get("function", spec)
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            description = fn.get("description")
+            text = fn["name"] + (" " + description if isinstance(description, str) else "")
+            out[escaped(fn["name"])] = text
+            if len(tools) == 1:
+                out[None] = text
+    return out
+
+
 def _plain_string(schema: Any) -> bool:
     if not isinstance(schema, dict) or {"enum", "const", "pattern", "format"} & schema.keys():
         return False
@@ -214,6 +230,7 @@ class SpanGrounding:
         tool_paths: Mapping[bytes, frozenset[Path]] | None = None,
         sole_required: Mapping[bytes | None, Path] | None = None,
         objects: Mapping[bytes | None, Mapping[Path, ObjectKeys]] | None = None,
+        tool_texts: Mapping[bytes | None, str] | None = None,
     ) -> None:
         self.index, self.string_paths, self.number_paths = index, string_paths, number_paths
         # Each tool's key paths (`tool_key_paths`): a key the text names for one tool's parameter
@@ -307,6 +324,16 @@ class SpanGrounding:
                 for depth in range(len(path)):
                     keys = self.named_keys.get(path[:depth], frozenset())
                     self.named_keys[path[:depth]] = keys | {path[depth]}
+        # Per tool, per source: where a word the tool's own name or description uses starts, written
+        # in lowercase ("how often a letter appears in forest" for "Count how often a letter
+        # appears in a word"): a value carries the request's words, not the tool's.
+        self.own_words: dict[bytes | None, dict[Source, set[int]]] = {}
+        for tool, text in (tool_texts or {}).items():
+            words = set(re.findall(r"[a-z]+", text.replace("_", " ").lower()))
+            self.own_words[tool] = {
+                source: {m.start() for m in _LOWER_WORD.finditer(source.text) if m.group().decode() in words}
+                for source in self.strings
+            }
         # Per tool, per object path: its keys in order, and the optional ones the conversation
         # does not mention (`said_keys`), which the call does not write.
         objects = objects or {}
@@ -458,6 +485,12 @@ class SpanGrounding:
         if named is not None and (ids := self._allowed(table, sources, value, empty_closes, named)):
             return ids
         barred = self.barred.get(path, self.barred_to_all)
+        own = self.own_words.get(self.tool) if sources is self.strings else None
+        if own:  # not from the tool's own words, where another start fits (an empty value aside)
+            merged = {source: barred.get(source, set()) | own[source] for source in sources}
+            ids = self._allowed(table, sources, value, empty_closes, excluded=merged)
+            if (value and ids) or ids - set(table.closing.get(b"", ())):
+                return ids
         return self._allowed(table, sources, value, empty_closes, excluded=barred)
 
     @staticmethod

@@ -18,6 +18,7 @@ from freetoken_agents.grounding import (
     schema_paths,
     sole_required_strings,
     tool_key_paths,
+    tool_texts,
 )
 from freetoken_agents.named_values import key_words, mentions, namings
 from freetoken_agents.parsers.base import name_args_schema
@@ -439,6 +440,12 @@ TRANSLATE = function_tool(
     {"source_text": STRING, "target_language": {"type": "string", "enum": ["spanish", "japanese"]}},
     ["source_text"],
 )
+QUOTE = function_tool(
+    "stock_quote", "Get the latest stock price for a ticker.", {"symbol": STRING}, ["symbol"]
+)
+LETTERS = function_tool(
+    "letter_counter", "Count how many times a letter appears in a word.", {"text": STRING}, ["text"]
+)
 CALENDAR = function_tool(
     "book_meeting",
     "Schedule a meeting.",
@@ -502,6 +509,8 @@ TRIMEL = function_tool(
             CALENDAR,
             {"title": "Sustimses Systems"},
         ),
+        ("Get the stock price of JWFPH. Thanks!", QUOTE, {"symbol": "JWFPH"}),
+        ("Get how often a letter appears in naïve. Thank you.", LETTERS, {"text": "naïve"}),
     ],
 )
 def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, schema: dict, want: dict):
@@ -513,7 +522,8 @@ def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, sc
     parameter's bare name), "Gerbun," (ending on a comma) and an x of 94.3 (the offset's 94); then
     no unit for "unit = km" (an optional key the text names) and fahrenheit for both units; then
     a title of "meeting about" where the request quotes 'candle guitar'; then optional keys no
-    word of the request mentions (a target language, a date of "tool")."""
+    word of the request mentions (a target language, a date of "tool"); then values from the
+    tool's own words ("stock", "how often a letter")."""
     m = model()
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},
@@ -788,3 +798,27 @@ def test_a_boolean_named_both_ways_or_not_at_all_is_the_grammar_s():
         )
         g.feed(b'{"public":')
         assert g.grounded is None, text
+
+
+def test_no_value_starts_on_a_lowercase_word_of_the_tool_s_own_name_or_description():
+    """ "Get the stock price of JWFPH" gave a symbol of "stock", and "how often a letter appears
+    in naïve" a text of "how often a letter": the request's words that name the tool are no value.
+    A capitalised word may start one (a name), and where the value can start nowhere else the
+    tool's words are allowed (nothing is lost)."""
+    pieces = [b"stock", b"Stock", b"JWFPH", b"price", b'"']
+    schema = {"type": "object", "properties": {"symbol": STRING}}
+    paths = schema_paths(schema)
+    texts = tool_texts([QUOTE])
+
+    def opening(text: str) -> set[bytes]:
+        g = SpanGrounding(SpanIndex(pieces, skip=()), [text], *paths[:2], tool_texts=texts)
+        g.feed(b'{"symbol": "')
+        return allowed(g, pieces)
+
+    assert texts == {
+        b"stock_quote": "stock_quote Get the latest stock price for a ticker.",
+        None: texts[b"stock_quote"],
+    }
+    assert opening("Get the stock price of JWFPH") == {b"JWFPH", b'"'}
+    assert b"Stock" in opening("Stock price of JWFPH")
+    assert opening("stock price") >= {b"stock"}  # no other start
