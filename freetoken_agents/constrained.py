@@ -186,6 +186,7 @@ class GrammarFactory:
                 paths.numbers,
                 enum_paths=paths.enums,
                 boolean_paths=paths.booleans,
+                integer_paths=paths.integers,
                 tool_paths=tool_key_paths(schema),
                 sole_required=sole_required_strings(schema),
                 objects=object_keys(schema),

@@ -64,12 +64,14 @@ def message_texts(messages: Sequence[dict[str, Any]], roles: Collection[str]) ->
 
 class SchemaPaths(NamedTuple):
     """Key paths (JSON-escaped keys; `*` for an array element) of the values a schema allows, by
-    kind: plain strings, numbers, string enums (with their values) and booleans."""
+    kind: plain strings, numbers, string enums (with their values) and booleans; `integers`: the
+    numbers that may be integers (the others take a fraction the text writes whole)."""
 
     strings: frozenset[Path]
     numbers: frozenset[Path]
     enums: dict[Path, frozenset[str]]
     booleans: frozenset[Path]
+    integers: frozenset[Path] = frozenset()
 
 
 def schema_paths(schema: Any) -> SchemaPaths:
@@ -78,9 +80,12 @@ def schema_paths(schema: Any) -> SchemaPaths:
     numbers: set[Path] = set()
     enums: dict[Path, set[str]] = {}
     booleans: set[Path] = set()
-    _walk(schema, (), strings, numbers, enums, booleans, depth=0)
+    integers: set[Path] = set()
+    _walk(schema, (), strings, numbers, enums, booleans, integers, depth=0)
     frozen = {path: frozenset(v) for path, v in enums.items()}
-    return SchemaPaths(frozenset(strings), frozenset(numbers), frozen, frozenset(booleans))
+    return SchemaPaths(
+        frozenset(strings), frozenset(numbers), frozen, frozenset(booleans), frozenset(integers)
+    )
 
 
 def _mentioned(value: str, sources: Sequence[str]) -> bool:
@@ -188,11 +193,12 @@ def _walk(
     numbers: set[Path],
     enums: dict[Path, set[str]],
     booleans: set[Path],
+    integers: set[Path],
     depth: int,
 ) -> None:
     if not isinstance(schema, dict) or depth > 32:
         return
-    kinds = (strings, numbers, enums, booleans)
+    kinds = (strings, numbers, enums, booleans, integers)
     for key in ("anyOf", "oneOf", "allOf"):
         for branch in schema.get(key, []) or []:
             _walk(branch, path, *kinds, depth + 1)
@@ -203,6 +209,8 @@ def _walk(
             strings.add(path)
         if {"integer", "number"} & types:
             numbers.add(path)
+        if "integer" in types:
+            integers.add(path)
         if "boolean" in types:
             booleans.add(path)
     values = [v for v in schema.get("enum") or () if isinstance(v, str)]
@@ -227,12 +235,15 @@ class SpanGrounding:
         number_paths: frozenset[Path] = frozenset(),
         enum_paths: Mapping[Path, Iterable[str]] | None = None,
         boolean_paths: frozenset[Path] = frozenset(),
+        integer_paths: frozenset[Path] | None = None,
         tool_paths: Mapping[bytes, frozenset[Path]] | None = None,
         sole_required: Mapping[bytes | None, Path] | None = None,
         objects: Mapping[bytes | None, Mapping[Path, ObjectKeys]] | None = None,
         tool_texts: Mapping[bytes | None, str] | None = None,
     ) -> None:
         self.index, self.string_paths, self.number_paths = index, string_paths, number_paths
+        # A number that may not be an integer is written whole ("66.7", not "66"); None: any may.
+        self.fractions = number_paths - integer_paths if integer_paths is not None else frozenset()
         # Each tool's key paths (`tool_key_paths`): a key the text names for one tool's parameter
         # is not asked of another tool's call (its schema has no such key).
         self.tool_paths = tool_paths or {}
@@ -482,7 +493,10 @@ class SpanGrounding:
         named = self.named.get(path)
         if named is None and self.quoted and self.sole_required.get(self.tool) == path:
             named = self.quoted
-        if named is not None and (ids := self._allowed(table, sources, value, empty_closes, named)):
+        whole = sources is self.numbers and path in self.fractions
+        if named is not None and (
+            ids := self._allowed(table, sources, value, empty_closes, named, whole=whole)
+        ):
             return ids
         barred = self.barred.get(path, self.barred_to_all)
         own = self.own_words.get(self.tool) if sources is self.strings else None
@@ -491,7 +505,7 @@ class SpanGrounding:
             ids = self._allowed(table, sources, value, empty_closes, excluded=merged)
             if (value and ids) or ids - set(table.closing.get(b"", ())):
                 return ids
-        return self._allowed(table, sources, value, empty_closes, excluded=barred)
+        return self._allowed(table, sources, value, empty_closes, excluded=barred, whole=whole)
 
     @staticmethod
     def _allowed(
@@ -501,9 +515,11 @@ class SpanGrounding:
         empty_closes: bool,
         named: Mapping[Source, set[int]] | None = None,
         excluded: Mapping[Source, set[int]] | None = None,
+        whole: bool = False,
     ) -> set[int]:
         """Tokens that keep `value` a span of a source (one starting where `named` says for that
-        source, if given, and not where `excluded` says), or end it where a span may end."""
+        source, if given, and not where `excluded` says), or end it where a span may end (`whole`:
+        not before a number's fraction)."""
         empty = not value and empty_closes and named is None  # a named value is not empty
         ids: set[int] = set(table.closing.get(b"", ())) if empty else set()
         for source in sources:
@@ -517,13 +533,14 @@ class SpanGrounding:
                 begins_here = start in begins if begins is not None else start not in barred
                 if source.starts[start] and after <= last and begins_here:
                     ends_here = source.only_start.get
-                    if value and source.ends[after] and ends_here(after, start) == start:
+                    cut = source.point_ends if whole else ()
+                    if value and source.ends[after] and ends_here(after, start) == start and after not in cut:
                         ids.update(table.closing.get(b"", ()))
                     for end in range(after + 1, min(last, after + table.longest) + 1):
                         written = text[after:end]
                         if source.next_end[end] <= last:  # it can still end before a wall
                             ids.update(table.continuing.get(written, ()))
-                        if source.ends[end] and ends_here(end, start) == start:
+                        if source.ends[end] and ends_here(end, start) == start and end not in cut:
                             ids.update(table.closing.get(written, ()))
                 start = text.find(value, start + 1)
         return ids
@@ -558,6 +575,17 @@ class SpanGrounding:
     def _missing_keys(self) -> bool:
         return any(self._missing(d) for d in range(len(self.stack)))
 
+    def _next_named(self, depth: int) -> frozenset[bytes]:
+        """Of the named keys the object open at `depth` misses, the one it must write next: the
+        first in the schema's order (the grammar's: a later key first would leave it out), or all
+        of them where the order is not known."""
+        missing = self._missing(depth)
+        path = tuple(f[1] for f in self.stack[:depth])
+        order = self.key_order.get(self.tool, {}).get(path)
+        if len(missing) < 2 or order is None or not missing <= set(order):
+            return missing
+        return frozenset({min(missing, key=order.index)})
+
     def _keys_left(self, depth: int) -> list[bytes] | None:
         """The keys the object open at `depth` may still write, in the schema's order (the
         grammar's), where it holds back an optional key the text does not mention; None where
@@ -578,9 +606,9 @@ class SpanGrounding:
 
     def _breaks_keys(self, piece: bytes) -> bool:
         """Whether writing `piece` here closes an object that misses a named key, or writes a key
-        that is not one of the named keys it misses (keys follow the schema's order, so an
-        unnamed optional key there would be a guess the text does not make), or writes an
-        optional key the text does not mention (`said_keys`)."""
+        other than the first named key it misses (keys follow the schema's order, so an unnamed
+        optional key there would be a guess the text does not make, and a later named key would
+        leave the first out), or writes an optional key the text does not mention (`said_keys`)."""
         probe = copy.copy(self)
         probe.stack = [[*frame[:3], set(frame[3])] for frame in self.stack]
         for c in piece:
@@ -594,7 +622,7 @@ class SpanGrounding:
                 if key_next and frame[0] == "object" and probe._keys_left(top) == []:
                     return True
             if in_key and probe.stack:
-                missing, left = probe._missing(top), probe._keys_left(top)
+                missing, left = probe._next_named(top), probe._keys_left(top)
                 if c != 0x22:
                     prefix = probe.value + bytes((c,))
                     if missing and not any(k.startswith(prefix) for k in missing):

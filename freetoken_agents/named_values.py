@@ -3,10 +3,11 @@
 start such a parameter's value where the text writes it, and no other value's span runs into the
 naming ("Kitu unit = km" gives a `start` of "Kitu", not "Kitu unit =").
 
-A name names a value when `=` or `:` follows it (`unit: km`), or a quoted value (`subject 'Q3'`),
-or when it is listed after "with" or a comma (`with letter c`, `SZ, currency GBP`); so do "named",
-"called" and "titled" (`a customer named 'Acme'`) for the parameter whose word comes just before
-them (customer_name), or else for the one parameter whose name is a name or a title.
+A name names a value when `=`, `:` or "set to" follows it (`unit: km`, `breakfast set to off`),
+or a quoted value (`subject 'Q3'`), or when it is listed after "with" or a comma (`with letter c`,
+`SZ, currency GBP`); so do "named", "called" and "titled" (`a customer named 'Acme'`) for the
+parameter whose word comes just before them (customer_name), or else for the one parameter whose
+name is a name or a title.
 Other prose ("the unit is km") is left to the model; a parameter's bare name (`currency GBP`) names
 nothing but is a place no other value's span runs into (`mentions`).
 """
@@ -43,7 +44,9 @@ def _name_pattern(key: str) -> re.Pattern[bytes] | None:
     return re.compile(rb"(?<![\w])(?:" + names + rb")(?![\w])", re.IGNORECASE) if names else None
 
 
-_SIGN = re.compile(rb"[ \t]*[=:][ \t]*")
+_SIGN = re.compile(
+    rb"[ \t]*[=:][ \t]*|[ \t]+set[ \t]+to[ \t]+", re.IGNORECASE
+)  # `unit: km`, `unit set to km`
 GAP = re.compile(rb"[ \t]+")  # white space within a line
 _LOOK_BACK = 64  # bytes before a name or a verb searched for what precedes it
 _LISTED = re.compile(rb"(?:(?<![\w])with|,)[ \t]+$", re.IGNORECASE)

@@ -158,7 +158,7 @@ class Source:
     inside it ("Ursussol Labs", not "Ursussol"), and none that starts before it runs into it
     (not "called 'Ursussol Labs"). An email address is copied whole too, and no span ends just
     after a comma, a colon, a semicolon, `!`, `?` or an opening bracket ("Gerbun," is "Gerbun").
-    Numbers: a whole number or its leading digits ("71" of "71.0"), a sign included."""
+    Numbers: a whole number or its leading digits ("71" of "71.0", for an integer), a sign included."""
 
     def __init__(self, text: bytes, number: bool = False) -> None:
         self.text, self.number = text, number
@@ -167,9 +167,12 @@ class Source:
         self.walls: list[int] = []  # where no span runs into: a quoted value, a parameter's name
         self.addresses: frozenset[int] = frozenset()  # where an email address starts (strings)
         positions = range(len(text) + 1)
+        self.point_ends: frozenset[int] = frozenset()  # numbers: ends before a fraction ("66" of "66.7")
         if number:
             self.starts = [_number_starts(text, k) for k in positions]
             self.ends = [_number_ends(text, k) for k in positions]
+            fraction = re.compile(rb"\.[0-9]")
+            self.point_ends = frozenset(k for k in positions if self.ends[k] and fraction.match(text, k))
         else:
             cuts = [_word_cut(text, k) for k in positions]
             self.starts = [cut and k < len(text) and text[k] not in _NO_START for k, cut in enumerate(cuts)]

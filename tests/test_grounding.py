@@ -15,6 +15,7 @@ from freetoken_agents.grounding import (
     SpanGrounding,
     SpanIndex,
     conversation_sources,
+    object_keys,
     schema_paths,
     sole_required_strings,
     tool_key_paths,
@@ -59,8 +60,8 @@ def allowed(g: SpanGrounding, pieces: list[bytes] = PIECES) -> set[bytes]:
 
 
 def test_only_plain_string_and_number_fields_are_grounded_not_the_name_unmentioned_enums_or_keys():
-    strings, numbers, enums, booleans = schema_paths(name_args_schema([FORECAST]))
-    assert not booleans
+    strings, numbers, enums, booleans, integers = schema_paths(name_args_schema([FORECAST]))
+    assert not booleans and integers == {(b"arguments", b"days")}
     assert strings == {(b"arguments", b"city"), (b"arguments", b"tags", b"*")}
     assert numbers == {(b"arguments", b"days")}
     assert enums == {(b"arguments", b"unit"): {"celsius", "fahrenheit"}}
@@ -446,6 +447,18 @@ QUOTE = function_tool(
 LETTERS = function_tool(
     "letter_counter", "Count how many times a letter appears in a word.", {"text": STRING}, ["text"]
 )
+HOTEL = function_tool(
+    "book_hotel",
+    "Book a hotel room in a city.",
+    {"location": STRING, "nights": {"type": "integer"}, "breakfast": BOOLEAN},
+    ["location"],
+)
+BMI = function_tool(
+    "compute_bmi",
+    "Compute the body mass index.",
+    {"weight": {"type": "number"}, "height_cm": {"type": "integer"}},
+    ["weight"],
+)
 CALENDAR = function_tool(
     "book_meeting",
     "Schedule a meeting.",
@@ -511,6 +524,17 @@ TRIMEL = function_tool(
         ),
         ("Get the stock price of JWFPH. Thanks!", QUOTE, {"symbol": "JWFPH"}),
         ("Get how often a letter appears in naïve. Thank you.", LETTERS, {"text": "naïve"}),
+        (
+            "Go ahead and book a hotel in Vurbren nights = 27, breakfast: yes. Use the tool.",
+            HOTEL,
+            {"location": "Vurbren", "nights": 27, "breakfast": True},
+        ),
+        (
+            "Go ahead and create a playlist named 'Omtroum Studio' with public set to on. Use the tool.",
+            PLAYLIST,
+            {"playlist_name": "Omtroum Studio", "public": True},
+        ),
+        ("Call compute_bmi(66.7). - a small technology company", BMI, {"weight": 66.7}),
     ],
 )
 def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, schema: dict, want: dict):
@@ -523,7 +547,9 @@ def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, sc
     no unit for "unit = km" (an optional key the text names) and fahrenheit for both units; then
     a title of "meeting about" where the request quotes 'candle guitar'; then optional keys no
     word of the request mentions (a target language, a date of "tool"); then values from the
-    tool's own words ("stock", "how often a letter")."""
+    tool's own words ("stock", "how often a letter"); then no `nights` where "nights = 27" comes
+    before "breakfast: yes" (the later named key written first, which left it out), public false
+    for "public set to on", and a weight of 66 for "compute_bmi(66.7)"."""
     m = model()
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},
@@ -537,7 +563,7 @@ def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, sc
     assert call.arguments == want
 
 
-def test_a_parameter_is_named_by_its_name_or_its_words_then_equals_or_colon():
+def test_a_parameter_is_named_by_its_name_or_its_words_then_equals_colon_or_set_to():
     assert key_words("duration_minutes") == ["duration_minutes", "duration minutes"]
     assert key_words("maxResults") == ["maxResults", "max results"]
     assert key_words("city") == ["city"]
@@ -548,6 +574,12 @@ def test_a_parameter_is_named_by_its_name_or_its_words_then_equals_or_colon():
         ("maxResults", b"Max Results:"),
         ("city", b"city='"),
     ]  # not prose ("the unit is km"), nor a naming with no value after it
+    text = b"with public set to on, breakfast Set To no; the unit set km"
+    found = namings(text, ["public", "breakfast", "unit"], [b"'"])
+    assert [(n.key, text[n.start : n.value]) for n in found] == [
+        ("public", b"public set to "),
+        ("breakfast", b"breakfast Set To "),
+    ]
 
 
 def test_a_parameter_is_named_by_a_quoted_value_a_list_or_named_called_titled():
@@ -822,3 +854,37 @@ def test_no_value_starts_on_a_lowercase_word_of_the_tool_s_own_name_or_descripti
     assert opening("Get the stock price of JWFPH") == {b"JWFPH", b'"'}
     assert b"Stock" in opening("Stock price of JWFPH")
     assert opening("stock price") >= {b"stock"}  # no other start
+
+
+def test_the_first_named_key_in_the_schema_s_order_is_written_first():
+    """ "Find the distance from Kreka destination = Port Fondath, unit = km": the model wrote the
+    unit after the origin, and keys follow the schema's order, so the destination could no
+    longer come. Of the named keys an object misses, the first in the schema's order comes next."""
+    pieces = [b"Kreka", b'"', b", ", b'"unit', b'"destination', b'"dest']
+    schema = {
+        "type": "object",
+        "properties": {"origin": STRING, "destination": STRING, "unit": UNIT},
+        "required": ["origin", "unit"],
+    }
+    paths = schema_paths(schema)
+    text = ["Find the distance from Kreka destination = Port Fondath, unit = km."]
+    g = SpanGrounding(
+        SpanIndex(pieces, skip=()), text, *paths[:2], enum_paths=paths.enums, objects=object_keys(schema)
+    )
+    g.feed(b'{"origin": "Kreka", ')
+    logits = torch.zeros(len(pieces))
+    g.restrict_(logits)
+    assert {b'"destination', b'"dest'} <= _finite(logits, pieces) and b'"unit' not in _finite(logits, pieces)
+
+
+def test_a_number_that_may_be_a_fraction_is_written_whole():
+    """ "compute_bmi(66.7)" gave a weight of 66: a `number` ends where the text's number does; an
+    `integer` may still take the whole part of "71.0"."""
+    pieces = [b"66", b".", b"7", b"}"]
+    text = ["Call compute_bmi(66.7)"]
+    for kind, closes in (("number", False), ("integer", True)):
+        paths = schema_paths({"type": "object", "properties": {"weight": {"type": kind}}})
+        g = SpanGrounding(SpanIndex(pieces, skip=()), text, *paths[:2], integer_paths=paths.integers)
+        g.feed(b'{"weight": 66')
+        assert (b"}" in allowed(g, pieces)) is closes
+        assert b"." in allowed(g, pieces)
