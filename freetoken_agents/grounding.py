@@ -10,11 +10,16 @@ whose schema is a plain string (no enum, const, pattern or format: those the gra
 constrains), found by their key path, and never to keys or the tool's name. A value the text
 quotes is copied whole. Where no token the grammar allows keeps the value a span (the value is not
 in the text), the step falls back to the grammar alone. Numbers (integer or number fields) are
-spans of a number in the text the same way ("372" may give 372 or 37, never 272). A string enum
-whose values the text mentions (whole words, case aside: "in km" for ["km", "miles"]) takes one of
-those; where it mentions none, the grammar chooses among all. A value the text names by its
-parameter (`unit = km`, `ticker='LGNE'`, `duration minutes: 13`: `named_values`) starts where the
-text writes it, and no other value's span runs into that naming.
+spans of a number in the text the same way ("372" gives 372, never 272 or 37; a number field
+takes "66.7" whole, an integer may take 71 of "71.0"). A string enum whose values the text
+mentions (whole words, case aside: "in km" for ["km", "miles"]) takes one of those; where it
+mentions none, the grammar chooses among all. A value the text names by its parameter (`unit =
+km`, `ticker='LGNE'`, `duration minutes: 13`: `named_values`) starts where the text writes it, no
+other value's span runs into that naming, and the call does not close without it.
+What a value is not: a span starting on a lowercase word of the called tool's own name or
+description ("stock" for "Get the stock price of JWFPH"), where another start fits; a name run on
+into the request's prose ("Ilpekrar for" of "Ilpekrar for me": `spans`). And a call writes no
+optional key the conversation never mentions (`said_keys`).
 
 Values are compared as the model writes them, JSON-escaped bytes, in both escapings (non-ASCII
 raw and as `\\uXXXX`), so an escape sequence is copied as a whole.

@@ -158,6 +158,7 @@ class Source:
     inside it ("Ursussol Labs", not "Ursussol"), and none that starts before it runs into it
     (not "called 'Ursussol Labs"). An email address is copied whole too, and no span ends just
     after a comma, a colon, a semicolon, `!`, `?` or an opening bracket ("Gerbun," is "Gerbun").
+    A name does not run on into the request's prose (`_name_ends`: "Ilpekrar for me").
     Numbers: a whole number or its leading digits ("71" of "71.0", for an integer), a sign included."""
 
     def __init__(self, text: bytes, number: bool = False) -> None:
@@ -185,6 +186,7 @@ class Source:
             for match in _LOWER_WORD.finditer(text):  # not "in notebook", "me", "with": no value
                 if self.starts[match.start()] and match.group().decode() in FUNCTION_WORDS:
                     self.starts[match.start()] = False  # starts so ("The Hague" is capitalised)
+            self.walls += _name_ends(text)  # "Ilpekrar| for me", not "Ilpekrar for"
             # Copied whole: a JSON escape (not "u201d" of "\u201d"), an address (not "banana91").
             emails = list(_EMAIL.finditer(text))
             self.addresses = frozenset(m.start() for m in emails)
@@ -290,6 +292,27 @@ _NO_START = _SPACES | frozenset(b",;:!?)]}")  # nor starts on what ends a clause
 _EMAIL = re.compile(rb"[\w.%+-]+@[\w-]+(?:\.[\w-]+)+")  # an email address
 _ESCAPE = re.compile(rb"\\(?:u[0-9a-fA-F]{4}|.)")  # one JSON escape: \u201d, \", \n
 _LOWER_WORD = re.compile(rb"(?<![\w])[a-z]+(?![\w])")
+
+
+_NAME_THEN_FUNCTION_WORD = re.compile(rb"(?<![\w])[A-Z][A-Za-z0-9]*(?=,?[ \t]+([a-z]+)(?![\w]))")
+_NEXT_WORD = re.compile(rb",?[ \t]+([A-Za-z]+)")
+
+
+def _name_ends(text: bytes) -> list[int]:
+    """Where a name ends before the request's prose: after a capitalised word, a lowercase
+    function word whose run of function words does not reach another capitalised word
+    ("Ilpekrar| for me", "Kupintom| with nights 12", "Outhkarmair|, with"; not "Bank of America",
+    "Lake of the Woods"). No span runs past such a place."""
+    out: list[int] = []
+    for match in _NAME_THEN_FUNCTION_WORD.finditer(text):
+        if match.group(1).decode() not in FUNCTION_WORDS:
+            continue
+        k = match.end()
+        while (word := _NEXT_WORD.match(text, k)) and word.group(1).decode() in FUNCTION_WORDS:
+            k = word.end()
+        if not (word and word.group(1)[:1].isupper()):
+            out.append(match.end())
+    return out
 
 
 def _before_spaces(text: bytes, k: int) -> int:

@@ -459,6 +459,9 @@ BMI = function_tool(
     {"weight": {"type": "number"}, "height_cm": {"type": "integer"}},
     ["weight"],
 )
+LOCAL_TIME = function_tool(
+    "local_time", "Tell the local time and time zone of a city.", {"location": STRING}, ["location"]
+)
 CALENDAR = function_tool(
     "book_meeting",
     "Schedule a meeting.",
@@ -535,6 +538,11 @@ TRIMEL = function_tool(
             {"playlist_name": "Omtroum Studio", "public": True},
         ),
         ("Call compute_bmi(66.7). - a small technology company", BMI, {"weight": 66.7}),
+        (
+            "Hey, could you find out the time zone of Ilpekrar for me? - a small technology company",
+            LOCAL_TIME,
+            {"location": "Ilpekrar"},
+        ),
     ],
 )
 def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, schema: dict, want: dict):
@@ -549,7 +557,8 @@ def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, sc
     word of the request mentions (a target language, a date of "tool"); then values from the
     tool's own words ("stock", "how often a letter"); then no `nights` where "nights = 27" comes
     before "breakfast: yes" (the later named key written first, which left it out), public false
-    for "public set to on", and a weight of 66 for "compute_bmi(66.7)"."""
+    for "public set to on", and a weight of 66 for "compute_bmi(66.7)"; then a location of
+    "Ilpekrar for" (a name run on into the request's prose)."""
     m = model()
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},
@@ -888,3 +897,19 @@ def test_a_number_that_may_be_a_fraction_is_written_whole():
         g.feed(b'{"weight": 66')
         assert (b"}" in allowed(g, pieces)) is closes
         assert b"." in allowed(g, pieces)
+
+
+def test_a_name_does_not_run_on_into_a_function_word_that_reaches_no_other_name():
+    """ "the time zone of Ilpekrar for me", "a hotel in Kupintom with nights 12": the embedded model
+    wrote "Ilpekrar for" and "Kupintom with". After a capitalised word, a function word whose run
+    reaches no capitalised word ends the name; "Bank of America" runs on."""
+    pieces = [b"Ilpekrar", b" for", b" me", b"Bank", b" of", b" America", b"python", b'"']
+    g = _source_grounding("What is the time zone of Ilpekrar for me?", {"location": STRING}, pieces)
+    g.feed(b'{"location": "Ilpekrar')
+    assert allowed(g, pieces) == {b'"'}
+    g = _source_grounding("The stock of Bank of America", {"company": STRING}, pieces)
+    g.feed(b'{"company": "Bank')
+    assert allowed(g, pieces) == {b'"', b" of"}
+    g = _source_grounding("Search for python for beginners", {"query": STRING}, pieces)
+    g.feed(b'{"query": "python')
+    assert b" for" in allowed(g, pieces)  # not after a lowercase word
