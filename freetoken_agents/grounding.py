@@ -273,9 +273,17 @@ class SpanGrounding:
             if path and path[-1] != _ANY_ITEM:
                 by_key.setdefault(path[-1].decode("utf-8", "replace"), []).append(path)
         said: dict[str, set[bytes]] = {}
+        # The objects holding parameters (`room` of `with room building pepper`), by name.
+        containers = {
+            key.decode("utf-8", "replace")
+            for paths in by_key.values()
+            for path in paths
+            for key in path[:-1]
+            if key != _ANY_ITEM
+        }
         address_keys = [key for key in by_key if key_words(key)[-1].lower() in ADDRESS_KEYS]
         for source in (*self.strings, *self.numbers):
-            starts_by_key, truths = source.name_values(by_key)
+            starts_by_key, truths = source.name_values(by_key, containers)
             for key, starts in starts_by_key.items():
                 for path in by_key[key]:
                     self.named.setdefault(path, {})[source] = starts

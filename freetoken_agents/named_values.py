@@ -4,10 +4,11 @@ start such a parameter's value where the text writes it, and no other value's sp
 naming ("Kitu unit = km" gives a `start` of "Kitu", not "Kitu unit =").
 
 A name names a value when `=`, `:` or "set to" follows it (`unit: km`, `breakfast set to off`),
-or a quoted value (`subject 'Q3'`), or when it is listed after "with" or a comma (`with letter c`,
-`SZ, currency GBP`); so do "named", "called" and "titled" (`a customer named 'Acme'`) for the
-parameter whose word comes just before them (customer_name), or else for the one parameter whose
-name is a name or a title.
+or a quoted value (`subject 'Q3'`), or when it is listed after "with", "and", a comma or the name
+of the object holding it (`with letter c`, `SZ, currency GBP`, `room building pepper and floor
+13`: the naming starts at "with" or "and"); so do "named", "called" and "titled" (`a customer
+named 'Acme'`) for the parameter whose word comes just before them (customer_name), or else for
+the one parameter whose name is a name or a title.
 Other prose ("the unit is km") is left to the model; a parameter's bare name (`currency GBP`) names
 nothing but is a place no other value's span runs into (`mentions`).
 """
@@ -49,18 +50,22 @@ _SIGN = re.compile(
 )  # `unit: km`, `unit set to km`
 GAP = re.compile(rb"[ \t]+")  # white space within a line
 _LOOK_BACK = 64  # bytes before a name or a verb searched for what precedes it
-_LISTED = re.compile(rb"(?:(?<![\w])with|,)[ \t]+$", re.IGNORECASE)
+_LISTED = re.compile(rb"(?:(?<![\w])(?:with|and)|,)[ \t]+$", re.IGNORECASE)
 _VERB = re.compile(rb"(?<![\w])(named|called|titled)[ \t]+", re.IGNORECASE)
 _LAST_WORD = re.compile(rb"(\w+)[ \t]+$")
 _VERB_NOUNS = {b"named": ("name", "title"), b"called": ("name", "title"), b"titled": ("title",)}
 
 
-def namings(text: bytes, keys: Iterable[str], quotes: Sequence[bytes]) -> list[Naming]:
+def namings(
+    text: bytes, keys: Iterable[str], quotes: Sequence[bytes], containers: Iterable[str] = ()
+) -> list[Naming]:
     """Every naming of one of `keys` in `text` (JSON-escaped bytes, as grounding compares them):
     a whole-word name (any case) followed by `=` or `:` and a value, or by a quoted value; or
     "named", "called" or "titled" and a value (see the module). `quotes`: the opening quotes a
-    value may start with."""
+    value may start with; `containers`: the names of the objects that hold parameters, after
+    which a parameter's name is listed as after "with" (`with room building pepper`)."""
     keys = list(keys)
+    holders = {w for c in containers for w in (c.lower(), key_words(c)[-1].lower().split()[-1])}
 
     def value_at(k: int) -> tuple[int, bool] | None:  # (where the value starts, whether quoted)
         quote = next((len(q) for q in quotes if text.startswith(q, k)), 0)
@@ -77,9 +82,14 @@ def namings(text: bytes, keys: Iterable[str], quotes: Sequence[bytes]) -> list[N
                     found.append(Naming(key, match.start(), value[0]))
             elif (gap := GAP.match(text, match.end())) and (value := value_at(gap.end())):
                 window = max(0, match.start() - _LOOK_BACK)  # not the whole prefix: linear time
-                listed = _LISTED.search(text, window, match.start()) is not None  # "SZ, currency GBP"
+                lead = _LISTED.search(text, window, match.start())  # "SZ, currency GBP"
+                listed = lead is not None
+                if not listed and holders and (before := _LAST_WORD.search(text, window, match.start())):
+                    listed = before.group(1).decode("utf-8", "replace").lower() in holders
                 if value[1] or (listed and key.lower() not in FUNCTION_WORDS):
-                    found.append(Naming(key, match.start(), value[0]))
+                    # "café| and floor 27": a listing word starts the naming, not the name
+                    start = lead.start() if lead is not None and text[lead.start()] != 0x2C else match.start()
+                    found.append(Naming(key, start, value[0]))
     words = {key: key_words(key)[-1].lower().split() for key in keys}
     for match in _VERB.finditer(text):
         if (value := value_at(match.end())) is None:

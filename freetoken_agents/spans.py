@@ -209,19 +209,22 @@ class Source:
         for k in reversed(positions):
             self.next_end[k] = k if self.ends[k] else self.next_end[k + 1]
 
-    def name_values(self, keys: Iterable[str]) -> tuple[dict[str, set[int]], dict[str, set[bytes]]]:
+    def name_values(
+        self, keys: Iterable[str], containers: Iterable[str] = ()
+    ) -> tuple[dict[str, set[int]], dict[str, set[bytes]]]:
         """Where the text names a value of one of `keys` (`named_values.namings`), in one scan:
         (key -> where such values start (those a span may start at), key -> the literals, `true`
         or `false`, a truth word names it with: `public=False`, `high priority: off`). From a
         naming's first byte to its value no span starts, and none that starts before it runs into
         it; a naming inside a quoted value ('unit: x') starts and stops no span. A parameter's
-        name written without a value (`mentions`) is a wall too, and starts no span."""
+        name written without a value (`mentions`) is a wall too, and starts no span. `containers`:
+        the names of the objects holding parameters (`namings`)."""
         starts: dict[str, set[int]] = {}
         truths: dict[str, set[bytes]] = {}
         quoted = bytearray(len(self.text) + 1)  # 1 inside a quoted value
         for first, end in self.only_end.items():
             quoted[first:end] = b"\x01" * (end - first)
-        for naming in namings(self.text, keys, [opening for opening, _ in QUOTES]):
+        for naming in namings(self.text, keys, [opening for opening, _ in QUOTES], containers):
             if said := TRUTH_WORD.match(self.text, naming.value):
                 truths.setdefault(naming.key, set()).add(TRUTH[said.group(1).lower()])
             if quoted[naming.start]:

@@ -462,6 +462,17 @@ BMI = function_tool(
 LOCAL_TIME = function_tool(
     "local_time", "Tell the local time and time zone of a city.", {"location": STRING}, ["location"]
 )
+ROOM_OBJECT = {
+    "type": "object",
+    "properties": {"building": STRING, "floor": {"type": "integer"}},
+    "required": ["building", "floor"],
+}
+MEETING_ROOM = function_tool(
+    "book_meeting",
+    "Schedule a meeting in the calendar.",
+    {"title": STRING, "room": ROOM_OBJECT},
+    ["title", "room"],
+)
 CALENDAR = function_tool(
     "book_meeting",
     "Schedule a meeting.",
@@ -543,6 +554,12 @@ TRIMEL = function_tool(
             LOCAL_TIME,
             {"location": "Ilpekrar"},
         ),
+        (
+            "Call book_meeting and schedule a meeting about 'Vumbrous Labs' with room building café and"
+            " floor 27. Use the tool.",
+            MEETING_ROOM,
+            {"title": "Vumbrous Labs", "room": {"building": "café", "floor": 27}},
+        ),
     ],
 )
 def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, schema: dict, want: dict):
@@ -558,7 +575,9 @@ def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, sc
     tool's own words ("stock", "how often a letter"); then no `nights` where "nights = 27" comes
     before "breakfast: yes" (the later named key written first, which left it out), public false
     for "public set to on", and a weight of 66 for "compute_bmi(66.7)"; then a location of
-    "Ilpekrar for" (a name run on into the request's prose)."""
+    "Ilpekrar for" (a name run on into the request's prose); then a building of "Vumbrous Labs"
+    for "with room building café and floor 27" (a nested parameter listed after its object's name,
+    and the next one after "and")."""
     m = model()
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},
@@ -600,7 +619,7 @@ def test_a_parameter_is_named_by_a_quoted_value_a_list_or_named_called_titled():
     found = namings(text, keys, [b"'"])
     assert [(n.key, text[n.start : n.value]) for n in found] == [
         ("customer_name", b"named '"),  # the word before "named" is the parameter's
-        ("email", b"email "),  # listed after "with"
+        ("email", b"with email "),  # listed after "with", which starts the naming
         ("currency", b"currency "),  # listed after a comma
         ("subject", b"subject '"),  # a quoted value
         ("title", b"titled "),  # the one parameter that is a title
@@ -613,6 +632,14 @@ def test_a_parameter_is_named_by_a_quoted_value_a_list_or_named_called_titled():
     ]
     # "named" with two parameters that are names, neither the word before it: nothing is named
     assert namings(b"a person named Bo", ["first_name", "last_name"], [b"'"]) == []
+    # Listed after "and", or after the name of the object holding it (a nested parameter)
+    text = rb"with room building caf\u00e9 and floor 27, a building block"
+    found = namings(text, ["building", "floor"], [b"'"], containers=["arguments", "room"])
+    assert [(n.key, text[n.start : n.value]) for n in found] == [
+        ("building", b"building "),
+        ("floor", b"and floor "),
+    ]
+    assert [n.key for n in namings(text, ["building", "floor"], [b"'"])] == ["floor"]
     # A parameter named by a function word is not found by its bare name: "Trip to Paris" is whole.
     text = b"Email bob@x.co, with subject Trip to Paris, to tell him"
     assert mentions(text, ["to", "subject"]) == [text.index(b"subject")]
