@@ -186,7 +186,6 @@ class Source:
             for match in _LOWER_WORD.finditer(text):  # not "in notebook", "me", "with": no value
                 if self.starts[match.start()] and match.group().decode() in FUNCTION_WORDS:
                     self.starts[match.start()] = False  # starts so ("The Hague" is capitalised)
-            self.walls += _name_ends(text)  # "Ilpekrar| for me", not "Ilpekrar for"
             # Copied whole: a JSON escape (not "u201d" of "\u201d"), an address (not "banana91").
             emails = list(_EMAIL.finditer(text))
             self.addresses = frozenset(m.start() for m in emails)
@@ -202,6 +201,9 @@ class Source:
                 self.only_end[first] = end
                 self.only_start[end] = first  # not "called 'X": an opening quote without its closing
                 self.walls.append(_before_spaces(text, quote))  # nor "translate 'X' (": none runs into it
+            inside = {k for first, end in self.only_end.items() for k in range(first, end + 1)}
+            # "Ilpekrar| for me", not "Ilpekrar for"; a quoted value is copied whole all the same
+            self.walls += [k for k in _name_ends(text) if k not in inside]
             self.walls.sort()
         # The first place at or after k where a span may end (past the text: none): a value is not
         # written on into a place it cannot end before a wall ("SZ," before "currency GBP").

@@ -940,3 +940,7 @@ def test_a_name_does_not_run_on_into_a_function_word_that_reaches_no_other_name(
     g = _source_grounding("Search for python for beginners", {"query": STRING}, pieces)
     g.feed(b'{"query": "python')
     assert b" for" in allowed(g, pieces)  # not after a lowercase word
+    pieces = [b"Meet", b" Bob", b" for", b" lunch", b'"']  # a quoted value is copied whole
+    g = _source_grounding("Add a meeting 'Meet Bob for lunch' today", {"title": STRING}, pieces)
+    g.feed(b'{"title": "Meet Bob')
+    assert allowed(g, pieces) == {b" for"}
