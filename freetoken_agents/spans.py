@@ -158,7 +158,8 @@ class Source:
     inside it ("Ursussol Labs", not "Ursussol"), and none that starts before it runs into it
     (not "called 'Ursussol Labs"). An email address is copied whole too, and no span ends just
     after a comma, a colon, a semicolon, `!`, `?` or an opening bracket ("Gerbun," is "Gerbun").
-    A name does not run on into the request's prose (`_name_ends`: "Ilpekrar for me").
+    A name does not run on into the request's prose (`_name_ends`: "Ilpekrar for me"), and no
+    span runs past the end of a sentence or takes its full stop (`_sentence_ends`).
     Numbers: a whole number or its leading digits ("71" of "71.0", for an integer), a sign included."""
 
     def __init__(self, text: bytes, number: bool = False) -> None:
@@ -202,8 +203,9 @@ class Source:
                 self.only_start[end] = first  # not "called 'X": an opening quote without its closing
                 self.walls.append(_before_spaces(text, quote))  # nor "translate 'X' (": none runs into it
             inside = {k for first, end in self.only_end.items() for k in range(first, end + 1)}
-            # "Ilpekrar| for me", not "Ilpekrar for"; a quoted value is copied whole all the same
-            self.walls += [k for k in _name_ends(text) if k not in inside]
+            # "Ilpekrar| for me", not "Ilpekrar for"; "UJF|. Please use a tool."; a quoted value
+            # is copied whole all the same
+            self.walls += [k for k in (*_name_ends(text), *_sentence_ends(text)) if k not in inside]
             self.walls.sort()
         # The first place at or after k where a span may end (past the text: none): a value is not
         # written on into a place it cannot end before a wall ("SZ," before "currency GBP").
@@ -317,6 +319,26 @@ def _name_ends(text: bytes) -> list[int]:
             k = word.end()
         if not (word and word.group(1)[:1].isupper()):
             out.append(match.end())
+    return out
+
+
+_SENTENCE_END = re.compile(rb"(?<=[\w])[.!?](?=\s|$)")
+_WORD_BEFORE = re.compile(rb"[A-Za-z]+$")
+
+
+def _sentence_ends(text: bytes) -> list[int]:
+    """Where a sentence ends: a full stop, `!` or `?` after a word and before white space or the
+    text's end, but not after an initial or a short capitalised abbreviation ("J.", "U.S.",
+    "St.", "Inc."). No span runs past it, nor takes the stop: "UJF" of "UJF. Please use a tool.",
+    "Saint Stakaiva" of "destination = Saint Stakaiva."."""
+    out: list[int] = []
+    for match in _SENTENCE_END.finditer(text):
+        k = match.start()
+        word = _WORD_BEFORE.search(text, max(0, k - 8), k)
+        before = word.group() if word else b""
+        short = before[:1].isupper() and len(before) <= 3 and (len(before) == 1 or before[1:].islower())
+        if text[k] != 0x2E or not short:
+            out.append(k)
     return out
 
 

@@ -473,6 +473,15 @@ MEETING_ROOM = function_tool(
     {"title": STRING, "room": ROOM_OBJECT},
     ["title", "room"],
 )
+SHARE_PRICE = function_tool(
+    "fetch_share_price", "Get the latest stock price for a ticker.", {"ticker": STRING}, ["ticker"]
+)
+TRIP = function_tool(
+    "distance_between",
+    "Get the distance between two places.",
+    {"start": STRING, "destination": STRING},
+    ["start", "destination"],
+)
 CALENDAR = function_tool(
     "book_meeting",
     "Schedule a meeting.",
@@ -560,6 +569,16 @@ TRIMEL = function_tool(
             MEETING_ROOM,
             {"title": "Vumbrous Labs", "room": {"building": "café", "floor": 27}},
         ),
+        (
+            "Quick question: Tell me the share price for UJF. Please use a tool.",
+            SHARE_PRICE,
+            {"ticker": "UJF"},
+        ),
+        (
+            "Hey, show me how far it is from Firtailsen destination = Saint Stakaiva.",
+            TRIP,
+            {"start": "Firtailsen", "destination": "Saint Stakaiva"},
+        ),
     ],
 )
 def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, schema: dict, want: dict):
@@ -577,7 +596,8 @@ def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, sc
     for "public set to on", and a weight of 66 for "compute_bmi(66.7)"; then a location of
     "Ilpekrar for" (a name run on into the request's prose); then a building of "Vumbrous Labs"
     for "with room building café and floor 27" (a nested parameter listed after its object's name,
-    and the next one after "and")."""
+    and the next one after "and"); then "UJF. Please use a tool." and "Saint Stakaiva." (a value
+    run past the end of its sentence, or taking its full stop)."""
     m = model()
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},
@@ -944,3 +964,19 @@ def test_a_name_does_not_run_on_into_a_function_word_that_reaches_no_other_name(
     g = _source_grounding("Add a meeting 'Meet Bob for lunch' today", {"title": STRING}, pieces)
     g.feed(b'{"title": "Meet Bob')
     assert allowed(g, pieces) == {b" for"}
+
+
+def test_no_value_runs_past_the_end_of_a_sentence_nor_takes_its_full_stop():
+    """ "the share price for UJF. Please use a tool." gave "UJF. Please use a tool.", and
+    "destination = Saint Stakaiva." a destination with the full stop. An initial or a short
+    capitalised abbreviation ends no sentence ("St. Louis", "J. K. Rowling")."""
+    pieces = [b"UJF", b".", b" Please", b"Saint", b" Stakaiva", b"St", b" Louis", b'"']
+    g = _source_grounding("The share price for UJF. Please use a tool.", {"ticker": STRING}, pieces)
+    g.feed(b'{"ticker": "UJF')
+    assert allowed(g, pieces) == {b'"'}
+    g = _source_grounding("From Kitu destination = Saint Stakaiva.", {"destination": STRING}, pieces)
+    g.feed(b'{"destination": "Saint Stakaiva')
+    assert allowed(g, pieces) == {b'"'}
+    g = _source_grounding("Flights to St. Louis please", {"city": STRING}, pieces)
+    g.feed(b'{"city": "St.')
+    assert b" Louis" in allowed(g, pieces)
