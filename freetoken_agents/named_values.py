@@ -4,11 +4,11 @@ start such a parameter's value where the text writes it, and no other value's sp
 naming ("Kitu unit = km" gives a `start` of "Kitu", not "Kitu unit =").
 
 A name names a value when `=`, `:` or "set to" follows it (`unit: km`, `breakfast set to off`),
-or a quoted value (`subject 'Q3'`), or when it is listed after "with", "and", a comma or the name
-of the object holding it (`with letter c`, `SZ, currency GBP`, `room building pepper and floor
-13`: the naming starts at "with" or "and"); so do "named", "called" and "titled" (`a customer
-named 'Acme'`) for the parameter whose word comes just before them (customer_name), or else for
-the one parameter whose name is a name or a title.
+or a quoted value (`subject 'Q3'`) or a number (`nights 27`, `date 2030-05-25`), or when it is
+listed after "with", "and", a comma or the name of the object holding it (`with letter c`, `SZ,
+currency GBP`, `room building pepper and floor 13`: the naming starts at "with" or "and"); so do
+"named", "called" and "titled" (`a customer named 'Acme'`) for the parameter whose word comes
+just before them (customer_name), or else for the one parameter whose name is a name or a title.
 Other prose ("the unit is km") is left to the model; a parameter's bare name (`currency GBP`) names
 nothing but is a place no other value's span runs into (`mentions`).
 """
@@ -53,6 +53,7 @@ _LOOK_BACK = 64  # bytes before a name or a verb searched for what precedes it
 _LISTED = re.compile(rb"(?:(?<![\w])(?:with|and)|,)[ \t]+$", re.IGNORECASE)
 _VERB = re.compile(rb"(?<![\w])(named|called|titled)[ \t]+", re.IGNORECASE)
 _LAST_WORD = re.compile(rb"(\w+)[ \t]+$")
+_NUMBER = re.compile(rb"-?[0-9]")
 _VERB_NOUNS = {b"named": ("name", "title"), b"called": ("name", "title"), b"titled": ("title",)}
 
 
@@ -86,7 +87,8 @@ def namings(
                 listed = lead is not None
                 if not listed and holders and (before := _LAST_WORD.search(text, window, match.start())):
                     listed = before.group(1).decode("utf-8", "replace").lower() in holders
-                if value[1] or (listed and key.lower() not in FUNCTION_WORDS):
+                number = _NUMBER.match(text, value[0]) is not None  # `nights 27`, `factor -32`
+                if value[1] or ((listed or number) and key.lower() not in FUNCTION_WORDS):
                     # "café| and floor 27": a listing word starts the naming, not the name
                     start = lead.start() if lead is not None and text[lead.start()] != 0x2C else match.start()
                     found.append(Naming(key, start, value[0]))

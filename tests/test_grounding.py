@@ -482,6 +482,12 @@ TRIP = function_tool(
     {"start": STRING, "destination": STRING},
     ["start", "destination"],
 )
+KROTRIFEN = function_tool(
+    "krotrifen_op",
+    "Apply the krotrifen function to an input.",
+    {"value": {"type": "integer"}, "factor": {"type": "integer"}},
+    ["value", "factor"],
+)
 CALENDAR = function_tool(
     "book_meeting",
     "Schedule a meeting.",
@@ -579,6 +585,7 @@ TRIMEL = function_tool(
             TRIP,
             {"start": "Firtailsen", "destination": "Saint Stakaiva"},
         ),
+        ("Hey, could you apply krotrifen to 53 factor -32?", KROTRIFEN, {"value": 53, "factor": -32}),
     ],
 )
 def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, schema: dict, want: dict):
@@ -597,7 +604,8 @@ def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, sc
     "Ilpekrar for" (a name run on into the request's prose); then a building of "Vumbrous Labs"
     for "with room building café and floor 27" (a nested parameter listed after its object's name,
     and the next one after "and"); then "UJF. Please use a tool." and "Saint Stakaiva." (a value
-    run past the end of its sentence, or taking its full stop)."""
+    run past the end of its sentence, or taking its full stop); then a factor of 53 for "to 53
+    factor -32" (a parameter's bare name before a number names it)."""
     m = model()
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},
@@ -622,6 +630,12 @@ def test_a_parameter_is_named_by_its_name_or_its_words_then_equals_colon_or_set_
         ("maxResults", b"Max Results:"),
         ("city", b"city='"),
     ]  # not prose ("the unit is km"), nor a naming with no value after it
+    text = b"nights 27 and factor -32 for the 3 days of the trip"
+    found = namings(text, ["nights", "factor", "days", "trip"], [b"'"])
+    assert [(n.key, text[n.start : n.value]) for n in found] == [
+        ("nights", b"nights "),
+        ("factor", b"and factor "),
+    ]  # a bare name before a number names it; "3 days" does not
     text = b"with public set to on, breakfast Set To no; the unit set km"
     found = namings(text, ["public", "breakfast", "unit"], [b"'"])
     assert [(n.key, text[n.start : n.value]) for n in found] == [
