@@ -4,13 +4,14 @@ start such a parameter's value where the text writes it, and no other value's sp
 naming ("Kitu unit = km" gives a `start` of "Kitu", not "Kitu unit =").
 
 A name names a value when `=`, `:` or "set to" follows it (`unit: km`, `breakfast set to off`),
-or a quoted value (`subject 'Q3'`) or a number (`nights 27`, `date 2030-05-25`), or when it is
-listed after "with", "and", a comma or the name of the object holding it (`with letter c`, `SZ,
-currency GBP`, `room building pepper and floor 13`: the naming starts at "with" or "and"); so do
-"named", "called" and "titled" (`a customer named 'Acme'`) for the parameter whose word comes
-just before them (customer_name), or else for the one parameter whose name is a name or a title.
-Other prose ("the unit is km") is left to the model; a parameter's bare name (`currency GBP`) names
-nothing but is a place no other value's span runs into (`mentions`).
+or a quoted value (`subject 'Q3'`), a number (`nights 27`, `date 2030-05-25`) or a code in
+capitals (`currency CHF`), or when it is listed after "with", "and", a comma or the name of the
+object holding it (`with letter c`, `SZ, currency gbp`, `room building pepper and floor 13`: the
+naming starts at "with" or "and"); so do "named", "called" and "titled" (`a customer named
+'Acme'`) for the parameter whose word comes just before them (customer_name), or else for the one
+parameter whose name is a name or a title. Other prose ("the unit is km") is left to the model; a
+parameter's bare name before anything else (`unit km`) names nothing but is a place no other
+value's span runs into (`mentions`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ _LOOK_BACK = 64  # bytes before a name or a verb searched for what precedes it
 _LISTED = re.compile(rb"(?:(?<![\w])(?:with|and)|,)[ \t]+$", re.IGNORECASE)
 _VERB = re.compile(rb"(?<![\w])(named|called|titled)[ \t]+", re.IGNORECASE)
 _LAST_WORD = re.compile(rb"(\w+)[ \t]+$")
-_NUMBER = re.compile(rb"-?[0-9]")
+_SHAPED = re.compile(rb"-?[0-9]|[A-Z]{2,6}(?![\w])")  # a number, or a code in capitals
 _VERB_NOUNS = {b"named": ("name", "title"), b"called": ("name", "title"), b"titled": ("title",)}
 
 
@@ -87,8 +88,8 @@ def namings(
                 listed = lead is not None
                 if not listed and holders and (before := _LAST_WORD.search(text, window, match.start())):
                     listed = before.group(1).decode("utf-8", "replace").lower() in holders
-                number = _NUMBER.match(text, value[0]) is not None  # `nights 27`, `factor -32`
-                if value[1] or ((listed or number) and key.lower() not in FUNCTION_WORDS):
+                shaped = _SHAPED.match(text, value[0]) is not None  # `nights 27`, `currency CHF`
+                if value[1] or ((listed or shaped) and key.lower() not in FUNCTION_WORDS):
                     # "café| and floor 27": a listing word starts the naming, not the name
                     start = lead.start() if lead is not None and text[lead.start()] != 0x2C else match.start()
                     found.append(Naming(key, start, value[0]))

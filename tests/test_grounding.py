@@ -488,6 +488,12 @@ KROTRIFEN = function_tool(
     {"value": {"type": "integer"}, "factor": {"type": "integer"}},
     ["value", "factor"],
 )
+QUOTE_CURRENCY = function_tool(
+    "stock_quote",
+    "Get the latest stock price for a ticker.",
+    {"symbol": STRING, "currency": STRING},
+    ["symbol"],
+)
 CALENDAR = function_tool(
     "book_meeting",
     "Schedule a meeting.",
@@ -586,6 +592,11 @@ TRIMEL = function_tool(
             {"start": "Firtailsen", "destination": "Saint Stakaiva"},
         ),
         ("Hey, could you apply krotrifen to 53 factor -32?", KROTRIFEN, {"value": 53, "factor": -32}),
+        (
+            "Find the share price for PSRTP currency CHF. Thank you.",
+            QUOTE_CURRENCY,
+            {"symbol": "PSRTP", "currency": "CHF"},
+        ),
     ],
 )
 def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, schema: dict, want: dict):
@@ -605,7 +616,8 @@ def test_a_grounded_forced_call_takes_the_values_the_request_names(text: str, sc
     for "with room building café and floor 27" (a nested parameter listed after its object's name,
     and the next one after "and"); then "UJF. Please use a tool." and "Saint Stakaiva." (a value
     run past the end of its sentence, or taking its full stop); then a factor of 53 for "to 53
-    factor -32" (a parameter's bare name before a number names it)."""
+    factor -32" (a parameter's bare name before a number names it), and no currency for "PSRTP
+    currency CHF" (nor before a code in capitals)."""
     m = model()
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},
@@ -636,6 +648,8 @@ def test_a_parameter_is_named_by_its_name_or_its_words_then_equals_colon_or_set_
         ("nights", b"nights "),
         ("factor", b"and factor "),
     ]  # a bare name before a number names it; "3 days" does not
+    text = b"PSRTP currency CHF; the unit km; a code Xy"
+    assert [n.key for n in namings(text, ["currency", "unit", "code"], [b"'"])] == ["currency"]
     text = b"with public set to on, breakfast Set To no; the unit set km"
     found = namings(text, ["public", "breakfast", "unit"], [b"'"])
     assert [(n.key, text[n.start : n.value]) for n in found] == [
