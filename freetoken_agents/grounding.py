@@ -656,7 +656,7 @@ class SpanGrounding:
         if self.in_string and self.is_key:  # any piece may continue the key
             candidates = torch.nonzero(torch.isfinite(flat)).flatten().tolist()
         else:
-            idx = self.index.structural_ids(flat.numel(), flat.device)
+            idx = self.index.structural_ids(flat.numel(), flat.device, quoting=self.in_string)
             if not idx.numel():
                 return
             candidates = idx[torch.isfinite(flat[idx])].tolist()

@@ -115,11 +115,12 @@ class SpanIndex:
                 if head and (word.startswith(head) or _ends_literal(head, word)):
                     ids.append(i)
 
-    def structural_ids(self, size: int, device: torch.device) -> torch.Tensor:
-        """`structural` below `size` as an index tensor on `device` (built once per device)."""
-        key = ("structural", str(device), size)
+    def structural_ids(self, size: int, device: torch.device, quoting: bool = False) -> torch.Tensor:
+        """`structural` below `size` as an index tensor on `device` (built once per device);
+        `quoting`: only those holding a quote (inside a string nothing else ends it)."""
+        key = ("structural", str(device), size, quoting)
         if key not in self._on_device:
-            ids = [i for i in self.structural if i < size]
+            ids = [i for i in self.structural if i < size and (not quoting or b'"' in self.pieces[i])]
             self._on_device[key] = torch.tensor(ids, dtype=torch.long).to(device)
         return self._on_device[key]
 
