@@ -18,8 +18,9 @@ km`, `ticker='LGNE'`, `duration minutes: 13`: `named_values`) starts where the t
 other value's span runs into that naming, and the call does not close without it.
 What a value is not: a span starting on a lowercase word of the called tool's own name or
 description ("stock" for "Get the stock price of JWFPH"), where another start fits; a name run on
-into the request's prose ("Ilpekrar for" of "Ilpekrar for me": `spans`). And a call writes no
-optional key the conversation never mentions (`said_keys`).
+into the request's prose ("Ilpekrar for" of "Ilpekrar for me") or past the end of a sentence
+("UJF. Please use a tool.": `spans`). And a call writes no optional key the conversation never
+mentions (`said_keys`).
 
 Values are compared as the model writes them, JSON-escaped bytes, in both escapings (non-ASCII
 raw and as `\\uXXXX`), so an escape sequence is copied as a whole.
@@ -37,14 +38,13 @@ import torch
 
 from .named_values import key_words
 from .said_keys import ObjectKeys, objects_of, unsaid_keys
-from .spans import NUMBER_BYTES, PieceTable, Source, SpanIndex, escaped
+from .spans import LOWER_WORD, NUMBER_BYTES, PieceTable, Source, SpanIndex, escaped
 
 Path = tuple[bytes, ...]
 # Parameter names (in words, `key_words`) whose value is an email address: where the text writes
 # one, such a string parameter's value is one the text writes (as if named: `unit = km`).
 ADDRESS_KEYS = frozenset({"to", "recipient", "recipients", "email", "email address", "cc", "bcc"})
 _ANY_ITEM = b"*"  # an array's element in a key path
-_LOWER_WORD = re.compile(rb"(?<![\w])[a-z]+(?![\w])")
 
 
 def conversation_sources(messages: Sequence[dict[str, Any]]) -> list[str]:
@@ -355,7 +355,7 @@ class SpanGrounding:
         for tool, text in (tool_texts or {}).items():
             words = set(re.findall(r"[a-z]+", text.replace("_", " ").lower()))
             self.own_words[tool] = {
-                source: {m.start() for m in _LOWER_WORD.finditer(source.text) if m.group().decode() in words}
+                source: {m.start() for m in LOWER_WORD.finditer(source.text) if m.group().decode() in words}
                 for source in self.strings
             }
         # Per tool, per object path: its keys in order, and the optional ones the conversation

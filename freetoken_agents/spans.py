@@ -185,7 +185,7 @@ class Source:
                 while k >= 0:
                     self.starts[k] = False
                     k = text.find(quote, k + 1)
-            for match in _LOWER_WORD.finditer(text):  # not "in notebook", "me", "with": no value
+            for match in LOWER_WORD.finditer(text):  # not "in notebook", "me", "with": no value
                 if self.starts[match.start()] and match.group().decode() in FUNCTION_WORDS:
                     self.starts[match.start()] = False  # starts so ("The Hague" is capitalised)
             # Copied whole: a JSON escape (not "u201d" of "\u201d"), an address (not "banana91").
@@ -299,7 +299,7 @@ _NO_END = _SPACES | frozenset(b",;:!?([{")
 _NO_START = _SPACES | frozenset(b",;:!?)]}")  # nor starts on what ends a clause or a bracket
 _EMAIL = re.compile(rb"[\w.%+-]+@[\w-]+(?:\.[\w-]+)+")  # an email address
 _ESCAPE = re.compile(rb"\\(?:u[0-9a-fA-F]{4}|.)")  # one JSON escape: \u201d, \", \n
-_LOWER_WORD = re.compile(rb"(?<![\w])[a-z]+(?![\w])")
+LOWER_WORD = re.compile(rb"(?<![\w])[a-z]+(?![\w])")  # a word in lowercase ASCII letters
 
 
 _NAME_THEN_FUNCTION_WORD = re.compile(rb"(?<![\w])[A-Z][A-Za-z0-9]*(?=,?[ \t]+([a-z]+)(?![\w]))")
