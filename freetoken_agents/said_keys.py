@@ -9,7 +9,9 @@ mentions it: its name (as it is or in words, `duration_minutes` -> "duration min
 the words of its name ("for 30 minutes"; "a" or "of" are no such word), the name of a key within
 it (a `room` object by "building"), or a value grounding found for it (an enum value the text
 writes, "in km"; a value named by its parameter; a boolean's truth word). Required keys are never
-held back. A request that implies an optional value without any of these ("translate it to
+held back, nor an object's first key: a schema that leaves its main parameter optional
+(`get_weather(city=None)`, a tool whose arguments all have defaults) still gets "weather in
+Paris" as its city. A request that implies an optional value without any of these ("translate it to
 Spanish" for a plain-string `target_language`) loses the value: an argument left out is
 the price of never inventing one.
 """
@@ -30,7 +32,8 @@ _MAX_DEPTH = 32
 
 class ObjectKeys(NamedTuple):
     """One object of a schema: its keys in the schema's order (the order a grammar writes them),
-    and per optional key, the names that mention it (its own, and those of the keys within it)."""
+    and per optional key but the first, the names that mention it (its own, and those of the keys
+    within it)."""
 
     order: tuple[bytes, ...]
     optional: dict[bytes, frozenset[str]]
@@ -56,10 +59,10 @@ def _walk(schema: Any, path: Path, objects: dict[Path, ObjectKeys], depth: int) 
         return frozenset(names)
     required = set(schema.get("required") or ())
     optional: dict[bytes, frozenset[str]] = {}
-    for key, sub in props.items():
+    for n, (key, sub) in enumerate(props.items()):
         inner = _walk(sub, (*path, escaped(key)), objects, depth + 1)
         names |= {key, *inner}
-        if key not in required:
+        if key not in required and n:  # the first key: the main parameter, required or not
             optional[escaped(key)] = frozenset({key, *inner})
     if not {"anyOf", "oneOf", "allOf"} & schema.keys():
         objects[path] = ObjectKeys(tuple(escaped(k) for k in props), optional)

@@ -99,7 +99,7 @@ def test_which_names_mention_an_optional_key():
         None: {(): frozenset({b"duration_minutes"})}
     }
     # "of" and "a" are no words a key is mentioned by.
-    short = {None: objects_of({"type": "object", "properties": {"a_of": STRING}})}
+    short = {None: objects_of({"type": "object", "properties": {"name": STRING, "a_of": STRING}})}
     assert unsaid_keys(short, ["a list of things"], set()) == {None: {(): frozenset({b"a_of"})}}
 
 
@@ -112,7 +112,7 @@ def test_a_call_holds_back_only_the_chosen_tool_s_unmentioned_keys():
             "type": "function",
             "function": {
                 "name": "share",
-                "parameters": {"type": "object", "properties": {"public": BOOLEAN}},
+                "parameters": {"type": "object", "properties": {"link": STRING, "public": BOOLEAN}},
             },
         },
     ]
@@ -131,3 +131,13 @@ def test_a_call_holds_back_only_the_chosen_tool_s_unmentioned_keys():
 def test_an_object_with_branches_holds_nothing_back():
     schema = {"type": "object", "properties": {"a": STRING}, "anyOf": [{"required": ["a"]}]}
     assert objects_of(schema) == {}
+
+
+def test_an_object_s_first_key_is_never_held_back():
+    """A schema that leaves its main parameter optional (`get_weather(city=None)`, every argument
+    with a default) still takes "weather in Paris" as its city: the first key is the main one."""
+    weather = {"type": "object", "properties": {"city": STRING, "unit": GENRE}}
+    assert objects_of(weather)[()].optional == {b"unit": frozenset({"unit"})}
+    g = _grounding(weather, "What is the weather in Paris?", [b'"city', b'"unit', b"}", b'"'])
+    g.feed(b"{")
+    assert {b'"city', b"}"} <= _finite_after(g, [b'"city', b'"unit', b"}", b'"'])
