@@ -37,14 +37,12 @@ from typing import Any, NamedTuple
 import torch
 
 from .named_values import key_words
-from .said_keys import ObjectKeys, objects_of, unsaid_keys
+from .said_keys import ANY_ITEM, ObjectKeys, Path, objects_of, unsaid_keys
 from .spans import LOWER_WORD, NUMBER_BYTES, PieceTable, Source, SpanIndex, escaped
 
-Path = tuple[bytes, ...]
 # Parameter names (in words, `key_words`) whose value is an email address: where the text writes
 # one, such a string parameter's value is one the text writes (as if named: `unit = km`).
 ADDRESS_KEYS = frozenset({"to", "recipient", "recipients", "email", "email address", "cc", "bcc"})
-_ANY_ITEM = b"*"  # an array's element in a key path
 
 
 def conversation_sources(messages: Sequence[dict[str, Any]]) -> list[str]:
@@ -224,7 +222,7 @@ def _walk(
     for name, sub in (schema.get("properties") or {}).items():
         _walk(sub, (*path, escaped(name)), *kinds, depth + 1)
     if isinstance(schema.get("items"), dict):
-        _walk(schema["items"], (*path, _ANY_ITEM), *kinds, depth + 1)
+        _walk(schema["items"], (*path, ANY_ITEM), *kinds, depth + 1)
 
 
 class SpanGrounding:
@@ -270,7 +268,7 @@ class SpanGrounding:
         claimed: dict[Source, dict[int, set[str]]] = {}
         by_key: dict[str, list[Path]] = {}
         for path in (*string_paths, *number_paths, *(enum_paths or {}), *boolean_paths):  # walls too
-            if path and path[-1] != _ANY_ITEM:
+            if path and path[-1] != ANY_ITEM:
                 by_key.setdefault(path[-1].decode("utf-8", "replace"), []).append(path)
         said: dict[str, set[bytes]] = {}
         # The objects holding parameters (`room` of `with room building pepper`), by name.
@@ -279,7 +277,7 @@ class SpanGrounding:
             for paths in by_key.values()
             for path in paths
             for key in path[:-1]
-            if key != _ANY_ITEM
+            if key != ANY_ITEM
         }
         address_keys = [key for key in by_key if key_words(key)[-1].lower() in ADDRESS_KEYS]
         for source in (*self.strings, *self.numbers):
@@ -344,7 +342,7 @@ class SpanGrounding:
         self.named_keys: dict[Path, frozenset[bytes]] = {}
         named_paths = [p for p, by in self.named.items() if any(by.values())] + list(self.truths)
         for path in named_paths:
-            if _ANY_ITEM not in path:
+            if ANY_ITEM not in path:
                 for depth in range(len(path)):
                     keys = self.named_keys.get(path[:depth], frozenset())
                     self.named_keys[path[:depth]] = keys | {path[depth]}
@@ -411,7 +409,7 @@ class SpanGrounding:
         elif c == 0x7B:  # {
             self.stack.append(["object", b"", True, set()])
         elif c == 0x5B:  # [
-            self.stack.append(["array", _ANY_ITEM, False, set()])
+            self.stack.append(["array", ANY_ITEM, False, set()])
             self.expect_value = True
         elif c in (0x7D, 0x5D):  # } ]
             if self.stack:

@@ -46,9 +46,8 @@ def _name_pattern(key: str) -> re.Pattern[bytes] | None:
     return re.compile(rb"(?<![\w])(?:" + names + rb")(?![\w])", re.IGNORECASE) if names else None
 
 
-_SIGN = re.compile(
-    rb"[ \t]*[=:][ \t]*|[ \t]+set[ \t]+to[ \t]+", re.IGNORECASE
-)  # `unit: km`, `unit set to km`
+# `unit: km`, `unit = km`, `unit set to km`
+_SIGN = re.compile(rb"[ \t]*[=:][ \t]*|[ \t]+set[ \t]+to[ \t]+", re.IGNORECASE)
 GAP = re.compile(rb"[ \t]+")  # white space within a line
 _LOOK_BACK = 64  # bytes before a name or a verb searched for what precedes it
 _LISTED = re.compile(rb"(?:(?<![\w])(?:with|and)|,)[ \t]+$", re.IGNORECASE)

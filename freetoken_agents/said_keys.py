@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 from .named_values import FUNCTION_WORDS, key_words
 from .spans import escaped
 
-Path = tuple[bytes, ...]
-_ANY_ITEM = b"*"  # an array's element in a key path (as `grounding`'s)
+Path = tuple[bytes, ...]  # a value's key path: JSON-escaped keys from the schema's root
+ANY_ITEM = b"*"  # an array's element in a key path
 _MAX_DEPTH = 32
 
 
@@ -53,7 +53,7 @@ def _walk(schema: Any, path: Path, objects: dict[Path, ObjectKeys], depth: int) 
         return frozenset()
     names: set[str] = set()
     if isinstance(schema.get("items"), dict):
-        names |= _walk(schema["items"], (*path, _ANY_ITEM), objects, depth + 1)
+        names |= _walk(schema["items"], (*path, ANY_ITEM), objects, depth + 1)
     props = schema.get("properties")
     if not isinstance(props, dict):
         return frozenset(names)

@@ -169,13 +169,13 @@ class Source:
         self.only_start: dict[int, int] = {}  # a quoted value's end -> where a span ending there starts
         self.walls: list[int] = []  # where no span runs into: a quoted value, a parameter's name
         self.addresses: frozenset[int] = frozenset()  # where an email address starts (strings)
+        self.quoted = bytearray(len(text) + 1)  # 1 inside a quoted value (its quotes aside)
         positions = range(len(text) + 1)
         self.point_ends: frozenset[int] = frozenset()  # numbers: ends before a fraction ("66" of "66.7")
         if number:
             self.starts = [_number_starts(text, k) for k in positions]
             self.ends = [_number_ends(text, k) for k in positions]
-            fraction = re.compile(rb"\.[0-9]")
-            self.point_ends = frozenset(k for k in positions if self.ends[k] and fraction.match(text, k))
+            self.point_ends = frozenset(k for k in positions if self.ends[k] and _FRACTION.match(text, k))
         else:
             cuts = [_word_cut(text, k) for k in positions]
             self.starts = [cut and k < len(text) and text[k] not in _NO_START for k, cut in enumerate(cuts)]
@@ -203,10 +203,11 @@ class Source:
                 self.only_end[first] = end
                 self.only_start[end] = first  # not "called 'X": an opening quote without its closing
                 self.walls.append(_before_spaces(text, quote))  # nor "translate 'X' (": none runs into it
-            inside = {k for first, end in self.only_end.items() for k in range(first, end + 1)}
+            for first, end in self.only_end.items():
+                self.quoted[first:end] = b"\x01" * (end - first)
             # "Ilpekrar| for me", not "Ilpekrar for"; "UJF|. Please use a tool."; a quoted value
             # is copied whole all the same
-            self.walls += [k for k in (*_name_ends(text), *_sentence_ends(text)) if k not in inside]
+            self.walls += [k for k in (*_name_ends(text), *_sentence_ends(text)) if not self.quoted[k]]
             self.walls.sort()
         # The first place at or after k where a span may end (past the text: none): a value is not
         # written on into a place it cannot end before a wall ("SZ," before "currency GBP").
@@ -226,9 +227,7 @@ class Source:
         the names of the objects holding parameters (`namings`)."""
         starts: dict[str, set[int]] = {}
         truths: dict[str, set[bytes]] = {}
-        quoted = bytearray(len(self.text) + 1)  # 1 inside a quoted value
-        for first, end in self.only_end.items():
-            quoted[first:end] = b"\x01" * (end - first)
+        quoted = self.quoted
         for naming in namings(self.text, keys, [opening for opening, _ in QUOTES], containers):
             if said := TRUTH_WORD.match(self.text, naming.value):
                 truths.setdefault(naming.key, set()).add(TRUTH[said.group(1).lower()])
@@ -300,6 +299,7 @@ _NO_START = _SPACES | frozenset(b",;:!?)]}")  # nor starts on what ends a clause
 _EMAIL = re.compile(rb"[\w.%+-]+@[\w-]+(?:\.[\w-]+)+")  # an email address
 _ESCAPE = re.compile(rb"\\(?:u[0-9a-fA-F]{4}|.)")  # one JSON escape: \u201d, \", \n
 LOWER_WORD = re.compile(rb"(?<![\w])[a-z]+(?![\w])")  # a word in lowercase ASCII letters
+_FRACTION = re.compile(rb"\.[0-9]")  # a number's fraction after its whole part
 
 
 _NAME_THEN_FUNCTION_WORD = re.compile(rb"(?<![\w])[A-Z][A-Za-z0-9]*(?=,?[ \t]+([a-z]+)(?![\w]))")
