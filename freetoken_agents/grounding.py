@@ -161,10 +161,11 @@ def object_keys(schema: Any) -> dict[bytes | None, dict[Path, ObjectKeys]]:
 
 def tool_texts(tools: Sequence[dict[str, Any]]) -> dict[bytes | None, str]:
     """Each tool's own words, its name and description, by its JSON-escaped name (a call schema's
-    `name`), and under None where there is one tool (a body schema of its parameters alone)."""
+    `name`), and under None where there is one tool (a body schema of its parameters alone). A
+    tool that is no object with a string name adds no words (they are a hint, not a contract)."""
     out: dict[bytes | None, str] = {}
     for spec in tools:
-        fn = spec.get("function", spec)
+        fn = spec.get("function", spec) if isinstance(spec, dict) else None
         if isinstance(fn, dict) and isinstance(fn.get("name"), str):
             description = fn.get("description")
             text = fn["name"] + (" " + description if isinstance(description, str) else "")

@@ -938,6 +938,8 @@ def test_no_value_starts_on_a_lowercase_word_of_the_tool_s_own_name_or_descripti
     assert opening("Get the stock price of JWFPH") == {b"JWFPH", b'"'}
     assert b"Stock" in opening("Stock price of JWFPH")
     assert opening("stock price") >= {b"stock"}  # no other start
+    # Malformed tools add no words, and nothing raises from deep inside.
+    assert tool_texts(["x", {"function": {"name": 3}}, {"name": "a", "description": None}]) == {b"a": "a"}
 
 
 def test_the_first_named_key_in_the_schema_s_order_is_written_first():
