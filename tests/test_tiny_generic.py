@@ -107,6 +107,31 @@ def test_no_call_share_sets_how_many_generic_exchanges_answer_without_a_call(sha
     assert abs(direct - share) < 0.03
 
 
+def test_plain_requests_carry_only_the_intent_and_the_values():
+    """The copy-first curriculum's requests: no greeting, tail or closing words, every value kept."""
+    rng = random.Random(3)
+    openers = [p.strip() for p in generic.PREFIXES if p] + ["hey"]
+    closers = [s.strip() for s in generic.SUFFIXES + generic.TAILS if s]
+    for _ in range(400):
+        tools = generic.toolset(rng, "train", rng.choice([1, 2, 3]))
+        request = generic.make_request(rng, rng.choice(tools), "train", plain=True)
+        assert not any(request.text.startswith(o) for o in openers), request.text
+        assert not any(request.text.endswith(c) for c in closers), request.text
+        primary = request.tool.params[0].name
+        assert str(request.arguments[primary]).split()[0] in request.text
+
+
+def test_a_plain_generic_corpus_calls_a_tool_in_every_exchange():
+    dialogues = build_corpus(random.Random(2), 400, no_call_share=0.0, plain_generic=True)
+    generic_turns = [d for d in dialogues if d.tools and d.tools != TOOL_SCHEMAS]
+    assert len(generic_turns) > 100
+    for d in generic_turns:
+        users = [m for m in d.messages if m["role"] == "user"]
+        calls = [m for m in d.messages if m.get("tool_calls")]
+        assert len(calls) == len(users)
+        assert not any(m["content"].startswith(("Hi! ", "Hello. ", "Hey, ", "Quick question")) for m in users)
+
+
 def test_the_world_tools_stay_in_the_corpus():
     corpus = build_corpus(random.Random(4), 500)
     assert 40 < sum(d.tools == TOOL_SCHEMAS for d in corpus) < 110

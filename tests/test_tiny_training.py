@@ -12,7 +12,7 @@ from tiny_models import load_reference
 from transformers import DynamicCache
 
 from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, Engine, render_chat
-from freetoken_agents.recipes.tiny import coding, corpus, world
+from freetoken_agents.recipes.tiny import coding, corpus, generic, world
 from freetoken_agents.recipes.tiny.train import (
     batches,
     cache_argument,
@@ -214,12 +214,15 @@ def test_training_smoke_run_writes_an_ftw_the_engine_runs(tmp_path):
     assert "<|im_end|>" in engine.tokenizer.convert_ids_to_tokens(engine.default_stop_token_ids())
 
 
-def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("copy_first", [0, 3])
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, copy_first):
     """A long CPU run is stopped and resumed from `out/last`: the optimizer, the schedule and the
-    place in the batch order come back, so the final weights are the same bit for bit."""
+    place in the batch order come back, so the final weights are the same bit for bit (with a
+    copy-first curriculum, stopped inside it)."""
     from safetensors.torch import load_file
 
     kw = {"steps": 4, "dialogues": 160, "tokens_per_batch": 1024, "vocab_size": 700, "threads": 1}
+    kw["copy_first"] = copy_first
     torch.manual_seed(0)
     train(tmp_path / "whole", save_every=2, **kw)
     assert (tmp_path / "whole" / "last" / "progress.pt").is_file()
@@ -231,6 +234,42 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     fresh = load_file(tmp_path / "whole" / "last" / "model.safetensors")  # the step-2 weights differ
     assert not all(torch.equal(whole[k], fresh[k]) for k in whole)
+
+
+def test_copy_first_trains_its_first_steps_on_the_plain_corpus(tmp_path, monkeypatch):
+    """`copy_first=N`: N steps from a corpus of plain, always-calling generic requests (its own seed),
+    then the run's own corpus for the rest of the steps, in its own batch order from epoch 0."""
+    from freetoken_agents.recipes.tiny import train as train_module
+
+    corpora, taken = [], []
+    real_build, real_steps = train_module.build_corpus, train_module._phase_steps
+
+    def build(rng, size, **kw):
+        corpora.append(kw)
+        return real_build(rng, size, **kw)
+
+    def phase_steps(examples, tokens, pad, seed, epoch, skip):
+        for item in real_steps(examples, tokens, pad, seed, epoch, skip):
+            taken.append((seed, item[0]))
+            yield item
+
+    monkeypatch.setattr(train_module, "build_corpus", build)
+    monkeypatch.setattr(train_module, "_phase_steps", phase_steps)
+    train(tmp_path, steps=3, dialogues=120, tokens_per_batch=1024, vocab_size=700, threads=1, copy_first=2)
+    assert corpora[0]["no_call_share"] == generic.NO_CALL_SHARE and not corpora[0].get("plain_generic")
+    assert corpora[1]["no_call_share"] == 0.0 and corpora[1]["plain_generic"]
+    first_seed = train_module._COPY_FIRST_SEED
+    assert [seed for seed, _ in taken] == [first_seed, first_seed, 0]
+    assert taken[2][1] == 0  # the main corpus from its first epoch
+
+
+def test_a_copy_first_longer_than_the_run_is_a_one_line_error(tmp_path, capsys):
+    from freetoken_agents.recipes.tiny.train import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(tmp_path), "--steps", "5", "--copy-first", "6"])
+    assert exc.value.code == 2
+    assert "--copy-first must be between 0 and --steps (5), got 6" in capsys.readouterr().err.splitlines()[-1]
 
 
 def test_distillation_loss_is_the_teachers_kl_over_the_labelled_next_tokens():

@@ -132,10 +132,11 @@ def build_corpus(
     code_share: float = 0.3,
     world_share: float = 0.15,
     no_call_share: float = generic.NO_CALL_SHARE,
+    plain_generic: bool = False,
 ) -> list[Dialogue]:
     """`size` dialogues: coding tasks (`code_share` of them), the world's four tools (`world_share`)
     and, for the rest, groups of eight generic dialogues over one random tool set each (see
-    `generic.dialogue_group`)."""
+    `generic.dialogue_group`; `plain_generic`: their requests without greetings and closing words)."""
     group = 8
     weights = [code_share, world_share, (1 - code_share - world_share) / group]
     out: list[Dialogue] = []
@@ -146,6 +147,8 @@ def build_corpus(
         elif kind == "world":
             out.append(tool_dialogue(rng, split))
         else:
-            messages, tools = generic.dialogue_group(rng, split, size=group, no_call_share=no_call_share)
+            messages, tools = generic.dialogue_group(
+                rng, split, size=group, no_call_share=no_call_share, plain=plain_generic
+            )
             out += [Dialogue(m, tools) for m in messages]
     return out[:size]

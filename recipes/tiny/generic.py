@@ -211,7 +211,9 @@ def _call_notation(tool: GenericTool, args: dict[str, Any]) -> str | None:
     return f"{tool.name}(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")"
 
 
-def make_request(rng: random.Random, tool: GenericTool, split: Split) -> Request:
+def make_request(rng: random.Random, tool: GenericTool, split: Split, plain: bool = False) -> Request:
+    """A request for `tool`. `plain`: no greeting, tail or closing words around it (the copy-first
+    curriculum's requests, where the only capitalised words and codes are the values)."""
     args = {
         p.name: _value(p, rng, split) for p in tool.params if p.name in tool.required or rng.random() < 0.5
     }
@@ -232,6 +234,8 @@ def make_request(rng: random.Random, tool: GenericTool, split: Split) -> Request
         frames = QUERY_FRAMES if tool.kind == "query" else ACTION_FRAMES
         frames = frames + (heldout if split == "heldout" else [])
         text = rng.choice(frames).format(p=phrase, P=phrase[0].upper() + phrase[1:])
+    if plain:
+        return Request(text, tool, args)
     prefix = rng.choice(PREFIXES)
     if prefix.endswith(", "):
         text = text[0].lower() + text[1:]
@@ -293,9 +297,14 @@ NO_CALL_SHARE = 0.2  # exchanges answered without a call: small talk (2 in 5) or
 
 
 def exchange(
-    rng: random.Random, tools: list[GenericTool], split: Split, no_call_share: float = NO_CALL_SHARE
+    rng: random.Random,
+    tools: list[GenericTool],
+    split: Split,
+    no_call_share: float = NO_CALL_SHARE,
+    plain: bool = False,
 ) -> list[dict[str, Any]]:
-    """One user turn and everything after it: a direct answer, or calls, results and the answer."""
+    """One user turn and everything after it: a direct answer, or calls, results and the answer
+    (`plain`: requests without the words around them, see `make_request`)."""
     shape = rng.random()
     if shape < 0.4 * no_call_share:
         user, reply = rng.choice(CHITCHAT)
@@ -307,10 +316,10 @@ def exchange(
             {"role": "user", "content": request.text},
             {"role": "assistant", "content": rng.choice(NO_TOOL_REPLIES)},
         ]
-    requests = [make_request(rng, rng.choice(tools), split)]
+    requests = [make_request(rng, rng.choice(tools), split, plain)]
     text = requests[0].text
     if shape > 0.88:  # two calls in one turn
-        requests.append(make_request(rng, rng.choice(tools), split))
+        requests.append(make_request(rng, rng.choice(tools), split, plain))
         text += " Also, " + requests[1].text[0].lower() + requests[1].text[1:]
     note = _failure_note(rng, requests[0], tools) if rng.random() < 0.06 else ""
     results = [tool_result(rng, r) for r in requests]
@@ -329,17 +338,21 @@ def exchange(
 
 
 def dialogue_group(
-    rng: random.Random, split: Split = "train", size: int = 8, no_call_share: float = NO_CALL_SHARE
+    rng: random.Random,
+    split: Split = "train",
+    size: int = 8,
+    no_call_share: float = NO_CALL_SHARE,
+    plain: bool = False,
 ) -> tuple[list[list[dict]], list[dict]]:
     """`size` dialogues over one random tool set and system prompt (so training computes their shared
-    system block once): (the dialogues' messages, the tool schemas)."""
+    system block once): (the dialogues' messages, the tool schemas). `plain`: see `make_request`."""
     tools = toolset(rng, split, rng.choice([1, 2, 2, 3, 3, 4]))
     system = rng.choice([None, *SYSTEM_PROMPTS])
     head = [{"role": "system", "content": system}] if system else []
     groups = []
     for _ in range(size):
-        messages = head + exchange(rng, tools, split, no_call_share)
+        messages = head + exchange(rng, tools, split, no_call_share, plain)
         if rng.random() < 0.15:
-            messages += exchange(rng, tools, split, no_call_share)
+            messages += exchange(rng, tools, split, no_call_share, plain)
         groups.append(messages)
     return groups, [t.schema for t in tools]

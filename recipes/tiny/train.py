@@ -344,6 +344,7 @@ def train(
     resume: bool = False,
     teacher: Path | None = None,
     distill: float = 1.0,
+    copy_first: int = 0,
 ) -> Path:
     """Train and write `out/hf` (the checkpoint) and `out/model.ftw`; returns the FTW path.
 
@@ -356,7 +357,11 @@ def train(
     order) every N steps; `resume`: continue from `out/last` where a run stopped (same arguments).
     `teacher`: an FTW file (the tokenizer of the model trained) whose next-token distributions the
     coding and world dialogues are also fitted to, `distill` times their KL added to the loss (see
-    `distillation_loss`); the generic dialogues learn from their labels alone."""
+    `distillation_loss`); the generic dialogues learn from their labels alone.
+    `copy_first`: a curriculum, copying values first: the first N steps draw from a corpus of the
+    same mix whose generic exchanges all call a tool, with requests that carry nothing but the
+    intent and the values (`generic.make_request(plain=True)`: no greeting, tail or thanks); the
+    rest of the `steps` from the corpus above. One schedule spans both."""
     from transformers import AutoModelForCausalLM
 
     from freetoken_agents.engine.loading.convert import convert_checkpoint
@@ -368,6 +373,13 @@ def train(
     corpus = build_corpus(
         rng, dialogues, code_share=code_share, world_share=world_share, no_call_share=no_call_share
     )
+    first: list[Dialogue] = []
+    if copy_first:  # its own generator: the main corpus is the one a run without it trains on
+        first_rng = random.Random(seed + _COPY_FIRST_SEED)
+        first = build_corpus(
+            first_rng, dialogues, code_share=code_share, world_share=world_share, no_call_share=0.0,
+            plain_generic=True,
+        )  # fmt: skip
     last = out / "last"
     state = _load_progress(last) if resume else None
 
@@ -376,7 +388,7 @@ def train(
     bootstrap = PreTrainedTokenizerFast(
         tokenizer_object=_character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE
     )  # renders text before the real tokenizer exists (rendering does not depend on the vocabulary)
-    rendered = [render(bootstrap, d) for d in tqdm(corpus, desc="render", leave=False)]
+    rendered = [render(bootstrap, d) for d in tqdm(corpus + first, desc="render", leave=False)]
     if state is not None:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(last)
         model = AutoModelForCausalLM.from_pretrained(
@@ -385,10 +397,15 @@ def train(
     elif init:
         model, tokenizer = load_ftw(init, max_position_embeddings=2048)
     else:
-        tokenizer = train_tokenizer([t for t, _ in rendered[:20_000]], vocab_size)
+        tokenizer = train_tokenizer([t for t, _ in rendered[: min(20_000, len(corpus))]], vocab_size)
     encoded = [split_system_block(ids, labels) for ids, labels in encode_all(tokenizer, rendered)]
+    encoded, first_encoded = encoded[: len(corpus)], encoded[len(corpus) :]
     kept = [i for i, e in enumerate(encoded) if len(e[0]) + len(e[1]) <= MAX_TOKENS]
     examples = [encoded[i] for i in kept]
+    first_kept = [i for i, e in enumerate(first_encoded) if len(e[0]) + len(e[1]) <= MAX_TOKENS]
+    first_examples = [first_encoded[i] for i in first_kept]
+    if copy_first and not first_examples:
+        raise ValueError("copy_first: the copy-first corpus has no dialogue short enough to train on")
     teacher_model, distilled = None, set()
     if teacher is not None:
         teacher_model, teacher_tokenizer = load_ftw(teacher, max_position_embeddings=2048)
@@ -396,6 +413,7 @@ def train(
             raise ValueError(f"{teacher}: the teacher's tokenizer is not the one of the model trained")
         teacher_model.to(device).eval().requires_grad_(False)
         distilled = distilled_blocks(examples, [corpus[i].kind for i in kept])
+        distilled |= distilled_blocks(first_examples, [first[i].kind for i in first_kept])
     logger.info(
         "corpus: %d dialogues, %d conversation tokens, %d distinct system blocks",
         len(examples),
@@ -433,11 +451,15 @@ def train(
         step, epoch, skip = state["step"], state["epoch"], state["in_epoch"]
         logger.info("resumed %s at step %d (epoch %d)", last, step, epoch)
     bar = tqdm(total=steps, initial=step, desc="train")
-    while step < steps:
-        order = batches(examples, tokens_per_batch, pad_id, random.Random(seed + epoch))
-        for in_epoch, micro in enumerate(steps_of(order, tokens_per_batch), start=1):
-            if in_epoch <= skip:  # done before the run was resumed
-                continue
+    # The copy-first steps, then the main corpus: each phase counts its own epochs, and a resumed
+    # run takes up the phase its step falls in.
+    phases = [(first_examples, seed + _COPY_FIRST_SEED, min(copy_first, steps)), (examples, seed, steps)]
+    for phase_examples, phase_seed, phase_end in phases:
+        if step >= phase_end:
+            continue
+        for phase_epoch, in_epoch, micro in _phase_steps(
+            phase_examples, tokens_per_batch, pad_id, phase_seed, epoch, skip
+        ):
             labelled = sum(int((y != -100).sum()) for _, _, y, _ in micro)
             loss = torch.zeros((), device=device)
             for batch in micro:
@@ -462,11 +484,11 @@ def train(
             if step % 100 == 0:
                 logger.info("step %d loss %.4f (%.0f s)", step, loss.item(), time.perf_counter() - t0)
             if save_every and step % save_every == 0 and step < steps:  # to resume or evaluate a run
-                progress = {"step": step, "epoch": epoch, "in_epoch": in_epoch}
+                progress = {"step": step, "epoch": phase_epoch, "in_epoch": in_epoch}
                 _save_progress(last, model, tokenizer, opt, sched, progress)
-            if step >= steps:
+            if step >= phase_end:
                 break
-        epoch, skip = epoch + 1, 0
+        epoch, skip = 0, 0  # the next phase starts at its beginning
     bar.close()
     model.eval().to("cpu")
     hf = out / "hf"
@@ -478,6 +500,22 @@ def train(
     convert_checkpoint(hf, ftw, quant=quant, progress=False, extra_metadata=trained)
     logger.info("trained %d steps in %.0f s -> %s", steps, time.perf_counter() - t0, ftw)
     return ftw
+
+
+_COPY_FIRST_SEED = 1_000_003  # offsets the copy-first corpus's and batch order's seeds from the run's
+
+
+def _phase_steps(
+    examples: list[Example], tokens_per_batch: int, pad_id: int, seed: int, epoch: int, skip: int
+):
+    """Endless optimizer steps over `examples`: (epoch, step in the epoch, micro-batches), epoch e in
+    the batch order of `seed + e`, from `epoch`'s step `skip` + 1 on (where a resumed run was)."""
+    while True:
+        order = batches(examples, tokens_per_batch, pad_id, random.Random(seed + epoch))
+        for in_epoch, micro in enumerate(steps_of(order, tokens_per_batch), start=1):
+            if in_epoch > skip:  # the ones before were done before the run was resumed
+                yield epoch, in_epoch, micro
+        epoch, skip = epoch + 1, 0
 
 
 def _save_progress(last: Path, model: Any, tokenizer: Any, opt: Any, sched: Any, progress: dict) -> None:
@@ -557,6 +595,13 @@ def main(argv: list[str] | None = None) -> None:
         help="an FTW file the coding and world dialogues are distilled from",
     )
     p.add_argument("--distill", type=float, default=1.0, help="weight of the teacher's KL in the loss")
+    p.add_argument(
+        "--copy-first",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="a curriculum: the first STEPS steps on generic requests carrying only intent and values",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (bf16 autocast on CUDA)")
     p.add_argument("--code-share", type=float, default=0.3, help="share of coding dialogues")
     p.add_argument("--world-share", type=float, default=0.15, help="share of the four world tools' dialogues")
@@ -567,6 +612,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--no-call-share must be between 0 and 1, got {args.no_call_share}")
     if args.teacher is not None:
         _check_teacher(p, args.teacher, args.init, args.resume)
+    if not 0 <= args.copy_first <= args.steps:
+        p.error(f"--copy-first must be between 0 and --steps ({args.steps}), got {args.copy_first}")
     if args.distill < 0:
         p.error(f"--distill must be >= 0, got {args.distill}")
     try:
@@ -592,6 +639,7 @@ def main(argv: list[str] | None = None) -> None:
         resume=args.resume,
         teacher=args.teacher,
         distill=args.distill,
+        copy_first=args.copy_first,
     )
 
 
