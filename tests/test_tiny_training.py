@@ -214,7 +214,7 @@ def test_training_smoke_run_writes_an_ftw_the_engine_runs(tmp_path):
     assert "<|im_end|>" in engine.tokenizer.convert_ids_to_tokens(engine.default_stop_token_ids())
 
 
-@pytest.mark.parametrize("copy_first", [0, 3])
+@pytest.mark.parametrize("copy_first", [0, 2, 3])  # 2: stopped at the curriculum's last step
 def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, copy_first):
     """A long CPU run is stopped and resumed from `out/last`: the optimizer, the schedule and the
     place in the batch order come back, so the final weights are the same bit for bit (with a

@@ -484,7 +484,9 @@ def train(
             if step % 100 == 0:
                 logger.info("step %d loss %.4f (%.0f s)", step, loss.item(), time.perf_counter() - t0)
             if save_every and step % save_every == 0 and step < steps:  # to resume or evaluate a run
-                progress = {"step": step, "epoch": phase_epoch, "in_epoch": in_epoch}
+                # At a phase's last step the place to resume is the next phase's beginning.
+                place = (0, 0) if step >= phase_end else (phase_epoch, in_epoch)
+                progress = {"step": step, "epoch": place[0], "in_epoch": place[1]}
                 _save_progress(last, model, tokenizer, opt, sched, progress)
             if step >= phase_end:
                 break
