@@ -34,6 +34,12 @@ shares (coding first tries had fallen to 66%); about 50 min of training on 2 cor
     $T --out build/g34e --init build/g34d/model.ftw --steps 250 --dialogues 8000 --lr 3e-4 \
         --code-share 0.7 --world-share 0.15 --no-call-share 0.4 --threads 2   # the shipped model
 
+A curriculum (copying values first, measured and not shipped: see the README) is the same chain
+with the first generic phase's first 140 steps on plain, always-calling requests:
+
+    $T --out build/cB --init build/vowels.ftw --steps 420 --dialogues 16000 --lr 1.5e-3 \
+        --threads 1 --copy-first 140        # then the four commands above from build/cB/model.ftw
+
 The FTW file names the four tools it was trained to call (metadata "trained_tools"): relevant calls
 (`freetoken_agents/relevance.py`) leave the decision on them to the model.
 
