@@ -213,7 +213,7 @@ def _call_notation(tool: GenericTool, args: dict[str, Any]) -> str | None:
 
 def make_request(rng: random.Random, tool: GenericTool, split: Split, plain: bool = False) -> Request:
     """A request for `tool`. `plain`: no greeting, tail or closing words around it (the copy-first
-    curriculum's requests, where the only capitalised words and codes are the values)."""
+    curriculum's requests: the frame, the intent and the values)."""
     args = {
         p.name: _value(p, rng, split) for p in tool.params if p.name in tool.required or rng.random() < 0.5
     }
