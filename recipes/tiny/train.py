@@ -406,9 +406,8 @@ def train(
         tokenizer = train_tokenizer([t for t, _ in rendered[: min(20_000, len(corpus))]], vocab_size)
     encoded = [split_system_block(ids, labels) for ids, labels in encode_all(tokenizer, rendered)]
     encoded, first_encoded = encoded[: len(corpus)], encoded[len(corpus) :]
-    kept = [i for i, e in enumerate(encoded) if len(e[0]) + len(e[1]) <= MAX_TOKENS]
+    kept, first_kept = _short_enough(encoded), _short_enough(first_encoded)
     examples = [encoded[i] for i in kept]
-    first_kept = [i for i, e in enumerate(first_encoded) if len(e[0]) + len(e[1]) <= MAX_TOKENS]
     first_examples = [first_encoded[i] for i in first_kept]
     if copy_first and not first_examples:
         raise ValueError("copy_first: the copy-first corpus has no dialogue short enough to train on")
@@ -508,6 +507,11 @@ def train(
     convert_checkpoint(hf, ftw, quant=quant, progress=False, extra_metadata=trained)
     logger.info("trained %d steps in %.0f s -> %s", steps, time.perf_counter() - t0, ftw)
     return ftw
+
+
+def _short_enough(encoded: list[Example]) -> list[int]:
+    """The indices of the encoded dialogues within `MAX_TOKENS` (system block and conversation)."""
+    return [i for i, (block, ids, _) in enumerate(encoded) if len(block) + len(ids) <= MAX_TOKENS]
 
 
 _COPY_FIRST_SEED = 1_000_003  # offsets the copy-first corpus's and batch order's seeds from the run's
