@@ -177,6 +177,30 @@ def test_simulate_reports_every_policy_and_a_bound_above_them() -> None:
     assert report.result("layer-lru").cpu_experts_per_token == 0
 
 
+def test_belady_and_the_bounds_start_with_tier_1_filled_as_every_policy_does() -> None:
+    """q* and the static split start with tier 1 filled at load, untimed. Belady streaming and both
+    bounds started it empty and paid a copy for every expert it then held: with room for every
+    expert they still missed each once (on the Qwen3-30B-A3B / RTX 4090 / 50% replay, 300
+    tokens, ~10 copies a token: Belady ran at 137 tok/s where 158 is its speed filled)."""
+    shape = shape_for("mixtral-8x7b")
+    records = preset_trace(MIXTRAL_8X7B, tokens=6, seed=0)
+    report = simulate(
+        records,
+        shape,
+        load_profile("rtx4090-pcie4"),
+        fast_bytes=shape.total_expert_bytes("mxfp4"),
+        codec="mxfp4",
+        policies=("static", "belady"),
+    )
+    belady, static = report.result("belady"), report.result("static")
+    assert belady.misses_per_token["fast"] == static.misses_per_token["fast"] == 0
+    assert belady.bytes_per_token.get("host->fast", 0) == 0
+    assert belady.tokens_per_s == pytest.approx(static.tokens_per_s)  # both every expert resident
+    for b in (report.bound, report.online_bound):
+        assert b.misses_per_token["fast"] == 0
+        assert b.tokens_per_s == pytest.approx(static.tokens_per_s)
+
+
 def test_no_policy_beats_the_bound_with_little_ram() -> None:
     """With tier 2 smaller than a layer's experts the bound read every routed expert from the
     disk (tier 2's Belady misses over every use), while the policies' disks read only what

@@ -5,8 +5,10 @@ valid, and the Mixtral preset near the published Mixtral-8x7B decode figures."""
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -14,8 +16,11 @@ import pytest
 from freetoken_agents.engine.routing_trace import RoutingRecord, RoutingTraceError
 from freetoken_agents.engine.simulate.stats import (
     belady_misses,
+    belady_missing,
+    filled_at_load,
     frequency_misses,
     lru_misses,
+    lru_missing,
     top_share,
     trace_stats,
 )
@@ -121,8 +126,8 @@ def test_the_cache_is_shared_by_all_layers_and_sequences():
     assert s.misses_per_token_belady == pytest.approx(2 / 2)
 
 
-def brute_force_optimum(steps, capacity):
-    """The fewest misses over every eviction choice (single-key steps)."""
+def brute_force_optimum(steps, capacity, start=frozenset()):
+    """The fewest misses over every eviction choice (single-key steps), from the cache `start`."""
 
     @functools.cache
     def best(i, cache):
@@ -135,7 +140,7 @@ def brute_force_optimum(steps, capacity):
             return 1 + best(i + 1, cache | {k})
         return 1 + min(best(i + 1, (cache - {v}) | {k}) for v in cache)
 
-    return best(0, frozenset())
+    return best(0, frozenset(start))
 
 
 def test_belady_is_the_optimum_and_never_worse_than_lru_or_frequency():
@@ -156,6 +161,39 @@ def test_belady_is_the_optimum_and_never_worse_than_lru_or_frequency():
             b = belady_misses(steps, capacity)
             assert b <= lru_misses(steps, capacity)
             assert b <= frequency_misses(steps, layer_of, capacity, layers, n)
+
+
+def test_filled_at_load_is_the_best_fill_for_belady_and_lrus_own():
+    """The baselines and bounds start with tier 1 filled, as every policy's does: Belady's misses
+    after `filled_at_load` are the fewest over every fill of the cache and every eviction; LRU's
+    are those of an LRU cache holding the first keys used, each fresh at its first use."""
+    rng = np.random.default_rng(11)
+    for _ in range(25):
+        keys = [int(k) for k in rng.integers(0, 5, size=12)]
+        steps = [[k] for k in keys]
+        filled = sum(map(len, filled_at_load(belady_missing(steps, 2), 2)))
+        fills = itertools.combinations(range(5), 2)
+        assert filled == min(brute_force_optimum(tuple(keys), 2, f) for f in fills)
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        steps = [[int(e) for e in rng.choice(12, size=3, replace=False)] for _ in range(40)]
+        for capacity in (3, 5, 8):
+            first = list(dict.fromkeys(k for keys in steps for k in keys))[:capacity]
+            cache, used, direct = OrderedDict.fromkeys(first), set(), []
+            for keys in steps:
+                missing = [k for k in keys if k not in cache]
+                for k in keys:  # hits, then first uses and misses: the order an empty cache loads
+                    if k in used and k in cache:
+                        cache.move_to_end(k)
+                for k in keys:
+                    if k in cache and k not in used:
+                        cache.move_to_end(k)
+                for _ in range(len(cache) + len(missing) - capacity):
+                    cache.popitem(last=False)
+                cache.update(dict.fromkeys(missing))
+                used.update(keys)
+                direct.append(missing)
+            assert filled_at_load(lru_missing(steps, capacity), capacity) == direct
 
 
 def test_bad_traces_are_refused():

@@ -8,7 +8,9 @@
 - `stream`: no cache. Every routed expert is copied into tier 1 for its use (tier 2 an LRU of its
   budget, tier 3 read on a miss), no CPU compute.
 - `belady`: tier 1 as one cache of every layer's experts run by the offline optimum (evict the
-  expert whose next use is farthest), every miss streamed, no CPU compute.
+  expert whose next use is farthest), every miss streamed, no CPU compute. Tier 1 starts filled,
+  untimed, as q*'s and the static split's do, with the experts the trace uses first (the
+  optimum's own fill: `stats.filled_at_load`).
 The streaming baselines get a perfect one-layer-ahead prefetch: a layer's copies may start when
 the layer before it starts. (The per-layer LRU of mixtral-offloading, "layer-lru", runs through the
 engine's own tiers: `replay.TieredReplay(placement="layer-lru")`.)
@@ -23,7 +25,7 @@ from ..memory.tiers import HostTier
 from ..routing_trace import Step
 from .machine import ExpertCosts, Timeline
 from .replay import Tally, warm
-from .stats import belady_missing
+from .stats import belady_missing, filled_at_load
 
 PROFILE_FRACTION = 0.25
 """The static split's profiling pass: the first quarter of the decode tokens."""
@@ -78,7 +80,7 @@ def replay_streaming(
     warm(streamer.host, ((layer, e) for layer in layers for e in range(num_experts)), costs.stored_bytes)
     capacity = fast_bytes // costs.fast_bytes
     keyed = layer_steps(steps, layers)
-    missing = belady_missing(keyed, capacity) if cached else keyed
+    missing = filled_at_load(belady_missing(keyed, capacity), capacity) if cached else keyed
     tally, now, prev_start, i = Tally(), 0.0, 0.0, 0
     for step in steps:
         start_step, host_misses, moved = now, streamer.host_misses, Counter(streamer.bytes)

@@ -288,5 +288,25 @@ def belady_missing(steps: Sequence[Sequence[int]], capacity: int) -> list[list[i
     return out
 
 
+def filled_at_load(missing: Sequence[Sequence[int]], capacity: int) -> list[list[int]]:
+    """`missing` (a cache's misses per step, the cache starting empty) for the same cache filled
+    before the first step, untimed, as the engine fills tier 1 at load: with the first `capacity`
+    distinct keys the steps use, whose first misses go. Belady's and LRU's caches evict nothing
+    until they are full and then hold exactly those keys, so the rest of their misses is theirs
+    filled so (LRU: each of those keys as fresh as its first use made it). For Belady it is the
+    best fill too: the keys needed soonest."""
+    seen: set[int] = set()
+    out: list[list[int]] = []
+    for keys in missing:
+        kept = []
+        for k in keys:
+            if len(seen) < capacity and k not in seen:
+                seen.add(k)
+            else:
+                kept.append(k)
+        out.append(kept)
+    return out
+
+
 def _share(part: float, whole: float) -> float:
     return part / whole if whole else math.nan
