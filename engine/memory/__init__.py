@@ -3,6 +3,7 @@ bandwidth oracles, the q* policy, prefetch and `TieredExpertProvider` (the Exper
 them together; `provider.stats()`)."""
 
 from .budget import MemoryBudget
+from .fast_tier import FastTier, LayerLRUTier
 from .oracle import BandwidthOracle, ManualClock, ThrottledLink
 from .policy import AlwaysStreamPolicy, ComputeCostModel, ExpertCase, Placement, QStarPolicy
 from .prefetch import PrefetchCounters, Prefetcher
@@ -10,7 +11,7 @@ from .provider import TieredExpertProvider
 from .routing import ROUTING_DECAY
 from .stats import PhaseTimer
 from .storage import BlockReader, new_block_buffer
-from .tiers import FastTier, HostTier, LayerLRUTier, LRUTier, TierCounters
+from .tiers import HostTier, LRUTier, TierCounters
 
 __all__ = [
     "AlwaysStreamPolicy",

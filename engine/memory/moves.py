@@ -34,12 +34,13 @@ from ..experts import ExpertKey, ExpertWeights
 from ..ftw import FTWFile
 from ..grouped_experts import StackCodec
 from ..int8 import ExpertQuant
+from .fast_tier import FastTier, LayerLRUTier
 from .oracle import BandwidthOracle
 from .prefetch import SKIPPED
 from .slot_pool import TierSlots
 from .stats import PhaseTimer
 from .storage import BlockReader
-from .tiers import FastTier, HostTier, LayerLRUTier
+from .tiers import HostTier
 from .weights import codec_name, decode_block, decode_raw, pinned_raw, pinned_storage, rebase
 
 
@@ -109,6 +110,7 @@ class TierMover:
             if exclusive and fast_bytes[k] <= self.raw_bytes[k] and not self._kept_compact(k)
         }
         self.bytes_moved = {"storage->host": 0, "host->fast": 0, "fast->host": 0}
+        self.last_put_s = 0.0  # CUDA: seconds the last promotion's tier-1 put and slot copy took
         self.copies: Any = None
         if cuda:
             from .cuda_path import CopyEngine
@@ -318,8 +320,9 @@ class TierMover:
             self.bytes_moved["fast->host"] += self.fast_bytes[key]
             self.host.put(key, rebase(w, pinned), self.fast_bytes[key])
 
-    def promote(self, key: ExpertKey, staged: Any) -> ExpertWeights:
-        """Bring `key` into tier 1 from a finished prefetch (`staged`), tier 2 or tier 3."""
+    def promote(self, key: ExpertKey, staged: Any, *, recent: bool = False) -> ExpertWeights:
+        """Bring `key` into tier 1 from a finished prefetch (`staged`), tier 2 or tier 3; `recent`
+        (CUDA, a staged copy of a block that does not move up): into tier 1's recent segment."""
         if self.cuda:
             moves_up = key in self.moves_up
             if staged is not None:
@@ -331,8 +334,13 @@ class TierMover:
                 self.bytes_moved["host->fast"] = self.copies.bytes_copied
                 if moves_up:  # it moved up (the pinned buffer is reused once the copy ends)
                     self.host.pop(key)
-                self.fast.put(key, w, self.fast_bytes[key])  # evictions: `spill`
+                t0 = time.perf_counter()
+                if recent:
+                    self.fast.put_recent(key, w, self.fast_bytes[key])  # evictions: `spill`
+                else:
+                    self.fast.put(key, w, self.fast_bytes[key])  # evictions: `spill`
                 w = self._into_slot(key, w) or w
+                self.last_put_s = time.perf_counter() - t0  # what keeping a staged copy costs
             return w
         stored = staged if staged is not None else self.host_value(key, keep=not self.exclusive)
         n = self.stored_bytes[key]

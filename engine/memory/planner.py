@@ -33,10 +33,12 @@ from typing import Any
 
 from ..experts import ExpertKey
 from ..routing_trace import RoutingTraceError, Step
+from .fast_tier import FastTier
 from .oracle import Clock
 from .policy import DOWN_SHARE, ExpertCase, Placement, QStarPolicy
+from .recent import RecentCopies
 from .routing import RoutingFrequency
-from .tiers import FastTier, HostTier
+from .tiers import HostTier
 
 
 class ExpertPlanner:
@@ -88,6 +90,7 @@ class ExpertPlanner:
         self.arrives: dict[ExpertKey, float] = {}  # CUDA: when a staged copy lands
         self.splits: dict[ExpertKey, float] = {}  # CUDA: a SPLIT's device share, until it runs
         self.room: int | None = None  # CUDA: staged copies that may wait at once (None: no cap)
+        self.recent: RecentCopies | None = None  # CUDA: keeps staged copies a while (`keeps_staged`)
         self._biggest = max(fast_bytes, key=fast_bytes.__getitem__, default=None)  # a staging slot's size
         self.layer_s = 0.0  # CUDA: EMA of the time from one MoE layer's start to the next one's
         self.host_per_layer = 0.0  # CUDA: EMA of the host computations q* decides per layer
@@ -111,6 +114,9 @@ class ExpertPlanner:
             self.steps += 1
             if self.steps % self.hot_every == 0:
                 self.refresh_hot()
+            if self.recent is not None:
+                with self.lock:
+                    self.recent.step()
 
     def refresh_hot(self) -> None:
         """Pin tier 1's hottest experts (`FastTier.set_hot`)."""
@@ -214,6 +220,16 @@ class ExpertPlanner:
             with self.lock:
                 self._book(key, place, staged, tokens, self.clock(), share)
         return place
+
+    def keeps_staged(self, key: ExpertKey) -> bool:
+        """STAGED: whether tier 1 keeps the staged copy of `key` just used in its recent segment
+        (the caller puts it there: `FastTier.put_recent`) instead of letting it go (CUDA, once
+        `recent` is set; never one whose bytes move up whole: kept, it would leave tier 2, and
+        let go later it would cross the link again)."""
+        if self.recent is None or key in self.moves_up:
+            return False
+        with self.lock:
+            return self.recent.keep(key)
 
     def take_split(self, key: ExpertKey) -> float:
         """SPLIT: the share of `key`'s down projection rows the device computes (decided last)."""

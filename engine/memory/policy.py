@@ -15,7 +15,8 @@ The waits (CUDA only, where the link and the CPU work in parallel with the devic
 the link and the CPU are still busy with the copies and host computations already decided or
 staged (`ExpertPlanner` keeps them): a layer's misses are spread over both instead of queueing on
 the one that is cheaper for a single expert. A STAGED expert is computed from the prefetch's copy
-in the staging buffer and not kept, so it evicts nothing; a STREAM of it keeps it (loss - gain).
+in the staging buffer and not kept in the LRU, so it evicts nothing there (tier 1's recent segment
+may hold the copy a while: `recent.RecentCopies`); a STREAM of it keeps it (loss - gain).
 SPLIT spreads one miss over both: the CPU computes it but for the last share `s` of its down
 projection's rows (d = `DOWN_SHARE` of its weights), which the link copies meanwhile (in the form
 the CPU computes them in: tier 1's) and the device computes (`routed.expert_forward_split`); `s`
@@ -62,7 +63,7 @@ class Placement(str, Enum):
 
     RESIDENT = "resident"  # weights in tier 1: compute there
     STREAM = "stream"  # copy tier 2/3 -> tier 1 (cached there), compute there
-    STAGED = "staged"  # compute from a prefetch's staged copy on the device, not kept in tier 1
+    STAGED = "staged"  # compute from a prefetch's staged copy on the device, not kept in the LRU
     HOST = "host"  # compute where the weights are (host), move only activations
     SPLIT = "split"  # CUDA: HOST, but the down projection's last rows copied to and run on the device
 

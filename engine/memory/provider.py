@@ -33,7 +33,8 @@ Prefetch (`Prefetcher`): pre-gating predicts the next `prefetch_depth` layers' e
 layer computes; loader threads read them into tier 2 (CPU) or, on CUDA, also copy them into staging
 room on the device when the link can land them in time (`ExpertPlanner.should_stage`), so disk
 reads and copies overlap compute; q* then keeps a staged expert (STREAM) or computes it once from
-its staged copy (STAGED, evicting nothing). The experts predicted for the
+its staged copy (STAGED, evicting nothing from the LRU; the copy may stay a token or two in tier
+1's recent segment, sized by `RecentCopies`). The experts predicted for the
 coming layers are "needed soon": the tiers evict them last, so a prefetch never pushes out what
 the next layers are about to use.
 
@@ -79,6 +80,7 @@ from .planner import ExpertPlanner
 from .policy import DOWN_SHARE, AlwaysStreamPolicy, ComputeCostModel, Placement, QStarPolicy
 from .prefetch import Prefetcher
 from .pregate import AheadRouters
+from .recent import RecentCopies
 from .routing import ROUTING_DECAY, RoutingFrequency
 from .stats import PhaseTimer
 from .storage import BlockReader
@@ -249,6 +251,18 @@ class TieredExpertProvider(ExpertStore):
             hot_every=hot_every,
             clock=clock,
         )
+        if self._adaptive_staging:  # staged copies kept in tier 1 a while (`RecentCopies`)
+            biggest = max(self.fast_bytes, key=self.fast_bytes.__getitem__)
+            estimate, host = self.policy.compute.estimate, self.policy.host_device
+            self.planner.recent = RecentCopies(
+                self.fast,
+                self.routing,
+                slot_bytes=self._staging_slot,
+                top_k=max(self.top_k.values(), default=1),
+                floor_bytes=self.min_working_set,
+                window=hot_every,
+                miss_s=lambda: estimate(host, self.codec[biggest], 1),
+            )
         # CUDA: the staging buffer holds copies for the next `prefetch_depth` layers.
         self.prefetch_depth = max(1, prefetch_depth)
         # Each MoE layer's next `prefetch_depth` MoE layers (a lookup per layer, not a search).
@@ -294,6 +308,8 @@ class TieredExpertProvider(ExpertStore):
         # stored bytes, so decoded staging copies would only take room from tier 1.
         self._set_spare(self._target_spare())
         evicted = self.fast.resize(avail - self.spare_bytes)  # `moves` demotes or spills them
+        if self.planner.recent is not None:
+            evicted += self.planner.recent.fit()
         self.moves.fit_slots()
         if evicted:
             logger.debug("fast tier shrank to %d bytes: evicted %s", avail - self.spare_bytes, evicted)
@@ -441,7 +457,11 @@ class TieredExpertProvider(ExpertStore):
         )
         if place is Placement.HOST:
             return self._host_compute(key, x, spec, staged)
-        if place is Placement.STAGED:  # computed from the prefetch's copy, not kept in tier 1
+        if place is Placement.STAGED:  # computed from the prefetch's copy: let go or kept a while
+            if self.planner.keeps_staged(key):
+                w = self.moves.promote(key, staged, recent=True)
+                self.planner.recent.observe_keep(self.moves.last_put_s)  # type: ignore[union-attr]
+                return self._fast_compute(w, x, spec)
             return self._fast_compute(self.moves.use_staged(key, staged), x, spec)
         if place is Placement.SPLIT:
             return self._split_compute(key, x, spec, self.planner.take_split(key))

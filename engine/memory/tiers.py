@@ -1,5 +1,5 @@
-"""Byte-budgeted expert tiers: an LRU with counters, the fast tier (pinned hot set + LRU) and the
-host tier (one LRU shared by every layer).
+"""Byte-budgeted expert tiers: an LRU with counters and the host tier (one LRU shared by every
+layer); tier 1's classes, on this LRU, are in `fast_tier`.
 
 What a tier holds depends on the machine (see `provider.py`): on CUDA tier 1 holds device tensors
 and tier 2 pinned host tensors; on a CPU-only machine tier 1 holds decoded `ExpertWeights` ready
@@ -175,7 +175,7 @@ class LRUTier(Generic[K, V]):
         keys `protected` says are needed soon only when the others do not free enough."""
         if self.capacity_bytes is None:
             return []
-        need = self.used_bytes + nbytes - self.capacity_bytes
+        need = self._over(nbytes)
         if need <= 0:  # before the order: a ranked order sorts every key, and filling a tier
             return []  # sorted it on each put (3,000 puts: 4.5 M rank calls, 0.5 s)
         out: list[K] = []
@@ -186,7 +186,9 @@ class LRUTier(Generic[K, V]):
                 for k in order:
                     if need <= 0:
                         return out
-                    if k in self.pinned or k in out or (not second_pass and protected and protected(k)):
+                    if k in self.pinned or k in out or self._kept_apart(k):
+                        continue
+                    if not second_pass and protected and protected(k):
                         continue
                     out.append(k)
                     need -= self._items[k][1]
@@ -246,6 +248,8 @@ class LRUTier(Generic[K, V]):
         order = self.eviction_order()  # closed before the drop: the tier must not change under it
         try:
             for key in order:
+                if self._kept_apart(key):
+                    continue
                 if key not in self.pinned:
                     victim = key
                     break
@@ -280,6 +284,15 @@ class LRUTier(Generic[K, V]):
     def pinned_bytes(self) -> int:
         return self._pinned_bytes
 
+    def _over(self, nbytes: int) -> int:
+        """Bytes a `put` of `nbytes` must evict (<= 0: none)."""
+        assert self.capacity_bytes is not None
+        return self.used_bytes + nbytes - self.capacity_bytes
+
+    def _kept_apart(self, key: K) -> bool:
+        """Whether `key` is outside what `put` and `resize` evict (tier 1's recent copies)."""
+        return False
+
     def stats(self) -> dict[str, int | None]:
         return {
             **self.counters.as_dict(),
@@ -290,102 +303,8 @@ class LRUTier(Generic[K, V]):
         }
 
 
-class FastTier(LRUTier[ExpertKey, V]):
-    """Tier 1: a pinned hot set that `put` never evicts, plus an LRU for the rest.
-
-    `set_hot(keys)` re-evaluates the hot set: resident keys among `keys` become pinned, at most
-    `max_pinned_fraction` of the capacity in bytes; the others are unpinned.
-    """
-
-    def __init__(self, capacity_bytes: int | None, *, max_pinned_fraction: float = 0.5, **hooks: Any) -> None:
-        super().__init__("fast", capacity_bytes, **hooks)
-        self.max_pinned_fraction = max_pinned_fraction
-
-    def pin(self, key: ExpertKey) -> bool:
-        """Pin a resident key; False if absent or it would exceed the pinned-bytes cap."""
-        if key not in self._items:
-            return False
-        if key in self.pinned:
-            return True
-        size = self._items[key][1]
-        if self.capacity_bytes is not None:
-            cap = int(self.capacity_bytes * self.max_pinned_fraction)
-            if self.pinned_bytes() + size > cap:
-                return False
-        self._pin(key)
-        return True
-
-    def unpin(self, key: ExpertKey) -> None:
-        self._unpin(key)
-
-    def set_hot(self, keys: list[ExpertKey]) -> list[ExpertKey]:
-        """Pin the resident keys of `keys` (hottest first) within the cap; returns the pinned set."""
-        self._unpin_all()
-        for key in keys:
-            self.pin(key)
-        return sorted(self.pinned)
-
-
 class HostTier(LRUTier[ExpertKey, V]):
     """Tier 2: one LRU shared by all layers (a hot layer may take the whole tier)."""
 
     def __init__(self, capacity_bytes: int | None, **hooks: Any) -> None:
         super().__init__("host", capacity_bytes, **hooks)
-
-
-class LayerLRUTier(FastTier[V]):
-    """Tier 1 as one LRU per layer, each with `capacity / n_layers` bytes and no hot set: the
-    mixtral-offloading design, kept as a baseline for benchmarks (`placement="stream"`).
-
-    `put` evicts only the same layer's coldest entries; `set_hot` pins nothing.
-    """
-
-    def __init__(self, capacity_bytes: int | None, n_layers: int, **hooks: Any) -> None:
-        super().__init__(capacity_bytes, max_pinned_fraction=0.0, **hooks)
-        self.name = "fast(per-layer LRU)"
-        self.n_layers = max(1, n_layers)
-
-    def layer_capacity(self) -> int | None:
-        """Bytes each layer's LRU may hold (None: unbounded)."""
-        return None if self.capacity_bytes is None else self.capacity_bytes // self.n_layers
-
-    def _layer_used(self, layer: int) -> int:
-        return sum(size for k, (_, size) in self._items.items() if k[0] == layer)
-
-    def fits(self, nbytes: int, key: ExpertKey | None = None) -> bool:
-        cap = self.layer_capacity()
-        return cap is None or nbytes <= cap
-
-    def has_room(self, nbytes: int, key: ExpertKey | None = None) -> bool:
-        cap = self.layer_capacity()
-        return cap is None or key is None or self._layer_used(key[0]) + nbytes <= cap
-
-    def victims_for(self, nbytes: int, key: ExpertKey | None = None) -> list[ExpertKey]:
-        cap = self.layer_capacity()
-        if cap is None or key is None:
-            return super().victims_for(nbytes, key)
-        need = self._layer_used(key[0]) + nbytes - cap
-        out: list[ExpertKey] = []
-        for k, (_, size) in self._items.items():
-            if need <= 0:
-                break
-            if k[0] == key[0]:
-                out.append(k)
-                need -= size
-        return out
-
-    def resize(self, capacity_bytes: int | None) -> list[ExpertKey]:
-        evicted = super().resize(capacity_bytes)
-        cap = self.layer_capacity()
-        if cap is not None:  # the total may hold while one layer is over its share
-            for layer in sorted({k[0] for k in self._items}):
-                while self._layer_used(layer) > cap:
-                    victim = next(k for k in self._items if k[0] == layer)
-                    self._drop(victim)
-                    evicted.append(victim)
-        return evicted
-
-    def set_hot(self, keys: list[ExpertKey]) -> list[ExpertKey]:
-        """No hot set in this design."""
-        self._unpin_all()
-        return []

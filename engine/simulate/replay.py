@@ -32,12 +32,14 @@ from typing import Any
 
 from ..errors import EngineError
 from ..experts import ExpertKey
+from ..memory.fast_tier import FastTier, LayerLRUTier
 from ..memory.oracle import BandwidthOracle, ManualClock
 from ..memory.planner import ExpertPlanner
 from ..memory.policy import DOWN_SHARE, AlwaysStreamPolicy, ComputeCostModel, Placement, QStarPolicy
 from ..memory.prefetch import Prefetcher
+from ..memory.recent import RecentCopies
 from ..memory.routing import ROUTING_DECAY, RoutingFrequency
-from ..memory.tiers import FastTier, HostTier, LayerLRUTier
+from ..memory.tiers import HostTier
 from ..routing_trace import Step
 from .machine import ExpertCosts, Timeline, moves_whole
 from .profiles import HardwareProfile
@@ -138,6 +140,12 @@ class VirtualMover:
         elif key not in self.host:  # a decoded copy: the compact bytes stay in tier 2
             self.host.put(key, True, self.costs.stored_bytes)
         self.fast.put(key, True, self.costs.fast_bytes)  # evictions: `on_fast_evict`
+
+    def keep(self, key: ExpertKey) -> None:
+        """A staged copy just used stays in tier 1's recent segment (evictions: `on_fast_evict`)."""
+        if key not in self.host:  # a decoded copy: the compact bytes stay in tier 2
+            self.host.put(key, True, self.costs.stored_bytes)
+        self.fast.put_recent(key, True, self.costs.fast_bytes)
 
     def on_fast_evict(self, key: ExpertKey, _value: Any) -> None:
         """An expert whose bytes moved up goes back to tier 2 (CUDA: copied back over the link)."""
@@ -294,6 +302,17 @@ class TieredReplay:
             for key in self.planner.load_fill():
                 self.mover.land(key)
         self.spare_wanted = exclusive and dev == "cuda" and bool(depth) and self.prefetcher is not None
+        if self.spare_wanted:  # as the live provider: staged copies kept a while (`RecentCopies`)
+            self.planner.recent = RecentCopies(
+                fast,
+                self.routing,
+                slot_bytes=c.fast_bytes,
+                top_k=self.top_k,
+                floor_bytes=min_ws,
+                window=hot_every,
+                miss_s=lambda: self.policy.compute.estimate(self.policy.host_device, c.codec, 1),
+                keep_s=c.stream_overhead_s,  # a kept copy's tier moves, priced as a STREAM's
+            )
         self.recall = recall
         self.rng = random.Random(seed)
         self.now = 0.0
@@ -419,8 +438,10 @@ class TieredReplay:
         staged = self.prefetcher.take(key) if self.prefetcher is not None else None
         act = c.activation_bytes * tokens
         place = self.planner.decide(key, tokens, staged=staged is not None, activation_bytes=act)
-        # The decision (and a STREAM's tier moves) on the thread that runs the layer.
-        overhead = c.miss_overhead_s + (c.stream_overhead_s if place is Placement.STREAM else 0.0)
+        keep = place is Placement.STAGED and self.planner.keeps_staged(key)
+        # The decision (and a STREAM's or a kept copy's tier moves) on the thread that runs the layer.
+        moved = place is Placement.STREAM or keep
+        overhead = c.miss_overhead_s + (c.stream_overhead_s if moved else 0.0)
         if overhead:
             hidden = self.timeline.run("cpu", hidden, overhead)
         if place is Placement.HOST:
@@ -432,7 +453,9 @@ class TieredReplay:
             s = c.host_compute_s(tokens)
             self.policy.compute.observe("cpu-host", c.codec, tokens, s)
             return self.timeline.run("cpu", max(ready, hidden), s), 1
-        if place is Placement.STAGED:  # the staged copy, used and let go
+        if place is Placement.STAGED:  # the staged copy, used and let go or kept a while
+            if keep:
+                self.mover.keep(key)
             return self._fast_compute(hidden, staged or 0.0, tokens), 1
         if place is Placement.SPLIT:
             return self._split(key, tokens, hidden), 1
