@@ -35,6 +35,7 @@ It runs on CUDA only, where copies are staged.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -117,7 +118,8 @@ class RecentCopies:
         fast.depth_limit = most
         now = fast.recent_capacity // slot
         colder = [self.window * self.routing.rate(k) for k in self._coldest(most - now)]
-        back = sum(colder[:group]) / len(colder[:group]) if colder else 0.0  # an expert given back
+        given = list(itertools.accumulate(colder, initial=0.0))  # given[i]: the i coldest's uses
+        back = given[min(group, len(colder))] / min(group, len(colder)) if colder else 0.0
         depths = sorted(hist)
         hits, upto = [0], 0  # hits[i]: the uses at depths under the i-th size
         sizes = sorted({now, *range(0, most + 1, group)})
@@ -130,7 +132,7 @@ class RecentCopies:
         miss, keeping = self.miss_s(), staged * self.keep_s
         best, best_value = now, -math.inf
         for x, h in zip(sizes, hits, strict=True):
-            lost = GROW_MARGIN * sum(colder[: x - now]) if x >= now else -(now - x) * back
+            lost = GROW_MARGIN * given[min(x - now, len(colder))] if x >= now else -(now - x) * back
             value = (h - lost) * miss - (keeping if x else 0.0)
             if value > best_value + 1e-12:
                 best, best_value = x, value
