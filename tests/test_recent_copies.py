@@ -41,6 +41,9 @@ def test_the_recent_segment_evicts_only_its_own_oldest_and_put_never_takes_it() 
     assert fast.put((0, 9), "w", 1) == [(0, 2)]  # the LRU's own coldest, never a kept copy
     assert not fast.has_room(1) and fast.fits(4) and not fast.fits(5)
     assert list(fast.recent) == [(1, 1), (1, 3)] and len(fast) == 6
+    stats = fast.stats()
+    assert (stats["recent_capacity_bytes"], stats["recent_bytes"], stats["recent"]) == (2, 2, 2)
+    assert stats["entries"] == 6 and stats["used_bytes"] == 6
     assert fast.set_recent_capacity(0) == [(1, 1), (1, 3)]
     assert fast.has_room(2)
     assert fast.put_recent((1, 4), "r", 1) is None and (1, 4) not in fast  # no room: not kept

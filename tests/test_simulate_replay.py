@@ -22,12 +22,19 @@ from freetoken_agents.engine.memory import (
     TieredExpertProvider,
 )
 from freetoken_agents.engine.routing_trace import RoutingRecord, RoutingTraceError, group_steps
+from freetoken_agents.engine.simulate.baselines import layer_steps
 from freetoken_agents.engine.simulate.machine import ExpertCosts
 from freetoken_agents.engine.simulate.profiles import load_profile
 from freetoken_agents.engine.simulate.replay import SimulationError, TieredReplay
 from freetoken_agents.engine.simulate.shapes import shape_for, shape_from_spec
-from freetoken_agents.engine.simulate.simulator import POLICIES, simulate
-from freetoken_agents.engine.simulate.synthetic import MIXTRAL_8X7B, preset_trace, synthetic_trace
+from freetoken_agents.engine.simulate.simulator import POLICIES, bound, simulate
+from freetoken_agents.engine.simulate.stats import belady_missing, filled_at_load
+from freetoken_agents.engine.simulate.synthetic import (
+    MIXTRAL_8X7B,
+    QWEN3_30B_A3B,
+    preset_trace,
+    synthetic_trace,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -175,6 +182,36 @@ def test_simulate_reports_every_policy_and_a_bound_above_them() -> None:
     assert 0 < online.tokens_per_s < report.bound.tokens_per_s
     assert report.result("static").cpu_experts_per_token == report.result("static").misses_per_token["fast"]
     assert report.result("layer-lru").cpu_experts_per_token == 0
+    # The engine's policies with their own misses perfectly overlapped: no slower than they ran.
+    for r in report.results:
+        if r.policy in ("qstar", "qstar-profiled", "layer-lru"):
+            assert r.tokens_per_s <= r.overlapped_tokens_per_s * (1 + 1e-9)
+        else:
+            assert r.overlapped_tokens_per_s is None
+
+
+def test_a_policys_own_misses_are_served_as_the_bound_serves_beladys() -> None:
+    """`bound(fast_missing=...)` serves given misses as the bound serves Belady's: given Belady's
+    own, it is the bound; given a replay's, the tok/s its misses allow with perfect overlap."""
+    shape = shape_for("qwen3-30b-a3b")
+    records = preset_trace(QWEN3_30B_A3B, tokens=6, seed=0)
+    steps = group_steps(records)
+    layers = list(shape.moe_layers)
+    profile = load_profile("rtx4090-pcie4")
+    costs = ExpertCosts.of(shape, profile, "mxfp4")
+    fast_bytes = shape.total_expert_bytes("mxfp4") // 2
+    plain = bound(steps, layers, costs, fast_bytes=fast_bytes, host_bytes=None)
+    cap = fast_bytes // costs.fast_bytes
+    belady = filled_at_load(belady_missing(layer_steps(steps, layers), cap), cap)
+    given = bound(steps, layers, costs, fast_bytes=fast_bytes, host_bytes=None, fast_missing=belady)
+    assert given == plain
+    replay = TieredReplay(shape, profile, codec="mxfp4", fast_bytes=fast_bytes, host_bytes=None)
+    tally = replay.run(steps)
+    assert len(replay.missed) == len(steps) * len(layers)
+    assert sum(map(len, replay.missed)) == tally.fast_misses  # decode steps only in this trace
+    own = bound(steps, layers, costs, fast_bytes=fast_bytes, host_bytes=None, fast_missing=replay.missed)
+    assert own.misses_per_token["fast"] * tally.tokens == pytest.approx(tally.fast_misses)
+    assert tally.tokens / tally.seconds <= own.tokens_per_s <= plain.tokens_per_s
 
 
 def test_belady_and_the_bounds_start_with_tier_1_filled_as_every_policy_does() -> None:

@@ -120,6 +120,15 @@ class FastTier(LRUTier[ExpertKey, V]):
             self.recent.move_to_end(key)
             self._note_copy(key)
 
+    def stats(self) -> dict[str, int | None]:
+        """`LRUTier.stats`, with the recent segment's room, bytes held and copies."""
+        return {
+            **super().stats(),
+            "recent_capacity_bytes": self.recent_capacity,
+            "recent_bytes": self.recent_used,
+            "recent": len(self.recent),
+        }
+
     # ---- LRUTier, with the segment ----------------------------------------------------------
     def get(self, key: ExpertKey, *, count: bool = True) -> V | None:
         value = super().get(key, count=count)

@@ -317,6 +317,9 @@ class TieredReplay:
         self.rng = random.Random(seed)
         self.now = 0.0
         self._draws: dict[ExpertKey, float] = {}  # the predictor's draw per routed expert, this step
+        # Per (step, MoE layer) in replay order, the routed experts that missed tier 1, keyed as
+        # `baselines.layer_steps` keys them (layer position x 2**20 + expert): `simulator.bound`.
+        self.missed: list[list[int]] = []
 
     def _spare_for(self, wanted: int) -> int:
         """A staging room of `wanted` bytes, or none if tier 1 would be left less than the minimum
@@ -410,6 +413,7 @@ class TieredReplay:
                     self.prefetcher.issue(nxt, pred, skip=self._in_ram)
             ends = [hidden]
             resident = self.fast.get_all([(layer, e) for e in used]) if t == 1 else None
+            missed_here: list[int] = []
             if resident is not None:
                 self.policy.count_resident(len(used), 1)
                 for e in used:
@@ -419,6 +423,9 @@ class TieredReplay:
                     end, missed = self._expert(layer, e, routed[e], hidden)
                     ends.append(end)
                     misses += missed
+                    if missed:
+                        missed_here.append(pos << 20 | e)
+            self.missed.append(missed_here)
             self.now = max(ends)
         return misses
 

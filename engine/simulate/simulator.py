@@ -53,7 +53,10 @@ POLICIES = ("qstar", "qstar-profiled", "layer-lru", "static", "stream", "belady"
 class PolicyResult:
     """One policy's predicted figures over the decode steps (per token). A policy that cannot run
     at this budget (layer-lru needs every layer's top-k in tier 1) has `infeasible`, the reason,
-    and no figures (`tokens_per_s` None)."""
+    and no figures (`tokens_per_s` None). `overlapped_tokens_per_s` (the policies run through the
+    engine's tiers): its own tier-1 misses served as the bound serves Belady's, every link and both
+    processors perfectly overlapped: what better scheduling alone could reach, short of missing
+    less."""
 
     policy: str
     tokens_per_s: float | None
@@ -62,9 +65,10 @@ class PolicyResult:
     cpu_experts_per_token: float
     decisions: dict[str, int]
     infeasible: str | None = None
+    overlapped_tokens_per_s: float | None = None
 
     @classmethod
-    def of(cls, policy: str, tally: Tally) -> PolicyResult:
+    def of(cls, policy: str, tally: Tally, overlapped: float | None = None) -> PolicyResult:
         n = max(1, tally.tokens)
         return cls(
             policy=policy,
@@ -73,6 +77,7 @@ class PolicyResult:
             bytes_per_token={link: b / n for link, b in sorted(tally.bytes.items())},
             cpu_experts_per_token=tally.cpu_experts / n,
             decisions=dict(tally.decisions),
+            overlapped_tokens_per_s=overlapped,
         )
 
 
@@ -123,12 +128,15 @@ def bound(
     fast_bytes: int,
     host_bytes: int | None,
     cache: Callable[[Sequence[Sequence[int]], int], list[list[int]]] = belady_missing,
+    fast_missing: Sequence[Sequence[int]] | None = None,
 ) -> Bound:
     """`Bound` over the decode steps of `steps` (module docstring), both tiers run by `cache`
-    (`stats.belady_missing`; `stats.lru_missing` for the online bound)."""
+    (`stats.belady_missing`; `stats.lru_missing` for the online bound), or tier 1's misses given
+    (`fast_missing`, a replay's own: `TieredReplay.missed`, in `layer_steps`' keys)."""
     keyed = layer_steps(steps, layers)
     fast_cap = fast_bytes // costs.fast_bytes
-    fast_missing = filled_at_load(cache(keyed, fast_cap), fast_cap)  # filled at load, as q*'s
+    if fast_missing is None:
+        fast_missing = filled_at_load(cache(keyed, fast_cap), fast_cap)  # filled at load, as q*'s
     n_keys = len({k for keys in keyed for k in keys})
     # The disk reads what neither tier holds: RAM and fast memory together hold up to both
     # budgets' distinct experts (exclusive tiers, as q*'s and the static split's), not tier 2's
@@ -262,6 +270,11 @@ def simulate(
                 results.append(PolicyResult(policy, None, {}, {}, 0.0, {}, infeasible=str(e)))
                 continue
             tally = replay.run(steps)
+            own = bound(
+                steps, layers, costs, fast_bytes=fast_bytes, host_bytes=host_bytes, fast_missing=replay.missed
+            )
+            results.append(PolicyResult.of(policy, tally, own.tokens_per_s))
+            continue
         elif policy == "static":
             tally = replay_static(
                 steps,
