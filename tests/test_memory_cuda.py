@@ -270,9 +270,11 @@ def test_corrupted_block_in_tier_2_or_on_disk_is_caught_before_use_on_cuda(compa
     eng.experts.close()
 
 
-def test_cuda_staged_copies_are_computed_once_without_entering_tier_1(mixtral_ftw):
-    """q*'s STAGED placement: a prefetch's staged copy is computed from and let go. Tokens equal
-    the resident engine's; tier 1 takes nothing from those computations."""
+@pytest.mark.parametrize("keep", [False, True])
+def test_cuda_staged_copies_let_go_or_kept_give_the_resident_engines_tokens(mixtral_ftw, keep):
+    """q*'s STAGED placement: a prefetch's staged copy is computed from and let go, so tier 1
+    takes nothing from it, or (`keep`) it moves into a tier-1 slot of the recent segment
+    (`RecentCopies`). Tokens equal the resident engine's either way."""
     from freetoken_agents.engine.memory import Placement, QStarPolicy
 
     class AlwaysStaged(QStarPolicy):
@@ -297,46 +299,14 @@ def test_cuda_staged_copies_are_computed_once_without_entering_tier_1(mixtral_ft
     tp = eng.experts
     tp.policy.__class__ = AlwaysStaged  # same state, the staged copies always used once
     assert tp.spare_bytes == tp.prefetch_depth * ws  # staging room: 3 layers' top-2 (of 6 x ws)
-    ids = [5, 3, 8, 1, 9, 2, 7, 4]
-    want = ref.generate(ids, max_new_tokens=12, stop_token_ids=()).token_ids
-    assert eng.generate(ids, max_new_tokens=12, stop_token_ids=()).token_ids == want
-    assert tp.policy.decisions[Placement.STAGED.value] > 0
-    tp.close()
-
-
-def test_cuda_staged_copies_kept_in_tier_1s_recent_segment_give_the_resident_engines_tokens(mixtral_ftw):
-    """A staged copy q* computes once may stay in tier 1's recent segment (`RecentCopies`): the
-    copy moves into a tier-1 slot instead of being let go. Tokens equal the resident engine's."""
-    from freetoken_agents.engine.memory import Placement, QStarPolicy
-
-    class AlwaysStaged(QStarPolicy):
-        def decide(self, key, case):
-            if case.staged:
-                self.decisions[Placement.STAGED.value] += 1
-                return Placement.STAGED
-            return super().decide(key, case)
-
-    folder, ftw = mixtral_ftw
-    ref = Engine.from_pretrained(folder, device="cuda")
-    probe = TieredExpertProvider(ftw, MemoryBudget(), top_k=2, device="cuda")
-    ws = probe.min_working_set
-    probe.close()
-    eng = Engine.from_pretrained(
-        ftw,
-        device="cuda",
-        memory=MemoryBudget(fast_bytes=6 * ws + 8 * ref.kv_pool.bytes_per_block),
-        placement="qstar",
-        tiering=TieringOptions(prefetch_thread=False),
-    )
-    tp = eng.experts
-    tp.policy.__class__ = AlwaysStaged
     assert tp.planner.recent is not None
-    tp.fast.set_recent_capacity(ws)  # two copies kept (12 tokens: no sizing window passes)
+    if keep:
+        tp.fast.set_recent_capacity(ws)  # two copies kept (12 tokens: no sizing window passes)
     ids = [5, 3, 8, 1, 9, 2, 7, 4]
     want = ref.generate(ids, max_new_tokens=12, stop_token_ids=()).token_ids
     assert eng.generate(ids, max_new_tokens=12, stop_token_ids=()).token_ids == want
     assert tp.policy.decisions[Placement.STAGED.value] > 0
-    assert tp.fast.recent and tp.fast.recent_used <= ws
+    assert bool(tp.fast.recent) == keep and tp.fast.recent_used <= ws
     tp.close()
 
 

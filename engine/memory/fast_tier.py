@@ -63,13 +63,7 @@ class FastTier(LRUTier[ExpertKey, V]):
         if nbytes > self.recent_capacity:
             return None
         evicted = self._trim_recent(self.recent_capacity - nbytes)
-        self._items[key] = (value, nbytes)
-        if self._ranked is not None:
-            self._touch(key)
-            self._ranked.add(key)  # type: ignore[arg-type]
-        self.used_bytes += nbytes
-        self.counters.inserts += 1
-        self.counters.bytes_in += nbytes
+        self._insert(key, value, nbytes)
         self.recent[key] = nbytes
         self.recent_used += nbytes
         self._note_copy(key)

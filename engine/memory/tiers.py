@@ -213,6 +213,11 @@ class LRUTier(Generic[K, V]):
         evicted = self.victims_for(nbytes, key)
         for victim in evicted:
             self._drop(victim)
+        self._insert(key, value, nbytes)
+        return evicted
+
+    def _insert(self, key: K, value: V, nbytes: int) -> None:
+        """Hold `key` as the most recently used (room already made)."""
         self._items[key] = (value, nbytes)
         if self._ranked is not None:
             self._touch(key)
@@ -220,7 +225,6 @@ class LRUTier(Generic[K, V]):
         self.used_bytes += nbytes
         self.counters.inserts += 1
         self.counters.bytes_in += nbytes
-        return evicted
 
     def pop(self, key: K) -> V | None:
         """Remove `key` (not counted as an eviction); returns its value."""
