@@ -125,6 +125,10 @@ def test_the_segment_takes_the_size_its_hits_were_worth_against_the_lru_and_its_
     assert sized({11: 100, 12: 100})[1] == 12  # as far as the LRU's floor (8 of 20), no further
     fast, _ = sized({})
     assert fast.depth_limit == 12 and not fast.depth_hits
+    unbounded: FastTier[str] = FastTier(None)
+    recent = RecentCopies(unbounded, RoutingFrequency([0]), slot_bytes=1, top_k=2, floor_bytes=8, window=1)
+    recent.step()  # a tier 1 that holds every expert has nothing to give the segment
+    assert unbounded.recent_capacity == 0
 
 
 def test_a_copy_is_kept_only_with_room_and_the_lru_keeps_its_floor() -> None:

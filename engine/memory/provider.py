@@ -251,7 +251,7 @@ class TieredExpertProvider(ExpertStore):
             hot_every=hot_every,
             clock=clock,
         )
-        if self._adaptive_staging:  # staged copies kept in tier 1 a while (`RecentCopies`)
+        if self._adaptive_staging and self._staging_slot:  # staged copies kept a while (`RecentCopies`)
             biggest = max(self.fast_bytes, key=self.fast_bytes.__getitem__)
             estimate, host = self.policy.compute.estimate, self.policy.host_device
             self.planner.recent = RecentCopies(
