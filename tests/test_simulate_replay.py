@@ -212,6 +212,9 @@ def test_a_policys_own_misses_are_served_as_the_bound_serves_beladys() -> None:
     own = bound(steps, layers, costs, fast_bytes=fast_bytes, host_bytes=None, fast_missing=replay.missed)
     assert own.misses_per_token["fast"] * tally.tokens == pytest.approx(tally.fast_misses)
     assert tally.tokens / tally.seconds <= own.tokens_per_s <= plain.tokens_per_s
+    one_short = r"^fast_missing has 287 entries; the steps have 288 \(6 steps x 48 MoE layers\)$"
+    with pytest.raises(SimulationError, match=one_short):
+        bound(steps, layers, costs, fast_bytes=fast_bytes, host_bytes=None, fast_missing=replay.missed[1:])
 
 
 def test_belady_and_the_bounds_start_with_tier_1_filled_as_every_policy_does() -> None:

@@ -76,7 +76,11 @@ class FastTier(LRUTier[ExpertKey, V]):
     def set_recent_capacity(self, nbytes: int) -> list[ExpertKey]:
         """Give the recent segment `nbytes` of the capacity (the LRU the rest); returns what left."""
         self.recent_capacity = max(0, nbytes)
-        evicted = self._trim_recent(self.recent_capacity)
+        return self._trim_recent(self.recent_capacity) + self._fit_lru()
+
+    def _fit_lru(self) -> list[ExpertKey]:
+        """Evict the LRU's coldest (pinned last) until it fits its part of the capacity."""
+        evicted = []
         while self.capacity_bytes is not None and self._over(0) > 0:
             victim = self.evict_coldest(include_pinned=True)
             if victim is None:
@@ -154,13 +158,7 @@ class FastTier(LRUTier[ExpertKey, V]):
         if capacity_bytes is not None and self.recent_capacity > capacity_bytes:
             self.recent_capacity = capacity_bytes
             evicted = self._trim_recent(capacity_bytes)
-        evicted += super().resize(capacity_bytes)
-        while capacity_bytes is not None and self._over(0) > 0:  # the LRU over its part
-            victim = self.evict_coldest(include_pinned=True)
-            if victim is None:
-                break
-            evicted.append(victim)
-        return evicted
+        return evicted + super().resize(capacity_bytes) + self._fit_lru()
 
     # ---- the hot set ------------------------------------------------------------------------
     def pin(self, key: ExpertKey) -> bool:

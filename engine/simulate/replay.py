@@ -133,19 +133,17 @@ class VirtualMover:
         self.land(key)
         return ready
 
-    def land(self, key: ExpertKey) -> None:
-        """`key` is in tier 1 (its copy done): the tiers change as the live mover changes them."""
+    def land(self, key: ExpertKey, *, recent: bool = False) -> None:
+        """`key` is in tier 1 (its copy done; `recent`: a staged copy kept in the recent segment):
+        the tiers change as the live mover changes them."""
         if key in self.moves_up:
             self.host.pop(key)
         elif key not in self.host:  # a decoded copy: the compact bytes stay in tier 2
             self.host.put(key, True, self.costs.stored_bytes)
-        self.fast.put(key, True, self.costs.fast_bytes)  # evictions: `on_fast_evict`
-
-    def keep(self, key: ExpertKey) -> None:
-        """A staged copy just used stays in tier 1's recent segment (evictions: `on_fast_evict`)."""
-        if key not in self.host:  # a decoded copy: the compact bytes stay in tier 2
-            self.host.put(key, True, self.costs.stored_bytes)
-        self.fast.put_recent(key, True, self.costs.fast_bytes)
+        if recent:
+            self.fast.put_recent(key, True, self.costs.fast_bytes)  # evictions: `on_fast_evict`
+        else:
+            self.fast.put(key, True, self.costs.fast_bytes)  # evictions: `on_fast_evict`
 
     def on_fast_evict(self, key: ExpertKey, _value: Any) -> None:
         """An expert whose bytes moved up goes back to tier 2 (CUDA: copied back over the link)."""
@@ -462,7 +460,7 @@ class TieredReplay:
             return self.timeline.run("cpu", max(ready, hidden), s), 1
         if place is Placement.STAGED:  # the staged copy, used and let go or kept a while
             if keep:
-                self.mover.keep(key)
+                self.mover.land(key, recent=True)
             return self._fast_compute(hidden, staged or 0.0, tokens), 1
         if place is Placement.SPLIT:
             return self._split(key, tokens, hidden), 1

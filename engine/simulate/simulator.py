@@ -132,8 +132,14 @@ def bound(
 ) -> Bound:
     """`Bound` over the decode steps of `steps` (module docstring), both tiers run by `cache`
     (`stats.belady_missing`; `stats.lru_missing` for the online bound), or tier 1's misses given
-    (`fast_missing`, a replay's own: `TieredReplay.missed`, in `layer_steps`' keys)."""
+    (`fast_missing`, a replay's own: `TieredReplay.missed`, in `layer_steps`' keys; SimulationError
+    unless it has one entry per step and layer)."""
     keyed = layer_steps(steps, layers)
+    if fast_missing is not None and len(fast_missing) != len(keyed):
+        raise SimulationError(
+            f"fast_missing has {len(fast_missing)} entries; the steps have {len(keyed)} "
+            f"({len(steps)} steps x {len(layers)} MoE layers)"
+        )
     fast_cap = fast_bytes // costs.fast_bytes
     if fast_missing is None:
         fast_missing = filled_at_load(cache(keyed, fast_cap), fast_cap)  # filled at load, as q*'s
@@ -253,6 +259,7 @@ def simulate(
         )
     results = []
     for policy in policies:
+        overlapped = None  # the engine's policies: their own misses, perfectly overlapped
         if policy in ("qstar", "qstar-profiled", "layer-lru"):
             try:
                 replay = TieredReplay(
@@ -270,11 +277,9 @@ def simulate(
                 results.append(PolicyResult(policy, None, {}, {}, 0.0, {}, infeasible=str(e)))
                 continue
             tally = replay.run(steps)
-            own = bound(
+            overlapped = bound(
                 steps, layers, costs, fast_bytes=fast_bytes, host_bytes=host_bytes, fast_missing=replay.missed
-            )
-            results.append(PolicyResult.of(policy, tally, own.tokens_per_s))
-            continue
+            ).tokens_per_s
         elif policy == "static":
             tally = replay_static(
                 steps,
@@ -295,7 +300,7 @@ def simulate(
                 num_experts=shape.num_experts,
                 cached=policy == "belady",
             )
-        results.append(PolicyResult.of(policy, tally))
+        results.append(PolicyResult.of(policy, tally, overlapped))
     return SimulationReport(
         model=shape.name,
         hardware=profile.name,
