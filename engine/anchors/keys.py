@@ -53,8 +53,8 @@ def load_key(key_file: str | os.PathLike[str] | None = None, *, create: bool) ->
                 f"them (set {KEY_FILE_ENV} to use another key file)"
             )
         _create(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:  # O_NONBLOCK: a FIFO in place of the key must be refused below, not block the open
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise AnchorError(f"cannot read the anchor key {path}: {e}") from e
     with os.fdopen(fd, "rb") as f:

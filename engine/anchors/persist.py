@@ -18,14 +18,15 @@ the two, complete), with private modes (0700 folder, 0600 files), and raises Anc
 full disk: `savefolder.py`. Anything else in the folder (leftovers of an interrupted save) is
 never read.
 
-Loading checks, in order: the JSON parses, has this format and version, and the shape of
-`AnchorsFile` (AnchorFileError); the MAC verifies with this user's key (AnchorFileError: saved
-with another key, or changed since); the model fingerprint equals the engine's
-(AnchorFingerprintError); the tensor file has the recorded size and sha256 (AnchorFileError:
-truncated or corrupted) and the expected tensors; then every anchor is fully revalidated: its
-blocks are rehashed into the chain, and the kv digest, the signature, the token-prefix hash and
-the id must all match the record (AnchorValidationError). Any failure releases every block it
-took: nothing is half-loaded.
+Loading checks, in order: `anchors.json` is a regular file of at most `MAX_META_BYTES`
+(`savefolder.read_regular`: no symbolic link, FIFO or device), the JSON parses, has this format
+and version, and the shape of `AnchorsFile` (AnchorFileError); the MAC verifies with this user's
+key (AnchorFileError: saved with another key, or changed since); the model fingerprint equals the
+engine's (AnchorFingerprintError); the tensor file is a regular file of the recorded size (never
+read past it) and sha256 (AnchorFileError: truncated, grown or corrupted) and the expected
+tensors; then every anchor is fully revalidated: its blocks are rehashed into the chain, and the
+kv digest, the signature, the token-prefix hash and the id must all match the record
+(AnchorValidationError). Any failure releases every block it took: nothing is half-loaded.
 """
 
 from __future__ import annotations
@@ -49,7 +50,15 @@ from ..kv import BlockTable
 from .anchor import Anchor, AnchorKind, AnchorSignature, verify_anchor
 from .digest import FORMAT_VERSION, kv_digest
 from .keys import key_path, load_key
-from .savefolder import KV_NAME_PATTERN, META_FILE, commit, kv_file_name, reading
+from .savefolder import (
+    KV_NAME_PATTERN,
+    META_FILE,
+    commit,
+    kv_file_name,
+    read_manifest,
+    read_regular,
+    reading,
+)
 
 if TYPE_CHECKING:
     from .host import AnchorHost
@@ -316,10 +325,10 @@ def _read_meta(path: Path) -> tuple[dict[str, Any], AnchorsFile]:
     """(the parsed JSON, the same as an AnchorsFile): AnchorFileError unless it has this format,
     this version and the shape of AnchorsFile."""
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(read_manifest(path))
     except FileNotFoundError as e:
         raise AnchorFileError(f"{path} does not exist: not a saved anchor folder") from e
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise AnchorFileError(f"cannot read {path} (truncated or corrupted?): {e!r}"[:300]) from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise AnchorFileError(f"{path} is not a {FORMAT_NAME} file")
@@ -336,10 +345,10 @@ def _read_meta(path: Path) -> tuple[dict[str, Any], AnchorsFile]:
 
 
 def _read_kv(path: Path, meta: AnchorsFile, host: AnchorHost) -> dict[str, torch.Tensor]:
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise AnchorFileError(f"cannot read {path}: {e}") from e
+    try:  # the manifest is authenticated by now: its size bounds the read
+        data = read_regular(path, meta.kv_bytes, "the size its authenticated manifest records")
+    except FileNotFoundError as e:
+        raise AnchorFileError(f"{path}, named by its manifest, does not exist") from e
     if len(data) != meta.kv_bytes or hashlib.sha256(data).hexdigest() != meta.kv_sha256:
         raise AnchorFileError(
             f"{path} is truncated or corrupted: {len(data)} bytes, expected {meta.kv_bytes} with sha256 "

@@ -28,6 +28,15 @@ Privacy: the folder is created 0700 and every file 0600 at creation (`os.open`/`
 then narrowed by the umask only), never chmod-ed afterwards, so there is no moment at which
 another user can read token ids or KV data. An existing folder keeps its mode (it may be one the
 user chose to share); its files are still 0600.
+
+Reads (`read_regular`, `read_manifest`) take only regular files of a bounded size: a folder is
+input that someone else may have changed, and `anchors.json` or a KV file replaced by a symbolic
+link to `/dev/zero` would otherwise be read until MemoryError, a FIFO would block the reader
+forever. Files are opened with O_NOFOLLOW | O_NONBLOCK (a symbolic link is refused, a FIFO does
+not block the open), their type is checked with fstat on the opened descriptor (no window between
+check and read), and a read stops one byte past its bound. The manifest may hold at most
+`MAX_META_BYTES` (256 MiB, checked on save too, so every save loads back); a KV file at most the
+size its authenticated manifest records.
 """
 
 from __future__ import annotations
@@ -39,10 +48,11 @@ import logging
 import os
 import re
 import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import AnchorSaveError
+from ..errors import AnchorFileError, AnchorSaveError
 
 try:
     import fcntl
@@ -59,6 +69,8 @@ _TMP_NAME = re.compile(r"^\.?(anchors\.json|kv(-[0-9a-f]{64})?\.safetensors)(\.[
 _CHUNK = 1 << 20  # bytes per os.write: a short write is continued, never taken as done
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO without a writer must not block
+MAX_META_BYTES = 256 << 20  # the largest `anchors.json` saved or read (about 20M token ids)
 
 
 def kv_file_name(sha256_hex: str) -> str:
@@ -73,6 +85,11 @@ def commit(folder: Path, kv_name: str, kv_data: bytes, meta_data: bytes) -> None
     then still in place unless the message says the new one was switched to."""
     if not _KV_NAME.match(kv_name):
         raise ValueError(f"not a KV file name: {kv_name!r}")
+    if len(meta_data) > MAX_META_BYTES:  # it could not be loaded back: refuse before writing anything
+        raise AnchorSaveError(
+            f"cannot save anchors to {folder}: the manifest would be {len(meta_data)} bytes, more than "
+            f"the {MAX_META_BYTES} a load reads; save fewer or shorter anchors"
+        )
     switched = False
     try:
         _make_private_dir(folder)
@@ -102,6 +119,61 @@ def commit(folder: Path, kv_name: str, kv_data: bytes, meta_data: bytes) -> None
         raise _save_error(folder, e, switched) from e
 
 
+def read_manifest(path: Path) -> bytes:
+    """The bytes of the manifest at `path`: `read_regular` bounded by `MAX_META_BYTES`."""
+    return read_regular(path, MAX_META_BYTES, "the largest anchors.json this engine reads")
+
+
+def read_regular(path: Path, max_bytes: int, bound: str) -> bytes:
+    """The bytes of the regular file at `path`, which may hold at most `max_bytes` (`bound` says
+    what that limit is, for the message).
+
+    Raises FileNotFoundError when it does not exist (the caller knows what that means), and
+    AnchorFileError (one line) when it is a symbolic link, not a regular file (FIFO, device,
+    directory, socket), larger than `max_bytes` or unreadable. Never blocks on a FIFO and never
+    reads more than `max_bytes` + 1 bytes (see the module docstring)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno == errno.ELOOP or os.path.islink(path):
+            msg = f"{path} is a symbolic link: saved anchor files are regular files; refused"
+            raise AnchorFileError(msg) from None
+        raise AnchorFileError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise AnchorFileError(f"{path} is not a regular file ({_kind(st.st_mode)}): refused")
+        if st.st_size > max_bytes:
+            raise AnchorFileError(f"{path} is {st.st_size} bytes, more than {max_bytes} ({bound}): refused")
+        chunks: list[bytes] = []
+        total = 0
+        while chunk := os.read(fd, min(_CHUNK, max_bytes + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:  # it grew since fstat
+                raise AnchorFileError(f"{path} grew past {max_bytes} bytes ({bound}) while read: refused")
+        return b"".join(chunks)
+    except OSError as e:
+        raise AnchorFileError(f"cannot read {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return f"mode {stat.S_IFMT(mode):o}"
+
+
 @contextlib.contextmanager
 def reading(folder: Path) -> Iterator[None]:
     """Hold a shared lock on `folder` while reading a save from it, when it has a lock file (a folder
@@ -126,8 +198,8 @@ def _lock(folder: Path, *, exclusive: bool, create: bool) -> Iterator[None]:
     if create:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o600)
     else:
-        try:
-            fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        try:  # O_NONBLOCK: a FIFO in place of the lock file must not block the load
+            fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC)
         except OSError as e:
             raise _NoLock() from e
     try:
@@ -182,10 +254,10 @@ def _referenced(folder: Path) -> set[str] | None:
     """The KV file names the manifest in `folder` names: empty when there is none, None when it
     cannot be read (then no KV file is removed: it may be a save worth recovering by hand)."""
     try:
-        kv = json.loads((folder / META_FILE).read_bytes()).get("kv_file")
+        kv = json.loads(read_manifest(folder / META_FILE)).get("kv_file")
     except FileNotFoundError:
         return set()
-    except (OSError, ValueError, AttributeError, RecursionError):
+    except (AnchorFileError, ValueError, AttributeError, RecursionError):
         return None
     return {kv} if isinstance(kv, str) and _KV_NAME.match(kv) else None
 
