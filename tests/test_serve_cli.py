@@ -78,3 +78,20 @@ def test_several_api_keys_one_per_tenant():
 def test_an_empty_api_key_is_one_error_line(capsys):
     assert main(["serve", "--api-key", "", "--port", "0"]) == 1
     assert capsys.readouterr().err.strip() == "freetoken serve: error: --api-key must not be empty"
+
+
+@pytest.mark.parametrize("value", [" , ", ",", "   ", " ,, , "])
+def test_an_api_key_variable_with_no_key_is_one_error_line(value, monkeypatch, capsys):
+    # Set but blank once split: refused like `--api-key ""`, never served without authentication.
+    import freetoken_agents.integrations.openai_server as server
+
+    served: list[object] = []
+    monkeypatch.setattr(server, "serve", lambda app, **kwargs: served.append(app))  # never listen
+    monkeypatch.setenv("FREETOKEN_API_KEY", value)
+    assert main(["--threads", "1", "serve", "--port", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "freetoken serve: error: $FREETOKEN_API_KEY holds no key (only commas and blanks): set one, "
+        "or unset it"
+    )
+    assert not served

@@ -84,11 +84,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def api_keys(flags: list[str] | None, env: str | None) -> tuple[str, ...] | None:
     """The keys the server accepts: every --api-key, else ${API_KEY_ENV} (comma-separated keys);
-    None when neither gives one. Each key is one tenant (prefix reuse never crosses keys)."""
-    keys = flags if flags is not None else [k.strip() for k in (env or "").split(",") if k.strip()]
-    if any(not key.strip() for key in keys):
-        raise CLIError("--api-key must not be empty")
-    return tuple(keys) or None
+    None when neither gives one (the variable unset or empty). Each key is one tenant (prefix
+    reuse never crosses keys).
+
+    CLIError for an empty --api-key, and for a variable that is set but holds no key once split
+    (" , "): the user asked for authentication, and serving without it would be silent."""
+    if flags is not None:
+        if any(not key.strip() for key in flags):
+            raise CLIError("--api-key must not be empty")
+        return tuple(flags)
+    if not env:
+        return None
+    keys = tuple(k.strip() for k in env.split(",") if k.strip())
+    if not keys:
+        raise CLIError(f"${API_KEY_ENV} holds no key (only commas and blanks): set one, or unset it")
+    return keys
 
 
 def run(args: argparse.Namespace) -> int:
