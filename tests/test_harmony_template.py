@@ -76,3 +76,44 @@ def test_the_analysis_channel_is_reasoning_and_the_final_channel_the_answer(mode
 def test_a_final_channel_without_analysis_loses_only_its_header(model):
     reasoning, text = split_turn(model, "<|channel|>final<|message|>Five")
     assert reasoning == "" and text.startswith("Five") and "<|" not in text
+
+
+WEATHER_CALL = {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}
+
+
+@pytest.mark.parametrize("thinking", ["", "Look it up."])
+def test_the_templates_own_rendering_of_a_call_parses_back(model, thinking):
+    calls = [{"id": "abcDEF123", "function": WEATHER_CALL}]
+    message = {"role": "assistant", "content": "", "tool_calls": calls}
+    if thinking:
+        message["thinking"] = thinking
+    history = [{"role": "user", "content": "Weather in Paris?"}, message]
+    history.append({"role": "tool", "tool_call_id": "abcDEF123", "content": "sunny"})
+    text = model.tokenizer.decode(model.render(history, TOOLS))
+    start = text.index("<|start|>assistant", text.index("Weather in Paris?"))
+    reply = text[start : text.index("<|call|>", start) + len("<|call|>")]
+    for turn in (reply, reply.removesuffix("<|call|>")):  # `<|call|>` as written, or as a stop token
+        parsed = model.parser.parse(turn)
+        assert [(c.name, c.arguments, c.error) for c in parsed.calls] == [
+            (WEATHER_CALL["name"], WEATHER_CALL["arguments"], None)
+        ]
+        assert (parsed.partial, parsed.content) == (None, "")  # the analysis text is no content
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        '<|channel|>commentary to=functions.multiply <|constrain|>json<|message|>{"a": 6, "b": 7}<|call|>',
+        ' to=functions.multiply<|channel|>commentary json<|message|>{"a": 6, "b": 7}<|call|>',
+    ],
+)
+def test_an_unconstrained_call_is_anchored_once(model, call):
+    # The call's marker was found again for every token after it: one anchor, and one replay of the
+    # call's tokens, per token (the trace recorded a dozen tool-call anchors for one call).
+    model.sync(model.render(ASK, TOOLS))
+    request = GenerateRequest(tools=TOOLS, prefix=call, constrain=False, max_new_tokens=1, temperature=0)
+    events = list(model.generate(request))
+    assert [e.anchor.kind for e in events if e.kind == "anchor"] == ["tool_call"]
+    text = "".join(e.text for e in events if e.kind == "text")
+    [parsed] = model.parser.parse(text[: text.index("<|call|>") + len("<|call|>")]).calls
+    assert (parsed.name, parsed.arguments) == ("multiply", {"a": 6, "b": 7})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from freetoken_agents.parsers import (
     DeepSeekParser,
     HarmonyParser,
@@ -52,6 +54,45 @@ def test_harmony() -> None:
     assert p.parse('<|channel|>commentary to=functions.get <|message|>{"a"').partial is not None
     final = p.parse("<|channel|>final<|message|>The answer.<|return|>")
     assert final.content == "The answer." and final.calls == []
+
+
+WEATHER = '{"city": "Paris", "days": 3}'
+HARMONY_CALLS = [
+    f" to=functions.get_weather<|channel|>commentary json<|message|>{WEATHER}<|call|>",  # the template's
+    f"<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{WEATHER}<|call|>",
+    f"<|channel|>commentary to=functions.get_weather json<|message|>{WEATHER}<|call|>",  # no constrain
+]
+
+
+@pytest.mark.parametrize("call", HARMONY_CALLS)
+@pytest.mark.parametrize("start", ["", "<|start|>assistant"])
+@pytest.mark.parametrize("stopped", [False, True], ids=["ended", "stopped"])
+def test_harmony_calls_in_both_forms_parse(call: str, start: str, stopped: bool) -> None:
+    # "stopped": `<|call|>` is a gpt-oss end-of-turn token; a decoder that stops on it drops it
+    text = start + (call.removesuffix("<|call|>") if stopped else call)
+    r = HarmonyParser().parse(text)
+    assert [(c.name, c.arguments, c.error) for c in r.calls] == [
+        ("get_weather", {"city": "Paris", "days": 3}, None)
+    ]
+    assert (r.partial, r.content) == (None, "")
+    assert r.calls[0].offset == text.index("to=" if call.startswith(" ") else "<|channel|>")
+
+
+@pytest.mark.parametrize("body", ['{"city": "Par', '{"city": "Paris", "days"', "[1, 2]", ""])
+def test_a_harmony_call_cut_short_stays_unterminated(body: str) -> None:
+    for call in HARMONY_CALLS:
+        text = "Checking." + call.removesuffix(f"{WEATHER}<|call|>") + body
+        r = HarmonyParser().parse(text)
+        assert r.calls == [] and r.partial == text[r.partial_offset :] and r.content == "Checking."
+
+
+@pytest.mark.parametrize("head", ["<|channel|>commentary to=functions.", "<|start|>assistant to=functions."])
+def test_harmony_call_started_counts_only_a_marker_ending_after_since(head: str) -> None:
+    # a streamer passes the length it searched: a marker found before is not found again
+    p, start = HarmonyParser(), head.index("<|channel|>" if "commentary" in head else "to=")
+    assert p.call_started(head, len(head) - 1) == start  # its last character is new
+    assert p.call_started(head, len(head)) is None
+    assert p.call_started(head + "get_weather", len(head) + 5) is None
 
 
 def test_parser_for() -> None:
