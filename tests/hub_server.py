@@ -10,6 +10,12 @@ Served, as the Hub serves them (huggingface_hub 2.x):
 Errors carry the ``X-Error-Code`` huggingface_hub maps to its exceptions: ``RepoNotFound`` (404),
 ``RevisionNotFound`` (404), ``EntryNotFound`` (404), ``GatedRepo`` (403, a gated repo).
 Every request is recorded (`HubServer.requests`) so tests can check what was fetched.
+
+A hostile mirror, for the tests that the cache holds against one: `HubServer.resolve_headers`
+replaces headers of the ``/resolve/`` answers (``ETag``, ``X-Repo-Commit``, ``X-Linked-Etag``),
+from the answer numbered `HubServer.hostile_from` on (0: every answer; 1: the first one is honest,
+as a mirror that answers a checking HEAD well and the download's own HEAD badly);
+`FakeRepo.info_sha` replaces the commit the model info names.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class FakeRepo:
     commits: dict[str, dict[str, bytes]] = field(default_factory=dict)
     refs: dict[str, str] = field(default_factory=dict)
     gated: bool = False
+    info_sha: str | None = None
 
     def add_commit(self, files: dict[str, bytes], *, ref: str = "main") -> str:
         """Add a commit holding `files` and point `ref` at it; returns its (40-hex) sha."""
@@ -57,6 +64,9 @@ class HubServer:
     def __init__(self, repos: dict[str, FakeRepo] | None = None) -> None:
         self.repos: dict[str, FakeRepo] = repos if repos is not None else {}
         self.requests: list[tuple[str, str]] = []
+        self.resolve_headers: dict[str, str] = {}
+        self.hostile_from = 0
+        self._resolved = 0
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._httpd.daemon_threads = True
@@ -141,7 +151,7 @@ def _handler(server: HubServer) -> type[BaseHTTPRequestHandler]:
                 body = {
                     "id": repo_id,
                     "modelId": repo_id,
-                    "sha": commit,
+                    "sha": commit if repo.info_sha is None else repo.info_sha,
                     "private": False,
                     "siblings": [{"rfilename": name} for name in sorted(files)],
                 }
@@ -167,6 +177,10 @@ def _handler(server: HubServer) -> type[BaseHTTPRequestHandler]:
                 "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
                 "Content-Type": "application/octet-stream",
             }
+            with server._lock:
+                if server._resolved >= server.hostile_from:
+                    headers.update(server.resolve_headers)
+                server._resolved += 1
             self._send(200, data, headers, head=head)
 
         def _send(self, status: int, body: bytes, headers: dict[str, str], *, head: bool) -> None:

@@ -26,19 +26,24 @@ what it set; where one is unset, huggingface_hub's own value (`huggingface_hub.c
 Offline, or when the Hub cannot be reached, what the cache holds is used without any request.
 Authentication is huggingface_hub's (``HF_TOKEN``, ``hf auth login``).
 
+Nothing is written outside the cache, whatever the id or the server (`hub_safety`): a revision
+that is a path (``..``, absolute, a backslash) is refused before any request, the commit the Hub
+names must be 40 hex digits and pins every download, the server's ETag and commit headers are
+checked on the answer huggingface_hub reads, before it writes, and every fetched file must resolve
+inside the cache.
+
 Every failure is a `ModelNotFoundError` with one line naming the id and what to do; nothing from
 inside huggingface_hub reaches the caller as a traceback.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +52,28 @@ from tqdm.auto import tqdm
 from ..errors import ModelNotFoundError
 from ..stop_tokens import GENERATION_CONFIG
 from ..tokenizer_files import TOKENIZER_FILES
+from .hub_ids import LOCAL_SUFFIXES, HubId, HubSettings, is_hub_id, parse_hub_id
+from .hub_safety import (
+    UnsafeHubAnswer,
+    guard_hub_client,
+    inside,
+    is_commit,
+    unsafe_filename,
+    unsafe_revision,
+    write_ref,
+)
 
+__all__ = [
+    "CHAT_TEMPLATE_DIR",
+    "LOCAL_SUFFIXES",
+    "SAFETENSORS_INDEX",
+    "WEIGHT_FILES",
+    "HubId",
+    "HubSettings",
+    "is_hub_id",
+    "parse_hub_id",
+    "resolve_model",
+]
 logger = logging.getLogger(__name__)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -55,89 +81,13 @@ WEIGHT_FILES = ("config.json", GENERATION_CONFIG, SAFETENSORS_INDEX)
 """Besides the safetensors shards: what `hf_folder` / `checkpoint` read of a checkpoint folder."""
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
 """transformers' folder of named chat templates (``<name>.jinja``), read by AutoTokenizer."""
-LOCAL_SUFFIXES = (".ftw", ".gguf")
-"""A name ending so is a weights file on disk, never a Hub id."""
-
-_HUB_ID = re.compile(r"(?P<repo>[^/@:]+/[^/@:]+)(?:@(?P<revision>[^@:]+))?(?::(?P<quant>[^/@:]+))?")
 _SPLIT_GGUF = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 _QUANT_NAME = re.compile(
     r"(?<![A-Za-z0-9])((?:UD-)?(?:I?Q\d+(?:_[A-Z0-9]+)*|BF16|F16|FP16|F32|MXFP4(?:_MOE)?))(?![A-Za-z0-9])",
     re.IGNORECASE,
 )
+_MAX_WORKERS = 8  # parallel file downloads, as huggingface_hub's snapshot_download
 _LOGIN_HINT = "log in with `hf auth login` (or set HF_TOKEN) with an account that has been granted access"
-
-
-@dataclass(frozen=True)
-class HubId:
-    """A parsed Hub id: ``repo_id`` ("org/name"), ``revision`` (None: the default branch) and
-    ``quant`` (the GGUF/FTW file selector after ':', or None)."""
-
-    repo_id: str
-    revision: str | None = None
-    quant: str | None = None
-
-    def __str__(self) -> str:
-        text = self.repo_id
-        if self.revision is not None:
-            text += f"@{self.revision}"
-        if self.quant is not None:
-            text += f":{self.quant}"
-        return text
-
-
-@dataclass(frozen=True)
-class HubSettings:
-    """Where the Hub is and what may be fetched, read from the environment when asked
-    (`from_env`): endpoint URL, cache folder, and whether the network may be used."""
-
-    endpoint: str
-    cache_dir: Path
-    offline: bool
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> HubSettings:
-        """The settings huggingface_hub documents, read now from `environ` (default os.environ);
-        a variable that is unset falls back to huggingface_hub's own value."""
-        from huggingface_hub import constants
-
-        env = os.environ if environ is None else environ
-        endpoint = (env.get("HF_ENDPOINT") or "").rstrip("/") or constants.ENDPOINT
-        cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
-        if not cache and env.get("HF_HOME"):
-            cache = os.path.join(env["HF_HOME"], "hub")
-        cache_dir = Path(os.path.expandvars(os.path.expanduser(cache or constants.HF_HUB_CACHE)))
-        if "HF_HUB_OFFLINE" in env or "TRANSFORMERS_OFFLINE" in env:  # huggingface_hub's rule, now
-            flag = env.get("HF_HUB_OFFLINE") or env.get("TRANSFORMERS_OFFLINE") or ""
-            offline = flag.upper() in constants.ENV_VARS_TRUE_VALUES
-        else:
-            offline = constants.HF_HUB_OFFLINE
-        return cls(endpoint=endpoint, cache_dir=cache_dir, offline=offline)
-
-
-def parse_hub_id(text: str | os.PathLike[str]) -> HubId | None:
-    """The Hub id `text` spells (``org/name[@revision][:QUANT]``), or None when it is not one
-    (huggingface_hub's `validate_repo_id` decides what a repo id is; a name ending in a local
-    weights suffix is not one). Does not look at the file system."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    match = _HUB_ID.fullmatch(os.fspath(text))
-    if match is None:
-        return None
-    repo_id = match["repo"]
-    if repo_id.lower().endswith(LOCAL_SUFFIXES):
-        return None
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError:
-        return None
-    return HubId(repo_id, match["revision"], match["quant"])
-
-
-def is_hub_id(path_or_id: str | os.PathLike[str]) -> bool:
-    """Whether `resolve_model` would fetch `path_or_id` from the Hub: it spells a Hub id and
-    names no existing local path. Front ends use it to name the model (an id reports as itself)."""
-    return not Path(path_or_id).expanduser().exists() and parse_hub_id(path_or_id) is not None
 
 
 def resolve_model(path_or_id: str | os.PathLike[str], *, progress: bool = True) -> Path:
@@ -148,8 +98,9 @@ def resolve_model(path_or_id: str | os.PathLike[str], *, progress: bool = True) 
 
     Raises ModelNotFoundError (a CheckpointError): the repo or revision does not exist or is
     private, a gated repo without access, offline (or the Hub unreachable) with nothing cached,
-    no weights the engine reads, a ``:QUANT`` that matches no file or several. One line, naming
-    the id and what to do.
+    no weights the engine reads, a ``:QUANT`` that matches no file or several, a revision that
+    is a path, a server answer that would name a file outside the cache. One line, naming the id
+    and what to do.
     """
     local = Path(path_or_id).expanduser()
     if local.exists():
@@ -169,8 +120,19 @@ class _Fetch:
         self.id, self.settings, self.progress = hub_id, settings, progress
         self.local_only = settings.offline  # set when the Hub turns out to be unreachable too
         self.unreachable: str | None = None  # why the Hub could not be used, when it could not
+        self.commit = ""  # the listed commit (40 hex): every download is pinned to it
+        from huggingface_hub.file_download import repo_folder_name
+
+        # resolved, as huggingface_hub resolves it: the paths it returns are under this folder
+        cache = settings.cache_dir.expanduser().resolve()
+        self.storage = cache / repo_folder_name(repo_id=hub_id.repo_id, repo_type="model")
 
     def run(self) -> Path:
+        if self.id.revision is not None and (why := unsafe_revision(self.id.revision)):
+            # refs/<revision> is a file of the cache: a revision that is a path would leave it
+            raise self._error(
+                f"has an invalid revision {self.id.revision!r}: it {why}; name a branch, tag or commit"
+            )
         files = self._list_files()
         if self.id.quant is not None:
             return self._quant_file(files)
@@ -197,11 +159,19 @@ class _Fetch:
             try:
                 # model_info (one request, with the file list), not list_repo_files: the paginated
                 # tree listing retries a refused connection for ~20 s before the cache is tried
+                guard_hub_client()
                 api = HfApi(endpoint=self.settings.endpoint)
                 info = api.model_info(self.id.repo_id, revision=self.id.revision)
-                return sorted(s.rfilename for s in info.siblings or ())
             except Exception as e:  # noqa: BLE001 - mapped below, or the cache is tried
                 self.unreachable = self._unreachable(e)
+            else:
+                if not is_commit(info.sha):  # it names snapshots/<sha>: never a path
+                    raise self._refused(
+                        f"{self.settings.endpoint} answered commit {str(info.sha)[:80]!r}, "
+                        "which is no 40-hex-digit commit id"
+                    )
+                self.commit = str(info.sha)
+                return sorted(s.rfilename for s in info.siblings or ())
             self.local_only = True
         files = self._cached_files()
         if files is None:
@@ -215,6 +185,8 @@ class _Fetch:
 
         if isinstance(error, OfflineModeIsEnabled):
             return "offline"
+        if isinstance(error, UnsafeHubAnswer):
+            raise self._refused(str(error)) from None
         if isinstance(error, HfHubHTTPError):
             status = error.response.status_code if error.response is not None else None
             if status is not None and status < 500 and status != 429:
@@ -227,19 +199,17 @@ class _Fetch:
     def _cached_files(self) -> list[str] | None:
         """File names in the cached snapshot of the revision (huggingface_hub's cache layout:
         models--org--name/refs/<revision> -> snapshots/<commit>/...), None if not cached."""
-        from huggingface_hub.file_download import REGEX_COMMIT_HASH, repo_folder_name
-
-        storage = self.settings.cache_dir / repo_folder_name(repo_id=self.id.repo_id, repo_type="model")
         revision = self.id.revision or "main"
         commit = revision
-        if not REGEX_COMMIT_HASH.fullmatch(revision):
-            ref = storage / "refs" / revision
+        if not is_commit(revision):
+            ref = self.storage / "refs" / revision
             if not ref.is_file():
                 return None
             commit = ref.read_text().strip()
-        snapshot = storage / "snapshots" / commit
-        if not snapshot.is_dir():
+        snapshot = self.storage / "snapshots" / commit
+        if not is_commit(commit) or not snapshot.is_dir():  # a ref naming a path is not followed
             return None
+        self.commit = commit
         return sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
 
     # ---- choosing ---------------------------------------------------------------------------
@@ -247,13 +217,28 @@ class _Fetch:
         """The snapshot folder with only what the engine reads: the shards the safetensors index
         names (all top-level shards without one), config, generation config, tokenizer."""
         if SAFETENSORS_INDEX in files:
-            index = json.loads(self._download_one(SAFETENSORS_INDEX).read_text(encoding="utf-8"))
-            named = set((index.get("weight_map") or {}).values()) if isinstance(index, dict) else set()
-            shards = sorted(named) or shards
+            shards = self._index_shards() or shards
         present = set(files)
         wanted = [f for f in (*WEIGHT_FILES, *TOKENIZER_FILES) if f in present]
         wanted += [f for f in files if f.startswith(f"{CHAT_TEMPLATE_DIR}/") and f.endswith(".jinja")]
-        return Path(self._snapshot([*wanted, *shards]))
+        missing = sorted(set(shards) - present)
+        if missing:  # fetched by name, never by pattern: only what the listing holds
+            shown = ", ".join(repr(name[:80]) for name in missing[:3])
+            raise self._error(f"is incomplete: its {SAFETENSORS_INDEX} names shards the repo lacks ({shown})")
+        self._download([*wanted, *shards])
+        return self.storage / "snapshots" / self.commit
+
+    def _index_shards(self) -> list[str]:
+        """The shard names the safetensors index maps weights to (none: no or an empty map)."""
+        try:
+            index = json.loads(self._download_one(SAFETENSORS_INDEX).read_text(encoding="utf-8"))
+        except ValueError as e:  # not JSON, not UTF-8
+            raise self._error(f"has an unreadable {SAFETENSORS_INDEX} ({_first_line(e)})") from None
+        weight_map = index.get("weight_map", {}) if isinstance(index, dict) else None
+        names = list(weight_map.values()) if isinstance(weight_map, dict) else None
+        if names is None or not all(isinstance(name, str) for name in names):
+            raise self._error(f"has a {SAFETENSORS_INDEX} with no weight_map of tensor -> file name")
+        return sorted(set(names))
 
     def _quant_file(self, files: Sequence[str]) -> Path:
         """The one .gguf (else .ftw) file whose name contains the quant; every part of a split GGUF."""
@@ -265,8 +250,7 @@ class _Fetch:
             word = re.compile(rf"(?<![a-z0-9]){re.escape(quant)}(?![a-z0-9])")
             matches = [f for f in matches if word.search(Path(f).name.lower())] or matches
         if len(matches) > 1 and _one_split_set(matches):
-            paths = [self._download_one(f) for f in sorted(matches)]
-            return paths[0]
+            return self._download(sorted(matches))[0]
         if len(matches) == 1:
             return self._download_one(matches[0])
         choices = ", ".join(_quant_names(weights)) or "none"
@@ -277,36 +261,54 @@ class _Fetch:
         )
 
     # ---- downloading ------------------------------------------------------------------------
-    def _snapshot(self, names: Sequence[str]) -> str:
-        from huggingface_hub import snapshot_download
-
-        return self._call(
-            snapshot_download,
-            self.id.repo_id,
-            allow_patterns=[glob.escape(name) for name in names],
-            tqdm_class=None if self.progress else _SilentTqdm,
-        )
-
     def _download_one(self, name: str) -> Path:
+        return self._download([name])[0]
+
+    def _download(self, names: Sequence[str]) -> list[Path]:
+        """`names` of the listed commit, fetched (a few at a time) into, or found in, the cache:
+        their paths in its ``snapshots/<commit>`` folder. File by file through
+        `hf_hub_download` (not `snapshot_download`, which would take the commit and the blob
+        names from a listing of the server's that nothing here checks)."""
+        for name in names:
+            if unsafe_filename(name):
+                raise self._refused(f"{self.settings.endpoint} listed the file name {name[:80]!r}, a path")
+        if not self.local_only:
+            guard_hub_client()  # again: the client may have been replaced since the listing
+        with ThreadPoolExecutor(max_workers=max(1, min(_MAX_WORKERS, len(names)))) as pool:
+            paths = list(pool.map(self._fetch_file, names))
+        if not self.local_only:  # as snapshot_download did: offline runs find the branch or tag
+            try:
+                write_ref(self.storage, self.id.revision or "main", self.commit)
+            except OSError as e:
+                logger.warning("could not record %s in the cache: %s", self.id, e)
+        return paths
+
+    def _fetch_file(self, name: str) -> Path:
         from huggingface_hub import hf_hub_download
 
         tqdm_class = None if self.progress else _SilentTqdm
-        return Path(self._call(hf_hub_download, self.id.repo_id, name, tqdm_class=tqdm_class))
+        path = Path(self._call(hf_hub_download, self.id.repo_id, name, tqdm_class=tqdm_class))
+        expected = self.storage / "snapshots" / self.commit / name
+        if path != expected or not inside(path, self.settings.cache_dir):
+            raise self._refused(f"{name} was fetched to {path}, not to {expected} in the cache")
+        return path
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """`fn` (a huggingface_hub download) with this resolution's revision, cache, endpoint and
+        """`fn` (a huggingface_hub download) with this resolution's commit, cache, endpoint and
         offline choice, its errors mapped to one ModelNotFoundError line."""
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
         try:
             return fn(
                 *args,
-                revision=self.id.revision,
+                revision=self.commit,
                 cache_dir=self.settings.cache_dir,
                 endpoint=self.settings.endpoint,
                 local_files_only=self.local_only,
                 **kwargs,
             )
+        except UnsafeHubAnswer as e:
+            raise self._refused(str(e)) from None
         except LocalEntryNotFoundError:
             raise self._error(self._not_cached()) from None
         except HfHubHTTPError as e:
@@ -326,6 +328,9 @@ class _Fetch:
     # ---- errors -----------------------------------------------------------------------------
     def _error(self, what: str) -> ModelNotFoundError:
         return ModelNotFoundError(f"Hugging Face model '{self.id}' {what}", model_id=str(self.id))
+
+    def _refused(self, what: str) -> ModelNotFoundError:
+        return self._error(f"was refused: {what}; check HF_ENDPOINT")
 
     def _not_cached(self) -> str:
         where = f"the cache {self.settings.cache_dir}"
