@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, Protocol
 
@@ -38,9 +36,9 @@ from freetoken_agents.engine.generate import Sampler
 
 from ._body_formats import JsonLexer, XmlParamsLexer, xml_structural_tag
 from .detokenize import IncrementalDetokenizer
+from .grammar_cache import CompiledGrammar, GrammarCache
 from .grounding import (
     SpanGrounding,
-    SpanIndex,
     object_keys,
     schema_paths,
     sole_required_strings,
@@ -49,6 +47,7 @@ from .grounding import (
 )
 from .parsers.qwen3_coder import xml_parameters
 from .schema_check import check_schema
+from .token_vocab import TokenVocab
 
 logger = logging.getLogger(__name__)
 
@@ -76,76 +75,11 @@ def _xgrammar() -> Any:
     return xgrammar
 
 
-class _Vocab:
-    """What the decoder needs to know about each token id, computed once per tokenizer.
-
-    banned: special and added tokens, never allowed inside JSON (bool [V]).
-    string_close / bracket_close: preference scores (-inf: not a closer) of tokens that end an
-        open string (a quote, then only brackets or spaces) or close brackets (only `}`/`]`/spaces);
-        higher closes more. progress: the fallback order when no closer is allowed (`_progress`).
-    prefix_closers(text): scores of the tokens that write the start of `text` (a closing marker).
-    """
-
-    def __init__(self, info: Any, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
-        self.size = vocab_size
-        self.stop_ids = frozenset(stop_ids)
-        pieces: list[bytes] = list(info.decoded_vocab)[:vocab_size]
-        pieces += [b""] * (vocab_size - len(pieces))
-        self.pieces = pieces
-        special = set(getattr(tokenizer, "all_special_ids", []) or [])
-        special |= set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
-        self.banned_ids = frozenset(i for i in special if 0 <= i < vocab_size and i not in self.stop_ids)
-        ninf = float("-inf")
-        string_close, bracket_close, progress = ([ninf] * vocab_size for _ in range(3))
-        for i, piece in enumerate(pieces):
-            if not piece or i in self.banned_ids or i in self.stop_ids:
-                continue
-            progress[i] = _progress(piece)
-            closing = sum(c in b"}]" for c in piece)
-            if piece[:1] == b'"' and all(c in b" }]" for c in piece[1:]):
-                string_close[i] = 1 + closing
-            if closing and all(c in b" }]" for c in piece):
-                bracket_close[i] = closing
-        self.banned = torch.zeros(vocab_size, dtype=torch.bool)
-        self.banned[list(self.banned_ids)] = True
-        self.string_close = torch.tensor(string_close)
-        self.bracket_close = torch.tensor(bracket_close)
-        self.progress = torch.tensor(progress)
-        self._banned_on: dict[torch.device, torch.Tensor] = {}
-        self._ids: dict[bytes, int] | None = None  # piece -> a token id writing it (built on first use)
-        self._prefix_closers: dict[bytes, torch.Tensor] = {}
-        self._span_index: SpanIndex | None = None
-
-    @property
-    def span_index(self) -> SpanIndex:
-        """The pieces by the string content they write (grounded arguments), built on first use."""
-        if self._span_index is None:
-            self._span_index = SpanIndex(self.pieces, self.banned_ids | self.stop_ids)
-        return self._span_index
-
-    def banned_on(self, device: torch.device) -> torch.Tensor:
-        if device not in self._banned_on:
-            self._banned_on[device] = self.banned.to(device)
-        return self._banned_on[device]
-
-    def prefix_closers(self, text: bytes) -> torch.Tensor:
-        """Scores [V] of the tokens whose piece is a prefix of `text`: its length (-inf: none)."""
-        table = self._prefix_closers.get(text)
-        if table is None:
-            if self._ids is None:
-                skip = self.banned_ids | self.stop_ids
-                self._ids = {p: i for i, p in enumerate(self.pieces) if p and i not in skip}
-            table = torch.full((self.size,), float("-inf"))
-            for k in range(1, len(text) + 1):
-                if (i := self._ids.get(text[:k])) is not None:
-                    table[i] = float(k)
-            self._prefix_closers[text] = table
-        return table
-
-
 class GrammarFactory:
     """Compiles the grammars of constrained values for one tokenizer (cached per schema, order
-    kept): JSON values (`json_schema`) and Qwen3-Coder's XML parameters (`xml_parameters`)."""
+    kept): JSON values (`json_schema`) and Qwen3-Coder's XML parameters (`xml_parameters`).
+    Thread-safe. `precompile` compiles one ahead of its use, on a compile thread and with a
+    deadline (the server: never on the engine worker that serves every client)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         xgr = _xgrammar()
@@ -153,10 +87,12 @@ class GrammarFactory:
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
-        self.compiler = xgr.GrammarCompiler(self.info)
+        # xgrammar's own cache keeps every schema it ever compiled (no limit by default): a server
+        # sees schemas without end, so only `_cache`, bounded, keeps them
+        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
         self.vocab_size = vocab_size
-        self.vocab = _Vocab(self.info, tokenizer, vocab_size, stop_token_ids)
-        self._cache: OrderedDict[str, Any] = OrderedDict()  # least recently used first
+        self.vocab = TokenVocab(self.info, tokenizer, vocab_size, stop_token_ids)
+        self._cache = GrammarCache(GRAMMAR_CACHE_SIZE)
 
     def json_schema(
         self,
@@ -169,13 +105,8 @@ class GrammarFactory:
         plain string and number fields in these texts, and its string enums in the values they mention
         (`grounding.SpanGrounding`); None: the grammar alone. `tools`: the tools whose calls the
         schema describes (their names and descriptions: no value starts on a tool's own words)."""
-        # Property order is part of the grammar (xgrammar emits properties in schema order), so
-        # the schema is neither sorted for compiling nor for the cache key.
         check_schema(schema)  # linear, no recursion: before json.dumps meets a 10,000-deep schema
-        key = json.dumps(schema)
-        compiled = self._compiled(
-            key, lambda: self.compiler.compile_json_schema(key, any_whitespace=False, strict_mode=True)
-        )
+        compiled = self._cache.get(*self._json_job(schema))
         grounding = None
         if sources is not None:
             paths = schema_paths(schema)
@@ -203,15 +134,43 @@ class GrammarFactory:
         for `json_schema`."""
         check_schema(schema)
         params = xml_parameters(schema)
-        compiled = self._compiled(
-            "xml_parameters:" + json.dumps(schema),
-            lambda: self.compiler.compile_structural_tag(
-                json.dumps(xml_structural_tag(params, self._json_ebnf))
-            ),
-        )
+        compiled = self._cache.get(*self._xml_job(schema, params))
         raw = frozenset(p.name.encode() for p in params if p.raw)
         required = tuple(p.name.encode() for p in params if p.required)
         return JsonConstraint(compiled, self.vocab, XmlParamsLexer(raw, required))
+
+    def precompile(
+        self, schema: dict[str, Any], *, body_format: str = "json", timeout: float
+    ) -> CompiledGrammar:
+        """Compile the grammar that `json_schema` (body_format "json") or `xml_parameters`
+        ("xml_parameters") will use for `schema`, now, on the compile thread, waiting at most
+        `timeout` s for the thread and `timeout` s for the compile (`GrammarCache.get`); the
+        handle `keep` puts back in the cache. SchemaRejected when `check_schema` refuses the
+        schema or it did not compile in time; GrammarCompilerBusy when other compiles held the
+        thread; the compiler's own error (RuntimeError, ValueError) when it refuses the schema."""
+        check_schema(schema)
+        if body_format == "xml_parameters":
+            key, compile = self._xml_job(schema, xml_parameters(schema))
+        else:
+            key, compile = self._json_job(schema)
+        return CompiledGrammar(key, self._cache.get(key, compile, timeout))
+
+    def keep(self, *grammars: CompiledGrammar) -> None:
+        """Put precompiled grammars back in the cache, as the most recently used."""
+        self._cache.keep(*grammars)
+
+    def _json_job(self, schema: dict[str, Any]) -> tuple[str, Callable[[], Any]]:
+        # Property order is part of the grammar (xgrammar emits properties in schema order), so
+        # the schema is neither sorted for compiling nor for the cache key.
+        key = json.dumps(schema)
+        return key, lambda: self.compiler.compile_json_schema(key, any_whitespace=False, strict_mode=True)
+
+    def _xml_job(self, schema: dict[str, Any], params: Any) -> tuple[str, Callable[[], Any]]:
+        def compile() -> Any:
+            tag = xml_structural_tag(params, self._json_ebnf)  # converts each value's schema
+            return self.compiler.compile_structural_tag(json.dumps(tag))
+
+        return "xml_parameters:" + json.dumps(schema), compile
 
     @staticmethod
     def _json_ebnf(schema: dict[str, Any]) -> str:
@@ -220,15 +179,6 @@ class GrammarFactory:
             json.dumps(schema), any_whitespace=False, strict_mode=True
         )
         return str(grammar)
-
-    def _compiled(self, key: str, compile: Callable[[], Any]) -> Any:
-        if key in self._cache:
-            self._cache.move_to_end(key)
-        else:
-            self._cache[key] = compile()
-            while len(self._cache) > GRAMMAR_CACHE_SIZE:  # a server sees schemas without end
-                self._cache.popitem(last=False)
-        return self._cache[key]
 
 
 class JsonConstraint:
@@ -240,7 +190,7 @@ class JsonConstraint:
     def __init__(
         self,
         compiled: Any,
-        vocab: _Vocab,
+        vocab: TokenVocab,
         lexer: JsonLexer | XmlParamsLexer | None = None,
         grounding: SpanGrounding | None = None,
     ) -> None:
@@ -359,27 +309,6 @@ class JsonConstraint:
             if torch.isfinite(scores[0, best]):
                 return best
         return -1
-
-
-_DIGITS = re.compile(rb"-?[0-9]+")
-
-
-def _progress(piece: bytes) -> float:
-    """How far a token goes towards finishing a value when nothing allowed closes one: an empty
-    container or string in one token, then a separator to the next (required) property, then a
-    whole number, a literal, a string's opening quote; else shorter is better."""
-    core = piece.strip(b" ")
-    if core in (b"[]", b"{}", b'""'):
-        return 50.0
-    if core[:1] == b"," and all(c in b' ,"' for c in core):
-        return 40.0
-    if _DIGITS.fullmatch(core):
-        return 30.0 - len(core)
-    if core in (b"true", b"false", b"null"):
-        return 20.0
-    if core == b'"':
-        return 10.0
-    return -float(len(piece))
 
 
 def _up_to_banned(tokens: list[int], banned: frozenset[int]) -> list[int]:

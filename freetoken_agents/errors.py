@@ -150,6 +150,12 @@ class SchemaRejected(AgentError, ValueError):
     must follow). The message is one line naming the limit. Propagates: fix the schema."""
 
 
+class GrammarCompilerBusy(AgentError, TimeoutError):
+    """Raised when a schema's grammar was to compile with a deadline (the server compiles each
+    request's schemas on one shared compile thread) and other compiles held that thread past it.
+    Nothing is wrong with the schema: retry later."""
+
+
 class MemoryLimitReached(AgentError):
     """Raised by a run when the engine's memory limit stopped it: the KV cache (or the fast-memory
     budget it shares) could not take another token, during a turn (the model's `generate` ended

@@ -6,8 +6,9 @@ OpenAI-style body (`errors.py`); after any of them the server goes on serving.
 
 A request is parsed and checked here (auth first, then the body under its byte limit, JSON, the
 schema, then `prepare.check`: fields and the cost of every JSON schema, in time linear in the
-body), then queued for the engine worker (`queue.py`), which first runs `prepare.prepare` (render,
-tokenize, bound the prompt, compile grammars: the costly part, one request at a time) and then
+body), its grammars compiled (`prepare.compile_grammars`: on the one grammar-compile thread, with
+a deadline, never on the engine worker), then queued for the engine worker (`queue.py`), which
+first runs `prepare.prepare` (render, tokenize, bound the prompt, one request at a time) and then
 `completion.run_completion`. A client that disconnects cancels its job, waiting, being prepared or
 running. A 400 found while preparing is answered before any byte of the response is sent.
 """
@@ -37,7 +38,7 @@ from freetoken_agents.sync_bridge import step_worker
 from ..prefix_cache import PrefixCache
 from .completion import ContentDelta, Event, Finished, ReasoningDelta, ToolCallDone, run_completion
 from .errors import OpenAIError, bad_request, from_validation_error
-from .prepare import CheckedRequest, check, prepare
+from .prepare import COMPILE_TIMEOUT_S, CheckedRequest, check, compile_grammars, prepare
 from .queue import EngineWorker, Job, JobEnd, QueueFull
 from .schemas import (
     ChatCompletion,
@@ -72,7 +73,8 @@ class ServerConfig:
     cached_prefixes: prompts (and replies) kept pinned for reuse; max_request_bytes: the largest
     body accepted (413 past it, counted while reading so a huge body is never buffered);
     body_idle_s / body_timeout_s: a body with no byte for that long, or not whole in that time, is a
-    408 (its connection closed).
+    408 (its connection closed); grammar_timeout_s: a request's schemas wait at most that long for
+    the grammar-compile thread (503 past it) and each compile at most that long (400 past it).
 
     Prefix reuse (and `cached_tokens`) is scoped per tenant: the API key a request used and its
     `user` field. A request never reuses KV another tenant's prompt left (pinned or live), so
@@ -86,6 +88,7 @@ class ServerConfig:
     max_request_bytes: int = 4 * 1024 * 1024
     body_idle_s: float = 10.0
     body_timeout_s: float = 60.0
+    grammar_timeout_s: float = COMPILE_TIMEOUT_S
 
 
 class _Started:
@@ -104,8 +107,8 @@ class ServerState:
 
     def job(self, checked: CheckedRequest, tenant: str, loop: asyncio.AbstractEventLoop) -> Job:
         def run(job: Job) -> Generator[Any, None, None]:
-            # rendering, tokenizing and compiling cost time: here, one request at a time, and not
-            # for a client that already left
+            # rendering and tokenizing cost time: here, one request at a time, and not for a
+            # client that already left (its grammars were compiled before it queued)
             prepared = prepare(checked, self.backend, cancelled=lambda: job.cancelled)
             if prepared is None:
                 return
@@ -156,7 +159,11 @@ def create_app(engine: Engine, config: ServerConfig, *, family: str | None = Non
         key = _authorize(request, config.api_key)
         body = await _parse(request, config)
         checked = await anyio.to_thread.run_sync(
-            lambda: check(body, state.backend, model_name=config.model_name)
+            lambda: compile_grammars(
+                check(body, state.backend, model_name=config.model_name),
+                state.backend,
+                timeout=config.grammar_timeout_s,
+            )
         )
         job = state.job(checked, _tenant(key, body.user), asyncio.get_running_loop())
         try:

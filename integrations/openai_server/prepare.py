@@ -6,14 +6,18 @@ naming no offered tool, schemas too costly to compile or without a finite value 
 or that the grammar compiler rejects, unsupported options, and a prompt (plus the requested
 completion) over the model's context.
 
-Two steps, so that nothing costly runs outside the bounded queue: `check` (on the HTTP side, time
-linear in the body, no tokenizer) and `prepare` (on the engine worker: render, tokenize, compile;
-it stops when the client left).
+Three steps: `check` (on the HTTP side, time linear in the body, no tokenizer), `compile_grammars`
+(on the HTTP side too, on the grammar factory's one compile thread, with a deadline: a schema
+compiled on the engine worker held every client until it was done, a 380-byte one more than 90 s)
+and `prepare` (on the engine worker, inside the bounded queue: render, tokenize; it stops when the
+client left).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 import weakref
 from collections.abc import Callable, Iterator
@@ -22,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from freetoken_agents import SchemaRejected, user_sources
 from freetoken_agents.engine import ChatTemplateError, encode_plain
+from freetoken_agents.errors import GrammarCompilerBusy
+from freetoken_agents.grammar_cache import CompiledGrammar
 from freetoken_agents.schema_check import check_schema
 
 from .errors import OpenAIError, bad_request
@@ -110,14 +116,58 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+MAX_ARGUMENT_DEPTH = 64  # nesting of a tool call's arguments in the messages (as for schemas)
+MAX_NUMBER_CHARS = 100  # characters of one number in them (Python refuses ints past 4,300 digits)
+
+
 def _arguments(text: str, param: str) -> dict[str, Any]:
+    """A past call's arguments: a JSON object, nested at most MAX_ARGUMENT_DEPTH levels, its
+    numbers finite and at most MAX_NUMBER_CHARS long; else a 400 naming `param` (a deep nesting
+    was a RecursionError, a 5,001-digit integer a ValueError: both a 500)."""
     try:
-        value = json.loads(text or "{}")
+        value = json.loads(text or "{}", parse_int=_int, parse_float=_float, parse_constant=_not_json)
     except json.JSONDecodeError as e:
         raise bad_request(f"{param}: not valid JSON ({e.msg} at position {e.pos})", param=param) from None
+    except RecursionError:
+        raise bad_request(f"{param}: nested deeper than {MAX_ARGUMENT_DEPTH} levels", param=param) from None
+    except ValueError as e:  # a number `_int` / `_float` / `_not_json` refused
+        raise bad_request(f"{param}: {e}", param=param) from None
     if not isinstance(value, dict):
         raise bad_request(f"{param}: must be a JSON object, got {type(value).__name__}", param=param)
+    if _depth_over(value, MAX_ARGUMENT_DEPTH):
+        raise bad_request(f"{param}: nested deeper than {MAX_ARGUMENT_DEPTH} levels", param=param)
     return value
+
+
+def _int(text: str) -> int:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise ValueError(f"a number of {len(text)} characters; at most {MAX_NUMBER_CHARS}")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise ValueError(f"a number of {len(text)} characters; at most {MAX_NUMBER_CHARS}")
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: the template would write Infinity, which is not JSON
+        raise ValueError(f"the number {text} is out of range")
+    return value
+
+
+def _not_json(text: str) -> Any:
+    raise ValueError(f"{text} is not a JSON value")
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether `value` nests deeper than `limit` levels (iteratively: no recursion to run out)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
 
 
 @dataclass(frozen=True)
@@ -132,6 +182,7 @@ class CheckedRequest:
     force: str | None
     json_schema: dict[str, Any] | None
     schemas: dict[str, dict[str, Any]]  # param -> schema the reply may be decoded under
+    grammars: tuple[CompiledGrammar, ...] = ()  # their grammars (`compile_grammars`)
 
 
 def check(request: ChatCompletionRequest, backend: FreeTokenModel, *, model_name: str) -> CheckedRequest:
@@ -172,13 +223,46 @@ def check(request: ChatCompletionRequest, backend: FreeTokenModel, *, model_name
     return CheckedRequest(request, chat_messages(request), tools, tools_on, force, json_schema, schemas)
 
 
+COMPILE_TIMEOUT_S = 10.0  # default deadline of a request's grammar compile (ServerConfig)
+
+
+def compile_grammars(checked: CheckedRequest, backend: FreeTokenModel, *, timeout: float) -> CheckedRequest:
+    """`checked` with the grammars of its schemas, compiled on the grammar factory's compile
+    thread before the request queues for the engine (`GrammarFactory.precompile`), each waiting
+    at most `timeout` s for that thread and `timeout` s for its compile: a costly compile delays
+    its own request only. OpenAIError: 400 naming the param for a schema the compiler refuses or
+    that did not compile in time, 503 when other requests' compiles held the thread."""
+    grammars = backend.grammars()
+    named = backend.parser.needs_name_in_prefix()  # a call's body is its tool's parameters alone
+    compiled = []
+    for param, schema in checked.schemas.items():
+        body = backend.parser.body_format if named and param.startswith("tools.") else "json"
+        try:
+            compiled.append(grammars.precompile(schema, body_format=body, timeout=timeout))
+        except SchemaRejected as e:
+            raise bad_request(f"{param}: {e}", param=param) from None
+        except GrammarCompilerBusy as e:
+            raise OpenAIError(
+                503,
+                f"{param}: {e}",
+                type="server_error",
+                param=param,
+                code="grammar_compiler_busy",
+                headers={"Retry-After": str(max(1, math.ceil(timeout)))},
+            ) from None
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError with the compiler's message
+            raise _not_compiled(e, param) from None
+    return dataclasses.replace(checked, grammars=tuple(compiled))
+
+
 def prepare(
     checked: CheckedRequest, backend: FreeTokenModel, *, cancelled: Callable[[], bool] = lambda: False
 ) -> PreparedRequest | None:
-    """Render and tokenize the prompt, compile its schemas (on the engine worker, one request at a
-    time); None as soon as `cancelled()` (the client left). OpenAIError (400) for a prompt over the
-    context or a schema the compiler refuses. A prompt far over the context is refused after
-    tokenizing about a context's worth of it (`_bound_prompt`), never all of it."""
+    """Render and tokenize the prompt (on the engine worker, one request at a time); None as soon
+    as `cancelled()` (the client left). OpenAIError (400) for a prompt over the context. A prompt
+    far over the context is refused after tokenizing about a context's worth of it
+    (`_bound_prompt`), never all of it. Its grammars were compiled before (`compile_grammars`):
+    they go back in the cache here, for the reply to find."""
     request = checked.request
     limit = backend.max_context
     if not _bound_prompt(checked, backend, limit, cancelled):
@@ -199,11 +283,7 @@ def prepare(
             param="max_tokens",
             code="context_length_exceeded",
         )
-    grammars = backend.grammars()
-    for param, schema in checked.schemas.items():
-        if cancelled():
-            return None
-        _compile(grammars, schema, param)
+    backend.grammars().keep(*checked.grammars)  # others' may have pushed them out while it waited
     return PreparedRequest(
         ids=ids,
         tools=checked.tools,
@@ -339,13 +419,10 @@ def _response_schema(request: ChatCompletionRequest, auto_tools: bool) -> dict[s
 _SOURCE_PREFIX = re.compile(r"^\[[\d:.]+\]\s+\S+:\d+:\s*")
 
 
-def _compile(grammars: Any, schema: dict[str, Any], param: str) -> None:
-    try:
-        grammars.json_schema(schema)
-    except Exception as e:  # xgrammar raises RuntimeError / ValueError with the compiler's message
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        first = _SOURCE_PREFIX.sub("", first)  # "[14:15:41] /project/cpp/x.cc:5082: " is noise here
-        raise bad_request(f"{param}: the JSON schema cannot be compiled: {first}", param=param) from None
+def _not_compiled(error: Exception, param: str) -> OpenAIError:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    first = _SOURCE_PREFIX.sub("", first)  # "[14:15:41] /project/cpp/x.cc:5082: " is noise here
+    return bad_request(f"{param}: the JSON schema cannot be compiled: {first}", param=param)
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
