@@ -24,13 +24,13 @@ from __future__ import annotations
 import logging
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import jinja2
-
-from .errors import ChatTemplateError
-from .tokenize import added_tokens
+from .template.budget import TemplateBudget
+from .template.inputs import template_source, template_variables
+from .template.sandbox import render_template
+from .tokenize import added_pattern, defuse
 
 logger = logging.getLogger(__name__)
 
@@ -81,23 +81,20 @@ def render_chat(
     tools: Sequence[dict] | None = None,
     *,
     add_generation_prompt: bool = True,
+    budget: TemplateBudget | None = None,
 ) -> str:
     """`messages` as text in the tokenizer's chat template (DEFAULT_CHAT_TEMPLATE when it has none).
 
     The one rendering path: the engine's prompts and the embedded model's training corpus both
     go through it, so the model is trained on exactly the text it is later prompted with.
-    ChatTemplateError when the template refuses the messages."""
-    try:
-        return tokenizer.apply_chat_template(
-            list(messages),
-            tools=list(tools) if tools else None,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE,
-            tokenize=False,
-        )
-    except jinja2.TemplateError as e:
-        line = " ".join(str(e).split()) or type(e).__name__
-        raise ChatTemplateError(f"the chat template refused the messages: {line}") from None
+    The template is untrusted code: it renders in the engine's budgeted sandbox
+    (`template.sandbox`: transformers' environment, so the text is the same as
+    `apply_chat_template(..., tokenize=False)`), within `budget` (default `TemplateBudget()`:
+    TEMPLATE_RENDER_SECONDS, TEMPLATE_MAX_CHARS...). ChatTemplateError, one line, when the
+    template refuses the messages, breaks the budget or fails."""
+    source = template_source(tokenizer, tools, DEFAULT_CHAT_TEMPLATE)
+    variables = template_variables(tokenizer, messages, tools, add_generation_prompt)
+    return render_template(source, variables, budget)
 
 
 def render_chat_spans(
@@ -109,43 +106,88 @@ def render_chat_spans(
 ) -> tuple[str, list[tuple[int, int]]]:
     """`render_chat`'s text and the [start, end) spans of it that came from untrusted contents.
 
-    Each untrusted string content is bracketed by a pair of unique whitespace-free sentinels and the
-    template rendered once so and once plainly. Between a pair lies the content as the template
-    wrote it (verbatim, or transformed character-wise: gpt-oss's template writes tool results
-    through `tojson`); that is the span, and the sentinels are dropped. When the result is not the
-    plain rendering (the template dropped or reworked a content: `trim`, slicing, a test on its
-    text), the contents are located verbatim in the plain rendering, and if that fails too their
-    special-token strings are escaped (a zero-width space after the first character) so that
-    they cannot become control tokens: fail closed."""
-    nonce = secrets.token_hex(8)
-    marker = f"FTUNTRUSTED{nonce}"
-    marked, contents = [], []
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if message.get("role") in TRUSTED_ROLES or not isinstance(content, str) or not content:
-            marked.append(message)
-            continue
-        contents.append(content)
-        marked.append({**message, "content": f"{marker}A{i}Z{content}{marker}B{i}Z"})
+    Each untrusted text (a string content, or the text of each part of a list content: OpenAI's
+    `[{"type": "text", "text": ...}]`) is bracketed by a pair of unique whitespace-free sentinels
+    and the template rendered once so and once plainly. Between a pair lies the text as the
+    template wrote it (verbatim, or transformed character-wise: gpt-oss's template writes tool
+    results through `tojson`); that is the span, and the sentinels are dropped. When the result is
+    not the plain rendering (the template dropped or reworked a content: `trim`, slicing, a test on
+    its text), the contents are located verbatim in the plain rendering, and if that fails too (or
+    there are more than MAX_LOCATED distinct ones to look for) their special-token strings are
+    escaped (a zero-width space after the first character) so that they cannot become control
+    tokens: fail closed. Linear in the rendered text (the sentinels are paired in one pass)."""
+    marker = f"FTUNTRUSTED{secrets.token_hex(8)}"
+    contents: list[str] = []
+    marked = [_mark(message, marker, contents) for message in messages]
     plain = render_chat(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt)
     if not contents:
         return plain, []
     text = render_chat(tokenizer, marked, tools, add_generation_prompt=add_generation_prompt)
-    pattern = re.compile(rf"{marker}A(\d+)Z(.*?){marker}B\1Z", re.DOTALL)
+    found = _unmark(text, marker)
+    if found is not None and found[0] == plain:
+        return found
+    return _fallback(tokenizer, messages, plain, tools, add_generation_prompt, contents)
+
+
+MAX_LOCATED = 64
+"""Most distinct untrusted contents with special-token text `_fallback` searches the rendering for
+(each search reads the whole text); past it they are escaped instead."""
+
+
+def _untrusted(message: Any) -> bool:
+    return isinstance(message, dict) and message.get("role") not in TRUSTED_ROLES
+
+
+def _map_texts(message: dict, change: Callable[[str], str]) -> dict:
+    """`message` with `change` applied to its untrusted texts: a non-empty string content, the
+    non-empty "text" of each part of a list content."""
+    content = message.get("content")
+    if isinstance(content, str) and content:
+        return {**message, "content": change(content)}
+    if isinstance(content, list):
+        parts = [
+            {**part, "text": change(part["text"])}
+            if isinstance(part, dict) and isinstance(part.get("text"), str) and part["text"]
+            else part
+            for part in content
+        ]
+        return {**message, "content": parts}
+    return message
+
+
+def _mark(message: Any, marker: str, contents: list[str]) -> Any:
+    """An untrusted `message` with each of its texts bracketed by the k-th pair of sentinels (k:
+    the text's index in `contents`, where it is appended); a trusted one as it is."""
+    if not _untrusted(message):
+        return message
+
+    def bracket(text: str) -> str:
+        contents.append(text)
+        k = len(contents) - 1
+        return f"{marker}A{k}Z{text}{marker}B{k}Z"
+
+    return _map_texts(message, bracket)
+
+
+def _unmark(text: str, marker: str) -> tuple[str, list[tuple[int, int]]] | None:
+    """`text` without its sentinels and the spans they bracketed; None unless they come in pairs,
+    each opening followed by its own closing (the template dropped or cut one)."""
+    tags = list(re.finditer(rf"{marker}([AB])(\d+)Z", text))
+    if len(tags) % 2:
+        return None
     out, spans, last, length = [], [], 0, 0
-    for match in pattern.finditer(text):
-        out.append(text[last : match.start()])
-        length += match.start() - last
-        inner = match.group(2)
+    for opening, closing in zip(tags[::2], tags[1::2], strict=True):
+        if (opening[1], closing[1]) != ("A", "B") or opening[2] != closing[2]:
+            return None
+        out.append(text[last : opening.start()])
+        length += opening.start() - last
+        inner = text[opening.end() : closing.start()]
         out.append(inner)
         spans.append((length, length + len(inner)))
         length += len(inner)
-        last = match.end()
+        last = closing.end()
     out.append(text[last:])
-    rendered = "".join(out)
-    if rendered == plain:
-        return rendered, spans
-    return _fallback(tokenizer, messages, plain, tools, add_generation_prompt, contents)
+    return "".join(out), spans
 
 
 def _fallback(
@@ -158,23 +200,22 @@ def _fallback(
 ) -> tuple[str, list[tuple[int, int]]]:
     """Spans of the plain rendering `text` by verbatim search of the untrusted contents, for a
     template that reworked them (the bracketed rendering was not `text`)."""
-    specials = added_tokens(tokenizer)
-    risky = [c for c in contents if any(t in c for t in specials)]
-    if any(c not in text for c in risky):
-        logger.warning("chat template transformed untrusted content: escaping its special-token text")
-        escaped = []
-        for message in messages:
-            content = message.get("content")
-            if message.get("role") not in TRUSTED_ROLES and isinstance(content, str):
-                for token in specials:
-                    content = content.replace(token, token[:1] + "\u200b" + token[1:])
-                message = {**message, "content": content}
-            escaped.append(message)
-        return render_chat(tokenizer, escaped, tools, add_generation_prompt=gen), []
-    spans = []
-    for content in risky:
-        start = text.find(content)
-        while start != -1:
-            spans.append((start, start + len(content)))
-            start = text.find(content, start + len(content))
-    return text, spans
+    pattern = added_pattern(tokenizer)
+    if pattern is None:
+        return text, []
+    risky = list(dict.fromkeys(c for c in contents if pattern.search(c)))
+    if len(risky) <= MAX_LOCATED and all(c in text for c in risky):
+        spans = []
+        for content in risky:
+            start = text.find(content)
+            while start != -1:
+                spans.append((start, start + len(content)))
+                start = text.find(content, start + len(content))
+        return text, spans
+    logger.warning("chat template transformed untrusted content: escaping its special-token text")
+
+    def escape(content: str) -> str:
+        return "\u200b".join(defuse(pattern, content))
+
+    escaped = [_map_texts(m, escape) if _untrusted(m) else m for m in messages]
+    return render_chat(tokenizer, escaped, tools, add_generation_prompt=gen), []

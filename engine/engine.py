@@ -21,7 +21,7 @@ from .anchors.host import AnchorHost
 from .anchors.store import AnchorStore
 from .chat import render_chat_spans
 from .decode_runner import DecodeRunner
-from .errors import EngineError
+from .errors import ContextOverflowError, EngineError
 from .experts import ExpertStore
 from .generate import GenerationResult, SamplingParams, TokenEvent, stream_tokens
 from .int8 import DenseQuantPart, ExpertQuant
@@ -35,10 +35,15 @@ from .session import Session
 from .spec import ModelSpec
 from .stop_tokens import stop_token_ids
 from .tokenize import encode as encode_text
-from .tokenize import encode_segments
+from .tokenize import encode_segments, longest_token_chars
 from .transformer import MoETransformer
 
 logger = logging.getLogger(__name__)
+
+NORMALIZER_FOLD = 4
+"""The most characters a tokenizer's normalizer folds into one (NFC composes up to three Hangul jamo
+into one syllable), with room to spare: a rendered prompt longer than max_context x the longest
+token x this cannot fit, and is refused before it is tokenized."""
 
 
 class Engine:
@@ -291,10 +296,17 @@ class Engine:
         Only the template's own markup and the trusted roles' contents (system prompt, the
         assistant's past turns: `chat.TRUSTED_ROLES`) can yield control tokens; a special-token
         string in a user or tool message is tokenized as plain text, so a tool result cannot forge a
-        turn. Text without such strings gets exactly the tokenizer's own ids."""
+        turn. Text without such strings gets exactly the tokenizer's own ids. ContextOverflowError,
+        before tokenizing, for a rendering too long to fit in the context however it tokenizes."""
         rendered, untrusted = render_chat_spans(
             self.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt
         )
+        bound = self.max_context * longest_token_chars(self.tokenizer) * NORMALIZER_FOLD
+        if len(rendered) > bound:  # certainly over the context: not worth tokenizing
+            raise ContextOverflowError(
+                f"the rendered prompt has {len(rendered)} characters, more than the model's context of "
+                f"{self.max_context} tokens can hold (at most {bound}); shorten the messages"
+            )
         return encode_segments(self.tokenizer, rendered, untrusted)
 
     def encode(self, text: str) -> list[int]:

@@ -20,7 +20,7 @@ PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
 INDEX = f"https://pypi.org/pypi/{PACKAGE}/json"
 CACHE = Path(platformdirs.user_cache_dir("freetoken-tests")) / f"llama.cpp-templates-{VERSION}"
-VOCABS = ("ggml-vocab-qwen2.gguf", "ggml-vocab-deepseek-llm.gguf")
+VOCABS = ("ggml-vocab-qwen2.gguf", "ggml-vocab-deepseek-llm.gguf", "ggml-vocab-llama-spm.gguf")
 """The sdist's real tokenizer vocabularies kept beside the templates (`real_tokenizers.py`)."""
 
 

@@ -7,6 +7,13 @@
   tokenizer_config.json declares them.
 - Mistral Nemo's Tekken (`tekken_240718.json`, the file Mistral-Nemo-Instruct-2407 ships), which
   the `mistral-common` package carries, read by `transformers`' Tekken conversion.
+- The 32k Llama SentencePiece vocabulary (`ggml-vocab-llama-spm.gguf` of the same sdist; Mistral-7B
+  and Mixtral's 32k vocabulary is built the same way: a BPE over "▁"-spaced text with a dummy "▁"
+  prefix), in the three layouts tokenizer.json files give the dummy prefix: a Metaspace
+  pre-tokenizer with prepend_scheme "first" (the prefix only at the start of the whole text, what
+  transformers converts to), one with "always" (at the start of every text between added tokens),
+  and the legacy `Prepend("▁")` normalizer; each with the control tokens of every chat template
+  family of the tests added as special tokens, so any real template's markup is control tokens.
 - gpt-oss's o200k_harmony and DeepSeek-V3's vocabulary are on no package of the index: those
   families get a real BPE (Qwen's, DeepSeek-LLM's from the same sdist) with their own control
   tokens added as their tokenizers declare them, so the template's markup tokenizes as it does in
@@ -51,7 +58,26 @@ DEEPSEEK_V3_ADDED = (
     "<｜tool▁output▁end｜>",
     "<｜tool▁sep｜>",
 )
-NAMES = ("qwen3", "mistral-nemo", "gpt-oss", "deepseek-v3")
+MISTRAL_CONTROL = (
+    "[INST]",
+    "[/INST]",
+    "[TOOL_CALLS]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+    "[TOOL_CONTENT]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "[CALL_ID]",
+    "[ARGS]",
+    "[THINK]",
+    "[/THINK]",
+)
+CHATML = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+SPM = {"llama-spm": "first", "llama-spm-always": "always", "llama-spm-legacy": "legacy"}
+"""The SentencePiece tokenizers by name, with the layout of their dummy prefix."""
+NAMES = ("qwen3", "mistral-nemo", "gpt-oss", "deepseek-v3", *SPM)
 
 
 def real_tokenizer(name: str) -> Any:
@@ -74,6 +100,8 @@ def real_tokenizer(name: str) -> Any:
 def _build(name: str) -> Any:
     if name == "mistral-nemo":
         return _tekken("tekken_240718.json")
+    if name in SPM:
+        return _sentencepiece(SPM[name])
     if name == "deepseek-v3":
         tokenizer = _from_vocab(real_vocab("ggml-vocab-deepseek-llm.gguf"))
         tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in DEEPSEEK_V3_ADDED])
@@ -85,6 +113,27 @@ def _build(name: str) -> Any:
         tokenizer.add_special_tokens({"additional_special_tokens": list(HARMONY_SPECIAL)})
     else:
         raise ValueError(f"no real tokenizer named {name!r}; known: {', '.join(NAMES)}")
+    return tokenizer
+
+
+def _sentencepiece(scheme: str) -> Any:
+    """The Llama SPM vocabulary with its dummy prefix laid out as `scheme` ("first", "always",
+    "legacy") and every family's control tokens."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    converted = _from_vocab(real_vocab("ggml-vocab-llama-spm.gguf"))  # Metaspace, "first"
+    backend = Tokenizer.from_str(converted.backend_tokenizer.to_str())
+    if scheme == "legacy":
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        backend.pre_tokenizer = None
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    control = (*MISTRAL_CONTROL, *CHATML, *QWEN3_ADDED, *HARMONY_SPECIAL, *DEEPSEEK_V3_ADDED)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(dict.fromkeys(control))})
     return tokenizer
 
 

@@ -13,14 +13,17 @@ from freetoken_agents.engine.tokenize import MAX_RUN, encode, split_long_runs
 
 
 class Recording:
-    """A tokenizer that records the longest whitespace-free run it was asked to encode."""
+    """A tokenizer that records the longest whitespace-free run it was asked to encode, between added
+    tokens (the tokenizer splits at those before its BPE sees the text)."""
 
     def __init__(self, inner) -> None:
         self.inner, self.longest = inner, 0
 
     def _note(self, texts) -> None:
+        added = "|".join(map(re.escape, self.inner.get_added_vocab()))
         for text in [texts] if isinstance(texts, str) else texts:
-            self.longest = max([self.longest, *(len(r) for r in re.findall(r"\S+", text))])
+            runs = (len(r) for part in re.split(added, text) for r in re.findall(r"\S+", part))
+            self.longest = max([self.longest, *runs])
 
     def encode(self, text, **kw):
         self._note(text)

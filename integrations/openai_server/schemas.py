@@ -18,6 +18,11 @@ from freetoken_agents.parsers import new_call_id
 
 _LENIENT = ConfigDict(extra="ignore")
 
+MAX_MESSAGES = 2048
+"""Most messages one request may hold (more is a 400 naming `messages`, before anything is rendered).
+The engine renders and tokenizes in time linear in the messages, but a chat template need not be
+(one that looks back over the conversation at each message)."""
+
 
 # ---- request ------------------------------------------------------------------------------------
 class TextPart(BaseModel):
@@ -122,7 +127,7 @@ class ChatCompletionRequest(BaseModel):
     model_config = _LENIENT
 
     model: str
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
