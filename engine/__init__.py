@@ -5,41 +5,89 @@ engine = Engine.from_pretrained("path/to/hf-checkpoint")   # or an .ftw file, or
 with engine.new_session() as s:
     logits = s.prefill([1, 2, 3])      # [T, V]
     logits = s.decode(4)               # [V]
+
+Importing the package itself loads no submodule (PEP 562): each name imports its module on first
+use, so the engine's command-line flags (`flags`, `choices`) and `freetoken --help` stay free of
+torch and transformers (issue 65); `from freetoken_agents.engine import Engine` works as before.
 """
 
-from .adapters import SUPPORTED_MODEL_TYPES
-from .anchors import ANCHOR_KINDS, Anchor, AnchorStore
-from .chat import DEFAULT_CHAT_TEMPLATE, render_chat
-from .detokenize import IncrementalDetokenizer
-from .engine import Engine
-from .errors import (
-    AnchorError,
-    AnchorFileError,
-    AnchorFingerprintError,
-    AnchorNotFoundError,
-    AnchorSaveError,
-    AnchorValidationError,
-    ChatTemplateError,
-    CheckpointError,
-    ContextOverflowError,
-    EngineError,
-    FTWFormatError,
-    InvalidTokenError,
-    MemoryBudgetError,
-    ModelNotFoundError,
-    UnsupportedModelError,
-)
-from .experts import ExpertStore, ExpertWeights, InMemoryExpertProvider
-from .generate import GenerationResult, SamplingParams, TokenEvent
-from .int8 import EXPERT_QUANTS
-from .loading.hub import HubId, is_hub_id, parse_hub_id, resolve_model
-from .loading.placement import check_device
-from .memory import MemoryBudget
-from .options import PLACEMENTS, EngineOptions, Placement, TieringOptions
-from .session import Session
-from .spec import ModelSpec
-from .stop_text import held_back_for_stops
-from .tokenize import encode_plain
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the names are, for type checkers and import-linter
+    from .adapters import SUPPORTED_MODEL_TYPES
+    from .anchors import ANCHOR_KINDS, Anchor, AnchorStore
+    from .chat import DEFAULT_CHAT_TEMPLATE, render_chat
+    from .choices import EXPERT_QUANTS, PLACEMENTS, Placement
+    from .detokenize import IncrementalDetokenizer
+    from .engine import Engine
+    from .errors import (
+        AnchorError,
+        AnchorFileError,
+        AnchorFingerprintError,
+        AnchorNotFoundError,
+        AnchorSaveError,
+        AnchorValidationError,
+        ChatTemplateError,
+        CheckpointError,
+        ContextOverflowError,
+        EngineError,
+        FTWFormatError,
+        InvalidTokenError,
+        MemoryBudgetError,
+        ModelNotFoundError,
+        UnsupportedModelError,
+    )
+    from .experts import ExpertStore, ExpertWeights, InMemoryExpertProvider
+    from .generate import GenerationResult, SamplingParams, TokenEvent
+    from .loading.hub import HubId, is_hub_id, parse_hub_id, resolve_model
+    from .loading.placement import check_device
+    from .memory import MemoryBudget
+    from .options import EngineOptions, TieringOptions
+    from .session import Session
+    from .spec import ModelSpec
+    from .stop_text import held_back_for_stops
+    from .tokenize import encode_plain
+
+_MODULES: dict[str, tuple[str, ...]] = {
+    ".adapters": ("SUPPORTED_MODEL_TYPES",),
+    ".anchors": ("ANCHOR_KINDS", "Anchor", "AnchorStore"),
+    ".chat": ("DEFAULT_CHAT_TEMPLATE", "render_chat"),
+    ".choices": ("EXPERT_QUANTS", "PLACEMENTS", "Placement"),
+    ".detokenize": ("IncrementalDetokenizer",),
+    ".engine": ("Engine",),
+    ".errors": (
+        "AnchorError",
+        "AnchorFileError",
+        "AnchorFingerprintError",
+        "AnchorNotFoundError",
+        "AnchorSaveError",
+        "AnchorValidationError",
+        "ChatTemplateError",
+        "CheckpointError",
+        "ContextOverflowError",
+        "EngineError",
+        "FTWFormatError",
+        "InvalidTokenError",
+        "MemoryBudgetError",
+        "ModelNotFoundError",
+        "UnsupportedModelError",
+    ),
+    ".experts": ("ExpertStore", "ExpertWeights", "InMemoryExpertProvider"),
+    ".generate": ("GenerationResult", "SamplingParams", "TokenEvent"),
+    ".loading.hub": ("HubId", "is_hub_id", "parse_hub_id", "resolve_model"),
+    ".loading.placement": ("check_device",),
+    ".memory": ("MemoryBudget",),
+    ".options": ("EngineOptions", "TieringOptions"),
+    ".session": ("Session",),
+    ".spec": ("ModelSpec",),
+    ".stop_text": ("held_back_for_stops",),
+    ".tokenize": ("encode_plain",),
+}
+"""Submodule -> the public names it provides (the `TYPE_CHECKING` imports above, as data)."""
+_EXPORTS: dict[str, str] = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "ANCHOR_KINDS",
@@ -87,3 +135,17 @@ __all__ = [
     "render_chat",
     "resolve_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use (then a plain module global)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -3,17 +3,22 @@
 defined once beside `EngineOptions`, which they fill: every command that loads a model takes them
 (`freetoken chat/generate/serve/demo`, and the recipes' own `python -m` programs, which may not
 import the CLI above them).
+
+Building a parser with these flags imports nothing heavy (the choices come from `choices`): the
+options module and its torch load only when `engine_options` reads the parsed flags, so
+`freetoken generate --help` answers at once (issue 65).
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .int8 import EXPERT_QUANTS
-from .memory import MemoryBudget
-from .options import PLACEMENTS, EngineOptions
+from .choices import EXPERT_QUANTS, PLACEMENTS
+
+if TYPE_CHECKING:
+    from .options import EngineOptions
 
 MEMORY_FLAGS = {"fast_bytes": "--fast-mem", "host_bytes": "--host-mem"}
 """Budget field -> the flag that sets it (errors name the flag)."""
@@ -82,6 +87,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace, **extra: Any) -> EngineOptions:
     """The EngineOptions the engine arguments in `args` ask for (MemoryBudgetError naming the
     flag for an unreadable size; EngineError for a bad device)."""
+    from .memory import MemoryBudget  # torch: only once a command runs, never for --help
+    from .options import EngineOptions
+
     quant = args.expert_quant
     options = EngineOptions.parse(
         device=args.device,

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import gemv_triton
+from .choices import EXPERT_QUANTS, ExpertQuant
 from .errors import EngineError
 from .scratch import thread_buffer
 
@@ -53,15 +54,6 @@ KERNEL_K_MULTIPLE = 16
 DEQUANT_BLOCK = 1 << 21
 """Elements of weight dequantized at once on the prefill path (8 MiB fp32: stays in L3)."""
 
-ExpertQuant = Literal["auto", "int8", "compact", "none"]
-EXPERT_QUANTS: tuple[ExpertQuant, ...] = get_args(ExpertQuant)
-"""`Engine.from_pretrained(expert_quant=...)` values:
-``auto`` keep projections stored as int8 (FTW ``int8`` codec) in int8 and decode every other
-codec to the engine dtype (an HF checkpoint or an fp32/bf16 FTW file runs exactly as before);
-``int8`` hold every expert projection in int8 (quantizing float / other codecs at load);
-``compact`` as ``auto``, and also keep projections stored as MXFP4 in their 4-bit form
-(`mxfp4.py`: a GEMV kernel on CUDA, a transient decode elsewhere);
-``none`` decode every stored codec, int8 included, to the engine dtype (the pre-int8 behaviour)."""
 DenseQuantPart = Literal["attention", "lm_head"]
 DENSE_QUANTS: tuple[DenseQuantPart, ...] = get_args(DenseQuantPart)
 """`Engine.from_pretrained(dense_quant=...)` parts: attention projections (q/k/v/o, MLA's

@@ -18,20 +18,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .choices import Placement
 from .errors import EngineError
 from .int8 import DenseQuantPart, ExpertQuant, check_dense_quant, check_expert_quant
 from .memory import ROUTING_DECAY, MemoryBudget
 
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
 """What `device` may name: "cpu", "cuda" or "cuda:N"."""
-
-Placement = Literal["auto", "resident", "qstar", "stream"]
-PLACEMENTS: tuple[str, ...] = get_args(Placement)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

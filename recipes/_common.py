@@ -11,13 +11,19 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from freetoken_agents import AgentError, FreeTokenModel, default_model
+from freetoken_agents import AgentError, default_model
 from freetoken_agents.engine import EngineError, MemoryBudgetError
 from freetoken_agents.engine.flags import MEMORY_FLAGS, add_engine_arguments, engine_options
-from freetoken_agents.engine.memory.budget import format_size
 
 from . import RecipeError
+
+if TYPE_CHECKING:
+    from freetoken_agents import FreeTokenModel
+
+# Only light modules above: the `freetoken` command builds its parsers from this one, and
+# `freetoken --help` must not wait for torch (issue 65). The model loads in `load_model`.
 
 Write = Callable[[str], None]
 """Where recipe output goes: text in, nothing out (lines end with their own newline)."""
@@ -53,6 +59,8 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
 def load_model(args: argparse.Namespace) -> FreeTokenModel:
     """A FreeTokenModel over `args.model` (default: the embedded model) with the engine options
     of `args`."""
+    from freetoken_agents import FreeTokenModel
+
     return FreeTokenModel.from_pretrained(model_path(args.model), **engine_options(args).as_kwargs())
 
 
@@ -74,6 +82,8 @@ def one_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = "; ".join(lines) or type(error).__name__
     if isinstance(error, MemoryBudgetError) and error.option in MEMORY_FLAGS:
+        from freetoken_agents.engine.memory.budget import format_size  # torch: only on this error
+
         flag = MEMORY_FLAGS[error.option]
         if error.minimum_bytes is not None:
             text += f" (give {flag} {format_size(error.minimum_bytes)} or more)"

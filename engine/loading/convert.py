@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from ..adapters.base import FP8_SCALE_SUFFIX, Adapter, fp8_encoded
 from ..checkpoint import SafetensorsCheckpoint
+from ..choices import QUANT_CODECS, QUANTS
 from ..codecs import EncodedTensor, decode, encode, get_codec
 from ..errors import CheckpointError
 from ..expert_tensors import WEIGHT_NAMES
@@ -59,17 +60,6 @@ from .hf_folder import open_hf_checkpoint
 
 logger = logging.getLogger(__name__)
 
-QUANT_CODECS: dict[str, str] = {
-    "fp32": "fp32",
-    "bf16": "bf16",
-    "fp8": "fp8_e4m3",
-    "int8": "int8",
-    "mxfp4": "mxfp4",
-    "int8_b32": "int8_b32",
-    "uint4_b32": "uint4_b32",
-}
-"""``--quant`` value -> expert codec (``auto`` picks per expert)."""
-QUANTS: tuple[str, ...] = (*QUANT_CODECS, "auto")
 EMBEDDED_FILES: tuple[str, ...] = (*TOKENIZER_FILES, GENERATION_CONFIG)
 """Files copied from the checkpoint folder into the manifest when present."""
 FALLBACK_CODEC = "bf16"
@@ -119,12 +109,18 @@ class ConvertReport:
         return self.file_bytes / self.source_bytes if self.source_bytes else float("nan")
 
     def summary(self) -> str:
-        """One line: file, bytes, codecs of the expert weights and the ratio to the source."""
+        """One line: file, bytes, codecs of the expert weights and the ratio to the source.
+
+        The codec counts are per weight projection (a block holds 2 or 3: ``gate_up``/``down``, or
+        ``gate``/``up``/``down``), so they are labelled with their own total: put next to the
+        block count unlabelled they did not add up to it (issue 65)."""
         codecs = ", ".join(f"{c} x{n}" for c, n in sorted(self.codec_counts.items()))
         extra = f", {self.carried_over} carried over" if self.carried_over else ""
+        projections = sum(self.codec_counts.values())
         return (
             f"wrote {self.path}: {self.file_bytes:,} bytes ({self.ratio:.2f}x of {self.source_bytes:,} "
-            f"source bytes), quant {self.quant}, {self.expert_blocks} expert blocks [{codecs}]{extra}, "
+            f"source bytes), quant {self.quant}, {self.expert_blocks} expert blocks "
+            f"({projections} weight projections: {codecs or 'none'}{extra}), "
             f"{self.dense_tensors} dense tensors ({self.dense_bytes:,} bytes), {self.seconds:.1f}s"
         )
 

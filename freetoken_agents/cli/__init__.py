@@ -1,6 +1,11 @@
 """The `freetoken` command line. Each subcommand lives in its own module with `register(subparsers)`.
 
 Errors are printed as one line with a non-zero exit code; `--debug` shows the traceback.
+
+Building the parser loads no torch, transformers, engine internals or integrations (issue 65:
+`freetoken --help` took 6-28 s): a subcommand module imports at its top only what its parser
+needs (`engine.choices`, `engine.flags`, `recipes._common`), and what its command runs inside the
+function that runs it. tests/test_cli_startup.py checks it.
 """
 
 from __future__ import annotations

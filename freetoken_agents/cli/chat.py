@@ -13,14 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..anchors import AnchorHandle
 from ..engine import EngineError
 from ..engine.flags import engine_options
-from ..engine.memory.budget import format_size
-from ..integrations.chat_turn import ChatTurnRequest, ContentDelta, run_chat_turn
-from ..model import FreeTokenModel
 from ..recipes._common import (
     add_model_argument,
     model_path,
@@ -28,9 +24,15 @@ from ..recipes._common import (
     positive_int,
     use_threads,
 )
-from ..sync_bridge import iterate_on, step_worker
 from .argtypes import non_negative_float
 from .common import CLIError, model_label, show_progress, sync_with_progress, write
+
+if TYPE_CHECKING:
+    from ..anchors import AnchorHandle
+    from ..model import FreeTokenModel
+
+# The model, the chat turn and their torch load inside the functions that run the chat, never for
+# `freetoken --help` (issue 65).
 
 HELP = """commands:
   /anchor [label]       place an anchor after the last turn
@@ -95,6 +97,9 @@ class ChatSession:
                 f"message not sent: with it the conversation is {len(ids)} tokens and the model's "
                 f"context is {limit} (a reply needs room too); send a shorter one or /rollback"
             )
+        from ..integrations.chat_turn import ChatTurnRequest, ContentDelta, run_chat_turn
+        from ..sync_bridge import iterate_on, step_worker
+
         self.messages = messages
         self._sync(generation_prompt=True)
         request = ChatTurnRequest(
@@ -159,6 +164,8 @@ class ChatSession:
 
 def stats_lines(stats: dict[str, Any]) -> str:
     """`engine.stats()` for people: placement, each expert tier's use and hits, the KV cache."""
+    from ..engine.memory.budget import format_size
+
     out = [f"  placement: {stats['placement']} ({stats.get('placement_reason', '')})"]
     for name, tier in (stats.get("tiers") or {}).items():
         if "used_bytes" in tier:
@@ -180,6 +187,8 @@ def stats_lines(stats: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..model import FreeTokenModel
+
     use_threads(args.threads, args.model)
     path = model_path(args.model)
     options = engine_options(args, progress=show_progress(args.no_progress))

@@ -12,17 +12,19 @@ import argparse
 import json
 import random
 import time
+from typing import TYPE_CHECKING
 
-from ..agent import Agent, AgentResult
 from ..engine.flags import engine_options
 from ..errors import AgentError
-from ..model import FreeTokenModel
 from ..recipes._common import add_model_argument, model_path, positive_int, use_threads
-from ..recipes._printing import AgentPrinter, CodingPrinter, answer_block, trace_summary
-from ..recipes.coding_assistant import CodingResult, solve
-from ..recipes.tiny import world
-from ..recipes.tiny.coding import code_task
 from .common import model_label, write
+
+if TYPE_CHECKING:
+    from ..model import FreeTokenModel
+    from ..recipes.coding_assistant import CodingResult
+
+# The agent, the model, the recipes and their torch load inside the functions that run the demo,
+# never for `freetoken --help` (issue 65).
 
 DEMO_SEED = 12
 """The one constant that picks the demo's held-out question and coding tasks."""
@@ -47,6 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..model import FreeTokenModel
+
     t0 = time.perf_counter()
     use_threads(args.threads, args.model)
     path = model_path(args.model)
@@ -69,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _agent_part(model: FreeTokenModel, seed: int, max_new_tokens: int) -> str:
+    from ..agent import Agent, AgentResult
+    from ..recipes._printing import AgentPrinter, trace_summary
+    from ..recipes.tiny import world
+
     question = world.tool_question(random.Random(seed), "heldout")
     write("== 1. An agent with tools ==\n")
     write(f"tools: {', '.join(t.name for t in world.TOOLS)}\nquestion (held out): {question.question}\n")
@@ -107,6 +115,10 @@ def _agent_part(model: FreeTokenModel, seed: int, max_new_tokens: int) -> str:
 def _coding_part(
     model: FreeTokenModel, seed: int, tasks: int, attempts: int, max_new_tokens: int
 ) -> list[CodingResult]:
+    from ..recipes._printing import CodingPrinter, answer_block
+    from ..recipes.coding_assistant import solve
+    from ..recipes.tiny.coding import code_task
+
     write("== 2. Coding assistant: tests in a sandbox, rollback to the code-block anchor ==\n")
     rng, results = random.Random(seed), []
     for i in range(tasks):

@@ -5,13 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter, defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..engine import Engine, check_device, resolve_model
-from ..engine.ftw import CODECS, ExpertInfo, FTWFile
-from ..engine.ftw.layout import ALIGNMENT
-from ..engine.loading.calibrate import AutoPolicy
-from ..engine.loading.convert import QUANTS, convert_checkpoint
-from ..engine.loading.gguf import SOURCE, convert_gguf, is_gguf_path
+from ..engine.choices import CODECS, QUANTS
+from ..engine.choices import GGUF_SOURCE as SOURCE
+from ..engine.tokenizer_files import TOKENIZER_MARKERS
+from .common import CLIError
+
+if TYPE_CHECKING:
+    from ..engine.ftw import ExpertInfo, FTWFile
+
+# The parsers take their choices from the light `engine.choices`; the converter, the FTW reader
+# and their torch load inside the functions that run a command, never for `--help` (issue 65).
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,7 +60,25 @@ def _progress(args: argparse.Namespace) -> bool:
     return not args.no_progress and sys.stderr.isatty()
 
 
+def check_tokenizer(folder: Path) -> None:
+    """CLIError unless `folder` has a tokenizer file. `freetoken generate` and `chat` need the
+    .ftw's tokenizer, and the loaders build one only from these markers (`TOKENIZER_MARKERS`):
+    without one the file runs on token ids only, which `generate` refused only after the whole
+    conversion (issue 65). The Python `convert_checkpoint` still converts such a folder."""
+    if not any((folder / name).is_file() for name in TOKENIZER_MARKERS):
+        raise CLIError(
+            f"{folder} has no tokenizer files (none of {', '.join(TOKENIZER_MARKERS)}), so "
+            "`freetoken generate` and `chat` could not use the converted file; copy the model's "
+            "tokenizer files into the folder and convert again"
+        )
+
+
 def run_convert(args: argparse.Namespace) -> int:
+    from ..engine import Engine, check_device, resolve_model
+    from ..engine.loading.calibrate import AutoPolicy
+    from ..engine.loading.convert import convert_checkpoint
+    from ..engine.loading.gguf import convert_gguf, is_gguf_path
+
     check_device(args.device)  # a bad --device fails before any work, with or without --quant auto
     source = resolve_model(args.hf_dir, progress=_progress(args))  # a Hub id: its files, fetched
     if is_gguf_path(source):
@@ -69,6 +93,8 @@ def run_convert(args: argparse.Namespace) -> int:
         return 0
     if args.quant == SOURCE:
         raise ValueError(f"--quant {SOURCE} is for GGUF files; pick a codec for {args.hf_dir}")
+    if (source / "config.json").is_file():  # a checkpoint folder (else the converter says what is
+        check_tokenizer(source)  # wrong with it), checked before any work, calibration included
     policy = AutoPolicy(hot_fraction=args.hot_fraction, hot_codec=args.hot_codec, cold_codec=args.cold_codec)
     report = convert_checkpoint(
         source,
@@ -85,6 +111,8 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    from ..engine.ftw import FTWFile
+
     with FTWFile(args.file) as f:
         for line in describe(f):
             print(line)  # noqa: T201
@@ -98,6 +126,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def describe(f: FTWFile) -> list[str]:
     """Human-readable lines about an open FTW file, from its header and manifest only."""
+    from ..engine.ftw.layout import ALIGNMENT
+
     cfg = f.model_config if isinstance(f.model_config, dict) else {}
     infos = [f.expert_info(*k) for k in f.expert_keys()]
     dense = [f.dense_info(n) for n in f.dense_names()]

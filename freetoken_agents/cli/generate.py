@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from ..engine import Engine, SamplingParams, TokenEvent
 from ..engine.flags import add_engine_arguments, engine_options
-from ..engine.generate import stream_tokens
 from ..recipes._common import positive_int, use_threads
 from .argtypes import non_negative_float, probability
 from .common import PREFILL_CHUNK, CLIError, prefill_session, show_progress, write
+
+if TYPE_CHECKING:
+    from ..engine import Engine, SamplingParams, TokenEvent
+
+# The engine and its torch load inside `run`, never for `freetoken --help` (issue 65).
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..embedded import default_model
+    from ..engine import Engine
 
     use_threads(args.threads, args.model)
     options = engine_options(args, progress=show_progress(args.no_progress))
@@ -59,6 +64,8 @@ def _generate(engine: Engine, args: argparse.Namespace) -> int:
     if len(ids) <= PREFILL_CHUNK:
         events = engine.stream(ids, **params)
     else:  # a long prompt: prefill all but its last token in chunks, with a bar
+        from ..engine import SamplingParams
+
         sampling = SamplingParams(**params, stop_token_ids=engine.default_stop_token_ids())
         events = _stream_long(engine, ids, sampling, show_progress(args.no_progress))
     for event in events:
@@ -70,6 +77,8 @@ def _generate(engine: Engine, args: argparse.Namespace) -> int:
 def _stream_long(
     engine: Engine, ids: list[int], sampling: SamplingParams, progress: bool
 ) -> Iterator[TokenEvent]:
+    from ..engine.generate import stream_tokens
+
     with engine.new_session() as session:
         prefill_session(session, ids[:-1], progress=progress)
         yield from stream_tokens(session, ids[-1:], sampling, engine.tokenizer)

@@ -14,13 +14,25 @@ import os
 from pathlib import Path
 
 from ..engine.flags import add_engine_arguments, engine_options
-from ..parsers import PARSERS
 from ..recipes._common import positive_int, use_threads
 from .common import CLIError, model_label
+
+# The engine, the server and their torch load inside `run`, never for `freetoken --help` (issue 65).
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "FREETOKEN_API_KEY"
+TOOL_FORMATS: tuple[str, ...] = (
+    "deepseek",
+    "deepseek_v31",
+    "harmony",
+    "hermes",
+    "mistral",
+    "mistral_v11",
+    "qwen3_coder",
+)
+"""`--tool-format` choices: the names of `parsers.PARSERS`, spelled out here because importing the
+parsers (pydantic) was most of what every `freetoken --help` still loaded; a test keeps them equal."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -73,7 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt from scratch")
     p.add_argument(
         "--tool-format",
-        choices=sorted(PARSERS),
+        choices=TOOL_FORMATS,
         default=None,
         help="tool-call format (default: from the template)",
     )
