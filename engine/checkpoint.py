@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .errors import CheckpointError
+from .spec_checks import check_config, check_raw_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -34,21 +35,34 @@ def read_config(folder: Path) -> dict:
         raise CheckpointError(f"{folder} has no config.json: not a Hugging Face checkpoint folder")
     try:
         config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot parse {path}: {e}") from e
-    if not isinstance(config, dict) or "model_type" not in config:
+    except RecursionError:  # nested deeper than the parser's stack: hostile, not a config
+        raise CheckpointError(f"cannot parse {path}: JSON nested too deeply") from None
+    except (OSError, ValueError) as e:  # JSONDecodeError, bad UTF-8, a 5000-digit integer...
+        raise CheckpointError(f"cannot parse {path}: {' '.join(str(e).split())[:200]}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(config).__name__}, not an object")
+    if "model_type" not in config:
         raise CheckpointError(f"{path} has no 'model_type' field")
+    check_raw_config(config, str(path))
     return config
 
 
-def config_from_dict(config: Mapping[str, Any]) -> PretrainedConfig:
+def config_from_dict(config: Mapping[str, Any], where: str = "model config") -> PretrainedConfig:
     """A transformers config from a config.json dict, as `AutoConfig.from_pretrained` builds it from
-    the folder (less ``name_or_path``, which the engine does not read). KeyError for a model_type
-    transformers does not know, ValueError or TypeError for fields it refuses: callers name the
-    source in their own error."""
+    the folder (less ``name_or_path``, which the engine does not read). The hyper-parameters are
+    checked first (`spec_checks`): CheckpointError naming `where` and the key for a bad value,
+    or for a config transformers refuses; KeyError for a model_type transformers does not know."""
     from transformers import CONFIG_MAPPING
 
-    return CONFIG_MAPPING[config["model_type"]].from_dict(dict(config))
+    check_raw_config(config, where)
+    cls = CONFIG_MAPPING[config["model_type"]]
+    try:
+        built = cls.from_dict(dict(config))
+    except Exception as e:  # noqa: BLE001 - strict-dataclass, Value, Type errors... all mean "refused"
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+        raise CheckpointError(f"{where}: transformers refuses this config ({why})") from None
+    check_config(built, where)  # the values with transformers' defaults filled in, and their relations
+    return built
 
 
 class SafetensorsCheckpoint:

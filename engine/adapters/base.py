@@ -23,6 +23,7 @@ from ..checkpoint import SafetensorsCheckpoint
 from ..codecs import EncodedTensor, decode, encode, wrap_fp8_block
 from ..errors import CheckpointError, UnsupportedModelError
 from ..spec import AttentionSpec, ModelSpec, RopeSpec
+from ..spec_checks import check_config, check_spec
 
 #: suffix of the inverse-scale grid stored next to an fp8 weight (DeepSeek-V3 convention)
 FP8_SCALE_SUFFIX = "_scale_inv"
@@ -33,7 +34,7 @@ _SUPPORTED_ROPE = {"default", "linear", "yarn", "llama3"}
 
 
 class Adapter:
-    """Base adapter; subclasses set `model_types` and implement `build_spec` (and quirks)."""
+    """Base adapter; subclasses set `model_types` and implement `make_spec` (and quirks)."""
 
     model_types: tuple[str, ...] = ()
     #: checkpoint prefix of the MoE sub-module of a layer ("mlp" or "block_sparse_moe")
@@ -45,7 +46,17 @@ class Adapter:
     #: checkpoint name of the shared expert module inside the MoE sub-module
     shared_name = "shared_expert"
 
-    def build_spec(self, config: PretrainedConfig) -> ModelSpec:
+    def build_spec(self, config: PretrainedConfig, where: str | None = None) -> ModelSpec:
+        """The spec of `config`, its hyper-parameters checked first (`spec_checks.check_config`:
+        CheckpointError naming `where`, the key and the value) and its rotary frequencies after."""
+        where = where or getattr(config, "_name_or_path", "") or f"{config.model_type} config"
+        check_config(config, where)
+        spec = self.make_spec(config)
+        check_spec(spec, where)
+        return spec
+
+    def make_spec(self, config: PretrainedConfig) -> ModelSpec:
+        """The spec of a checked config (each architecture's own mapping)."""
         raise NotImplementedError
 
     # ---- dense weights -------------------------------------------------------------------

@@ -29,7 +29,7 @@ class DeepseekV3Adapter(Adapter):
     model_types = ("deepseek_v3",)
     shared_name = "shared_experts"
 
-    def build_spec(self, config: PretrainedConfig) -> ModelSpec:
+    def make_spec(self, config: PretrainedConfig) -> ModelSpec:
         attention = AttentionSpec(
             kind="mla",
             num_heads=config.num_attention_heads,

@@ -33,7 +33,7 @@ class GptOssAdapter(Adapter):
     model_types = ("gpt_oss",)
     router_name = "router"
 
-    def build_spec(self, config: PretrainedConfig) -> ModelSpec:
+    def make_spec(self, config: PretrainedConfig) -> ModelSpec:
         moe = MoESpec(
             num_experts=config.num_local_experts,
             top_k=config.num_experts_per_tok,

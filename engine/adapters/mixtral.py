@@ -13,7 +13,7 @@ class MixtralAdapter(Adapter):
     moe_prefix = "block_sparse_moe"
     expert_names = ("w1", "w3", "w2")
 
-    def build_spec(self, config: PretrainedConfig) -> ModelSpec:
+    def make_spec(self, config: PretrainedConfig) -> ModelSpec:
         moe = MoESpec(
             num_experts=config.num_local_experts,
             top_k=config.num_experts_per_tok,

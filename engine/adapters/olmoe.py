@@ -11,7 +11,7 @@ from .base import Adapter, common_spec_fields, gqa, head_dim_of, rope_spec
 class OlmoeAdapter(Adapter):
     model_types = ("olmoe",)
 
-    def build_spec(self, config: PretrainedConfig) -> ModelSpec:
+    def make_spec(self, config: PretrainedConfig) -> ModelSpec:
         moe = MoESpec(
             num_experts=config.num_experts,
             top_k=config.num_experts_per_tok,

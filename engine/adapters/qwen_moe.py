@@ -11,7 +11,7 @@ from .base import Adapter, common_spec_fields, gqa, head_dim_of, rope_spec
 class QwenMoeAdapter(Adapter):
     model_types = ("qwen2_moe", "qwen3_moe")
 
-    def build_spec(self, config: PretrainedConfig) -> ModelSpec:
+    def make_spec(self, config: PretrainedConfig) -> ModelSpec:
         qwen2 = config.model_type == "qwen2_moe"
         moe = MoESpec(
             num_experts=config.num_experts,

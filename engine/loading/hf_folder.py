@@ -6,6 +6,7 @@ composition root keeps them resident (`load_hf_experts`).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +22,13 @@ from ..dense import load_dense_weights
 from ..errors import CheckpointError
 from ..experts import ExpertKey, ExpertWeights
 from ..spec import ModelSpec
+from ..spec_checks import check_layer_count
 from ..tokenizer_files import TOKENIZER_MARKERS
 from ..transformer import MoETransformer
 
 logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -53,15 +57,23 @@ class HFCheckpoint:
 
 def open_hf_checkpoint(folder: Path) -> HFCheckpoint:
     """Read `folder`'s config and open its safetensors (what loading and conversion start from).
-    CheckpointError for a missing or garbled config, UnsupportedModelError for an unknown
-    model_type."""
-    raw = read_config(folder)
+    CheckpointError for a missing or garbled config, a hyper-parameter out of range or at odds
+    with the others or with the layers the tensors hold (`spec_checks`), UnsupportedModelError
+    for an unknown model_type."""
+    raw = read_config(folder)  # hyper-parameters type- and range-checked (`spec_checks`)
     adapter = adapter_for(raw["model_type"])
-    try:
-        hf_config = config_from_dict(raw)
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"cannot read the config in {folder}: {e}") from e
-    return HFCheckpoint(raw, hf_config, adapter, adapter.build_spec(hf_config), SafetensorsCheckpoint(folder))
+    where = str(folder / "config.json")
+    hf_config = config_from_dict(raw, where)
+    checkpoint = SafetensorsCheckpoint(folder)
+    # A layer count off the tensors would load a truncated model that answers, or fail late.
+    # DeepSeek's multi-token-prediction layers (eh_proj) follow the model's layers: not counted.
+    names = checkpoint.names()
+    mtp = {m[1] for name in names if (m := _LAYER.match(name)) and name.endswith(".eh_proj.weight")}
+    found = {int(m[1]) for name in names if (m := _LAYER.match(name)) and m[1] not in mtp}
+    check_layer_count(
+        where, "num_hidden_layers", hf_config.num_hidden_layers, found, "model.layers.N.* tensors"
+    )
+    return HFCheckpoint(raw, hf_config, adapter, adapter.build_spec(hf_config, where), checkpoint)
 
 
 def load_hf_dense(folder: Path, dtype: torch.dtype, device: str) -> HFDense:

@@ -19,10 +19,12 @@ deepseek2          deepseek_v3  MLA, sigmoid group-limited routing: see `deepsee
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
-from ...errors import UnsupportedModelError
+from ...errors import CheckpointError, UnsupportedModelError
+from ...spec_checks import ROPE_RULES, RULES, check_config, check_layer_count, check_raw_config, check_value
 from .deepseek2 import config_fields as _deepseek_v3
 from .reader import GGUFSource
 
@@ -53,13 +55,109 @@ def model_type_of(src: GGUFSource) -> str:
 
 
 def hf_config(src: GGUFSource) -> dict[str, Any]:
-    """The config.json dict of the model in `src` (UnsupportedModelError for other architectures)."""
+    """The config.json dict of the model in `src` (UnsupportedModelError for other architectures).
+
+    The hyper-parameters are checked before anything is computed from them (`spec_checks`, under
+    their GGUF key names), and the layer count against the ``blk.N.*`` tensors: CheckpointError
+    naming the file, the key and the value."""
     from transformers import CONFIG_MAPPING
 
     model_type = model_type_of(src)
+    check_metadata(src)
     fields = _BUILDERS[model_type](src)
     fields = {**_common(src), **fields}
-    return CONFIG_MAPPING[model_type](**fields).to_dict()
+    where = str(src.path)
+    head_dim = "rope.dimension_count" if src.arch == "llama" else "attention.key_length"
+    names = {hf: f"{src.arch}.{key}" for hf, key in {**_NAMES, "head_dim": head_dim}.items()}
+    check_raw_config({"model_type": model_type, **fields}, where, names)
+    try:
+        config = CONFIG_MAPPING[model_type](**fields)
+    except Exception as e:  # noqa: BLE001 - strict-dataclass, Value, Type errors: all mean "refused"
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+        raise CheckpointError(
+            f"{where}: the GGUF metadata gives a config transformers refuses ({why})"
+        ) from None
+    check_config(config, where, names)
+    return config.to_dict()
+
+
+#: GGUF metadata key (after ``{arch}.``) -> the config.json key whose rule it follows
+_METADATA_RULES = {
+    "block_count": "num_hidden_layers",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.value_length": "head_dim",
+    "attention.key_length_mla": "head_dim",
+    "attention.value_length_mla": "head_dim",
+    "rope.dimension_count": "qk_rope_head_dim",
+    "context_length": "max_position_embeddings",
+    "vocab_size": "vocab_size",
+    "feed_forward_length": "intermediate_size",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_shared_count": "n_shared_experts",
+    "expert_group_count": "n_group",
+    "expert_group_used_count": "topk_group",
+    "leading_dense_block_count": "first_k_dense_replace",
+    "nextn_predict_layers": "num_nextn_predict_layers",
+    "attention.q_lora_rank": "q_lora_rank",
+    "attention.kv_lora_rank": "kv_lora_rank",
+    "attention.sliding_window": "sliding_window",
+    "attention.clamp_kqv": "clip_qkv",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_parameters.rope_theta",
+    "rope.scaling.factor": "rope_parameters.factor",
+    "rope.scaling.original_context_length": "rope_parameters.original_max_position_embeddings",
+    "rope.scaling.yarn_beta_fast": "rope_parameters.beta_fast",
+    "rope.scaling.yarn_beta_slow": "rope_parameters.beta_slow",
+    "rope.scaling.yarn_log_multiplier": "rope_parameters.mscale",
+    "expert_weights_scale": "routed_scaling_factor",
+    "expert_weights_norm": "norm_topk_prob",
+}
+#: config.json key -> the GGUF metadata key it comes from, to name it in errors on relations
+_NAMES = {
+    "num_hidden_layers": "block_count",
+    "hidden_size": "embedding_length",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "max_position_embeddings": "context_length",
+    "num_experts": "expert_count",
+    "num_local_experts": "expert_count",
+    "n_routed_experts": "expert_count",
+    "num_experts_per_tok": "expert_used_count",
+    "n_group": "expert_group_count",
+    "topk_group": "expert_group_used_count",
+    "first_k_dense_replace": "leading_dense_block_count",
+    "qk_rope_head_dim": "rope.dimension_count",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "rope_parameters.rope_theta": "rope.freq_base",
+}
+#: metadata every supported architecture must state (the rest have defaults or come from tensors)
+_REQUIRED = ("block_count", "embedding_length", "attention.head_count", "expert_count", "expert_used_count")
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+def check_metadata(src: GGUFSource) -> None:
+    """Every hyper-parameter key of `src`'s metadata against its rule (`spec_checks.RULES`), and
+    ``block_count`` against the ``blk.N.*`` tensors, before any arithmetic on them."""
+    where = str(src.path)
+    for key in _REQUIRED:
+        if src.get("{arch}." + key) is None:
+            raise CheckpointError(f"{where}: GGUF metadata has no '{src.arch}.{key}'")
+    for key, hf in _METADATA_RULES.items():
+        value = src.get("{arch}." + key)
+        if value is not None:
+            rope, _, name = hf.rpartition(".")
+            check_value(where, f"{src.arch}.{key}", value, (ROPE_RULES if rope else RULES)[name])
+    found = (int(m[1]) for name in src.tensors if (m := _BLOCK.match(name)))
+    check_layer_count(
+        where, f"{src.arch}.block_count", src.get("{arch}.block_count"), found, "blk.N.* tensors"
+    )
 
 
 def eos_ids(src: GGUFSource) -> list[int]:
