@@ -11,7 +11,8 @@ be resident is converted on its first tiered load, with a progress bar, into
   offsets). Weight bytes are not in the key (a touch must not orphan a 60 GB entry): they are
   checked on every load against the entry's source record (below).
 - Integrity: an entry appears atomically (the converter writes a temporary file and renames it),
-  so a partial one never has the final name. Before first use every checksum of the entry is
+  so a partial one never has the final name (and the ``.tmp`` of a conversion that died is
+  deleted by the next load, `_sweep_partial`). Before first use every checksum of the entry is
   verified (`FTWFile.verify`) and a stamp (size, mtime, inode) is written beside it; a load
   whose entry no longer matches its stamp verifies it again. A corrupt entry is deleted and
   rebuilt. Blocks are also checked on every read, so damage after verification surfaces as
@@ -47,7 +48,7 @@ from pathlib import Path
 
 import torch
 import xxhash
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from ..checkpoint import read_config
 from ..errors import FTWFormatError
@@ -165,6 +166,7 @@ def cached_ftw(
         raise ValueError(f"unknown quant {quant!r}; expected one of {', '.join(QUANTS)}")
     root = cache_root(cache_dir)
     root.mkdir(parents=True, exist_ok=True)
+    _sweep_partial(root)
     dense = "source" if dense_dtype is None else str(dense_dtype).removeprefix("torch.")
     entry = root / f"{_source_name(folder)}-{checkpoint_key(folder)}-{quant}-{dense}.ftw"
     with FileLock(str(entry) + ".lock"):
@@ -196,6 +198,21 @@ def cached_ftw(
         _verify(entry, progress)
         _record_path(entry).write_text(json.dumps(record, sort_keys=True))
     return entry
+
+
+def _sweep_partial(root: Path) -> None:
+    """Delete the temporary files of conversions that died (killed, out of memory, a crash): a
+    ``.ftw.tmp`` whose entry lock is free has no writer left. A failed conversion removes its own;
+    lock files stay (unlinking a lock another process waits on would let two writers in)."""
+    for tmp in root.glob("*.ftw.tmp"):
+        try:
+            with FileLock(str(tmp.with_suffix("")) + ".lock", timeout=0):
+                tmp.unlink(missing_ok=True)
+            logger.info("removed %s, left by a conversion that did not finish", tmp)
+        except Timeout:
+            continue  # a conversion is writing it right now
+        except OSError as e:
+            logger.warning("cannot remove the partial conversion %s (%s)", tmp, e)
 
 
 def _source_name(source: Path) -> str:

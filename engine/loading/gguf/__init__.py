@@ -1,7 +1,9 @@
 """GGUF files (llama.cpp / Ollama weights) as a model source: converted once to FTW, then loaded.
 
-- `reader`: `GGUFSource`, the metadata and memory-mapped tensors of a GGUF model (split files too),
-  every failure of the `gguf` package turned into a one-line `CheckpointError` naming the file.
+- `layout`: the file's structure parsed with bounded plain reads, every count, length, dim and
+  offset checked against the file size first (no memory map: a truncated file is an error).
+- `reader`: `GGUFSource`, the metadata and tensors (read on demand) of a GGUF model (split files
+  too), every failure turned into a one-line `CheckpointError` naming the file.
 - `config`: metadata -> the Hugging Face config of the model (qwen3moe, qwen2moe, llama with
   experts = Mixtral, olmoe, gpt-oss, deepseek2 = DeepSeek-V3).
 - `deepseek2`: DeepSeek-V3 / R1 / Kimi-K2 files: MLA metadata, sigmoid group-limited routing,

@@ -28,9 +28,10 @@ from tqdm import tqdm
 
 from ...adapters import adapter_for
 from ...checkpoint import config_from_dict
+from ...errors import CheckpointError
 from ...expert_tensors import WEIGHT_NAMES
 from ...ftw.writer import FTWWriter
-from ...spec import ModelSpec
+from ...spec import ModelSpec, MoESpec
 from ...transformer import MoETransformer
 from ..convert import QUANT_CODECS, ConvertReport, _encode_weight, _report
 from .config import hf_config
@@ -97,6 +98,7 @@ def convert_gguf(
                 moe = spec.layers[layer].moe
                 assert moe is not None
                 for e, block in layer_experts(src, layer, moe.num_experts):
+                    _check_expert(src.path, layer, e, block, moe, spec.hidden_size)
                     if quant != SOURCE:
                         block = _reencoded(block, QUANT_CODECS[quant], stats, (layer, e))
                     w.add_expert(layer, e, block, compress=compress)
@@ -116,6 +118,23 @@ def _write_dense(w: FTWWriter, tensors: TensorMap, spec: ModelSpec, dense_dtype:
         if dense_dtype is not None and t.is_floating_point():
             t = t.to(torch.float32 if name in keep_fp32 else dense_dtype)
         w.add_dense(name, t.contiguous())
+
+
+def _check_expert(where: Path, layer: int, e: int, block: dict, moe: MoESpec, hidden: int) -> None:
+    """CheckpointError when expert `e`'s tensors do not have the shapes the metadata gives the model
+    (a tensor directory that disagrees with the metadata): caught while converting, rather than
+    written to a file every later load rejects (the FTW loader's `check_expert_directory` rule)."""
+    i = moe.intermediate_size
+    want: dict[str, tuple[int, ...]] = {"down": (hidden, i)}
+    want |= {"gate": (i, hidden), "up": (i, hidden)} if "gate" in block else {"gate_up": (2 * i, hidden)}
+    if moe.expert_bias:
+        want |= {"gate_up_bias": (2 * i,), "down_bias": (hidden,)}
+    got = {name: tuple(t.shape) for name, t in block.items()}
+    if got != want:
+        raise CheckpointError(
+            f"{where}: the tensors of layer {layer}'s expert {e} have shapes {got}, "
+            f"the metadata makes the model need {want}"
+        )
 
 
 def _reencoded(block: dict, codec: str, stats: Counter[str], key: tuple[int, int]) -> dict:

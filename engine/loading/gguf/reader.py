@@ -1,10 +1,12 @@
-"""Open a GGUF file (llama.cpp / Ollama weights) with the `gguf` package, behind the engine's errors.
+"""Open a GGUF file (llama.cpp / Ollama weights) behind the engine's errors.
 
 `GGUFSource` reads the metadata and the tensor directory of one GGUF model, split files included
 (``name-00001-of-00003.gguf``: every part is opened and their tensors pooled; the metadata is the
-first part's). Tensor bytes stay memory-mapped until asked for. Anything the `gguf` package raises
-on a garbled or truncated file, or on a tensor type it cannot decode, becomes a `CheckpointError`
-with one line naming the file: a GGUF never surfaces a traceback from inside the package.
+first part's). The structure is parsed and checked by `layout.read_layout` with bounded reads
+before anything else touches the file, and tensor bytes are read on demand with ordinary file
+reads (never memory-mapped: a file truncated while it converts is a `CheckpointError`, not a
+SIGBUS). gguf-py supplies the type tables and the reference dequantizer; anything it raises on a
+tensor it cannot decode becomes a `CheckpointError` with one line naming the file.
 
 Shapes: GGUF lists dims innermost first (``ne``); `GGUFTensor.shape` is the torch order (outermost
 first), e.g. ``[out, in]`` for a linear weight and ``[E, out, in]`` for stacked experts.
@@ -22,11 +24,11 @@ import numpy as np
 import torch
 
 from ...errors import CheckpointError
+from .layout import FileSpan, Layout, read_layout
 
 logger = logging.getLogger(__name__)
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
-_SMALL_ARRAY = 4096  # metadata arrays longer than this are read lazily (token lists, merges)
 
 
 def _gguf() -> Any:
@@ -59,12 +61,13 @@ def gguf_parts(path: Path) -> list[Path]:
 @dataclass(frozen=True)
 class GGUFTensor:
     """One tensor of a GGUF file: name, type (`gguf.GGMLQuantizationType`), torch-order shape and
-    the memory-mapped bytes (numpy, as `gguf.GGUFReader` exposes them)."""
+    its data: where it lies in the file (`FileSpan`, read on demand), or an array in memory (numpy,
+    shaped as `gguf.GGUFReader` exposes it)."""
 
     name: str
     qtype: Any
     shape: tuple[int, ...]
-    data: np.ndarray
+    data: np.ndarray | FileSpan
     file: Path
 
     @property
@@ -84,32 +87,19 @@ class GGUFSource:
         if not self.path.is_file():
             raise CheckpointError(f"GGUF file {self.path} does not exist")
         self.parts = gguf_parts(self.path)
-        gguf = _gguf()
-        self._readers = []
+        _gguf()  # the type tables and the dequantizer: a clear error when the package is missing
+        self._layouts: list[Layout] = [read_layout(part) for part in self.parts]
         self.tensors: dict[str, GGUFTensor] = {}
-        for part in self.parts:
-            try:
-                reader = gguf.GGUFReader(str(part), "r")
-                tensors = list(reader.tensors)
-            except Exception as e:  # the package raises ValueError, KeyError, IndexError, struct.error...
-                raise CheckpointError(f"{part}: not a readable GGUF file ({_why(e)})") from None
-            self._readers.append(reader)
-            for t in tensors:
-                shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-                self.tensors[t.name] = GGUFTensor(t.name, t.tensor_type, shape, t.data, part)
-        self._fields = self._readers[0].fields
-        self.metadata: dict[str, Any] = {}
-        for key, fld in self._fields.items():
-            if key.startswith("GGUF."):
-                continue
-            try:
-                if len(fld.data) > _SMALL_ARRAY:
-                    continue  # token lists: read on demand with `array`
-                self.metadata[key] = fld.contents()
-            except Exception as e:
-                raise CheckpointError(
-                    f"{self.path}: garbled GGUF metadata field {key!r} ({_why(e)})"
-                ) from None
+        for layout in self._layouts:
+            for name, (qtype, shape, span) in layout.tensors.items():
+                if name in self.tensors:
+                    raise CheckpointError(
+                        f"{layout.path}: tensor {name!r} is also in another part of the GGUF"
+                    )
+                self.tensors[name] = GGUFTensor(name, qtype, shape, span, layout.path)
+        first = self._layouts[0]
+        self.metadata: dict[str, Any] = first.metadata
+        self._array_lengths = first.array_lengths
         arch = self.metadata.get("general.architecture")
         if not isinstance(arch, str):
             raise CheckpointError(f"{self.path}: GGUF metadata has no general.architecture")
@@ -121,8 +111,13 @@ class GGUFSource:
 
     def array_length(self, key: str) -> int | None:
         """Number of items of the metadata array ``key`` (None when absent)."""
-        fld = self._fields.get(key)
-        return None if fld is None else len(fld.data)
+        return self._array_lengths.get(key)
+
+    def metadata_only(self) -> bytes:
+        """The first part's header and metadata as a GGUF file with no tensors: a private copy for
+        readers that map the whole file (transformers' tokenizer builder), so that they never see
+        a file that changes while it converts."""
+        return self._layouts[0].metadata_only()
 
     def tensor(self, name: str) -> GGUFTensor:
         """The tensor called `name`; CheckpointError naming the file when it is missing."""
@@ -145,7 +140,7 @@ def dequantize(t: GGUFTensor, where: Path, index: int | None = None) -> torch.Te
     """`t` (or its slice ``t[index]`` of stacked experts) dequantized by gguf-py: float32, or
     bfloat16 for BF16 data (exact). CheckpointError for a type gguf-py cannot decode."""
     gguf = _gguf()
-    data = t.data if index is None else t.data[index]
+    data = _array(t, index)
     shape = t.shape if index is None else t.shape[1:]
     try:
         if t.qtype == gguf.GGMLQuantizationType.BF16:
@@ -168,12 +163,21 @@ def dequantize(t: GGUFTensor, where: Path, index: int | None = None) -> torch.Te
 
 def raw_rows(t: GGUFTensor, where: Path, index: int | None = None) -> np.ndarray:
     """The stored bytes of `t` (or of ``t[index]``) as uint8 ``[rows, bytes per row]``."""
-    data = t.data if index is None else t.data[index]
+    data = _array(t, index)
     try:
         arr = np.ascontiguousarray(data).view(np.uint8)
     except Exception as e:
         raise CheckpointError(f"{where}: cannot read tensor '{t.name}' ({_why(e)})") from None
     return arr.reshape(-1, arr.shape[-1])
+
+
+def _array(t: GGUFTensor, index: int | None) -> np.ndarray:
+    """The data of `t` (or of ``t[index]``) as numpy, read from its file when it is a `FileSpan`."""
+    if isinstance(t.data, FileSpan):
+        return t.data.read(index)
+    if index is not None and not 0 <= index < t.data.shape[0]:
+        raise CheckpointError(f"{t.file}: tensor '{t.name}' has {t.data.shape[0]} slices, not {index + 1}")
+    return t.data if index is None else t.data[index]
 
 
 def _why(e: BaseException) -> str:

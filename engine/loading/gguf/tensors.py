@@ -137,8 +137,9 @@ def _plain(t: torch.Tensor) -> EncodedTensor:
 
 def _gate_up(gate: EncodedTensor, up: EncodedTensor) -> dict[str, EncodedTensor]:
     """One ``gate_up`` (rows of gate, then of up) when both share a codec (every codec here is
-    row-wise, so the parts concatenate exactly), else ``gate`` and ``up`` apart."""
-    if gate.codec != up.codec or set(gate.parts) != set(up.parts):
+    row-wise, so the parts concatenate exactly), else ``gate`` and ``up`` apart (also when their
+    shapes differ: a garbled file, which the converter's shape check then names)."""
+    if gate.codec != up.codec or set(gate.parts) != set(up.parts) or gate.shape != up.shape:
         return {"gate": gate, "up": up}
     parts = {k: torch.cat([gate.parts[k], up.parts[k]], dim=0) for k in gate.parts}
     return {"gate_up": EncodedTensor(gate.codec, (gate.shape[0] + up.shape[0], gate.shape[1]), parts)}

@@ -45,13 +45,17 @@ def tokenizer_files(src: GGUFSource) -> dict[str, bytes]:
         return files
     from transformers import PreTrainedTokenizerFast
 
-    try:
-        tok = PreTrainedTokenizerFast.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
-    except Exception as e:  # transformers raises ValueError, KeyError, ... for what it cannot build
-        logger.warning(
-            "%s: cannot build the GGUF tokenizer (%s); the model runs on token ids only", src.path, e
-        )
-        return files
+    # from a private metadata-only copy: transformers maps the file it reads, and the user's file
+    # may be truncated while it converts (a SIGBUS in there, not an error)
+    with tempfile.TemporaryDirectory(prefix="gguf-metadata-") as tmp:
+        (Path(tmp) / src.path.name).write_bytes(src.metadata_only())
+        try:
+            tok = PreTrainedTokenizerFast.from_pretrained(tmp, gguf_file=src.path.name)
+        except Exception as e:  # transformers raises ValueError, KeyError, ... for what it cannot build
+            logger.warning(
+                "%s: cannot build the GGUF tokenizer (%s); the model runs on token ids only", src.path, e
+            )
+            return files
     splits = _SPLITS.get(src.get("tokenizer.ggml.pre", ""))
     if splits is not None:
         from tokenizers import Regex, pre_tokenizers
