@@ -63,12 +63,24 @@ def format_record(
 _LINE = '{"seq":%d,"token":%d,"layer":%d,"experts":[%s],"weights":[%s],"phase":"%s"}'
 
 
+MAX_LINE_BYTES = 1 << 20
+"""The longest trace line `read_trace` reads (1 MiB; a record of 256 experts is ~5 KB): a file
+without newlines is refused at that length rather than read whole into memory."""
+MAX_INDEX = 2**63
+"""seq, token, layer and expert ids are below this (64-bit integers): a 4,000-digit id is refused
+at its line, not printed whole in a later message."""
+
+
 def parse_record(line: str, where: str) -> RoutingRecord:
     """The record on one JSON line; RoutingTraceError naming `where` (file:line) if malformed."""
     try:
         doc = json.loads(line)
     except json.JSONDecodeError as e:
         raise RoutingTraceError(f"{where}: not a JSON object ({e.msg})") from None
+    except RecursionError:  # json's scanner recurses once per nesting level
+        raise RoutingTraceError(f"{where}: not a record: JSON nested too deeply") from None
+    except ValueError:  # an integer past Python's digit limit for int(str)
+        raise RoutingTraceError(f"{where}: not a record: a number too long to read") from None
     if not isinstance(doc, dict):
         raise RoutingTraceError(f"{where}: not a JSON object")
     missing = [k for k in ("seq", "token", "layer", "experts", "weights", "phase") if k not in doc]
@@ -76,12 +88,14 @@ def parse_record(line: str, where: str) -> RoutingRecord:
         raise RoutingTraceError(f"{where}: missing {', '.join(missing)}")
     for key in ("seq", "token", "layer"):
         if not _is_index(doc[key]):
-            raise RoutingTraceError(f"{where}: {key} must be an integer >= 0, got {doc[key]!r}")
+            raise RoutingTraceError(
+                f"{where}: {key} must be an integer >= 0 and below 2**63, got {_short(doc[key])}"
+            )
     experts, weights = doc["experts"], doc["weights"]
     if not isinstance(experts, list) or not experts or not all(_is_index(e) for e in experts):
-        raise RoutingTraceError(f"{where}: experts must be a non-empty list of integers >= 0")
+        raise RoutingTraceError(f"{where}: experts must be a non-empty list of integers >= 0 and below 2**63")
     if len(set(experts)) != len(experts):
-        raise RoutingTraceError(f"{where}: experts {experts} repeat an expert")
+        raise RoutingTraceError(f"{where}: experts {_short(experts)} repeat an expert")
     if (
         not isinstance(weights, list)
         or len(weights) != len(experts)
@@ -89,24 +103,42 @@ def parse_record(line: str, where: str) -> RoutingRecord:
     ):
         raise RoutingTraceError(f"{where}: weights must be {len(experts)} finite numbers, one per expert")
     if doc["phase"] not in PHASES:
-        raise RoutingTraceError(f"{where}: phase must be prefill or decode, got {doc['phase']!r}")
+        raise RoutingTraceError(f"{where}: phase must be prefill or decode, got {_short(doc['phase'])}")
     return RoutingRecord(
         doc["seq"], doc["token"], doc["layer"], tuple(experts), tuple(float(w) for w in weights), doc["phase"]
     )
 
 
 def read_trace(path: str | Path) -> Iterator[RoutingRecord]:
-    """The records of the trace at `path`, in file order (blank lines skipped). RoutingTraceError
-    for a missing file or the first malformed line."""
+    """The records of the trace at `path`, in file order (blank lines skipped), read one line at a
+    time: a trace is never held whole. RoutingTraceError for a missing file or the first malformed
+    line (not UTF-8, longer than `MAX_LINE_BYTES`, or not a record), naming file:line."""
     path = Path(path)
     try:
-        handle = path.open(encoding="utf-8")
+        handle = path.open("rb")
     except OSError as e:
         raise RoutingTraceError(f"cannot read routing trace {path}: {e.strerror or e}") from None
     with handle:
-        for number, line in enumerate(handle, 1):
+        number = 0
+        while True:
+            try:
+                raw = handle.readline(MAX_LINE_BYTES + 1)
+            except OSError as e:
+                raise RoutingTraceError(f"cannot read routing trace {path}: {e.strerror or e}") from None
+            if not raw:
+                return
+            number += 1
+            where = f"{path}:{number}"
+            if len(raw) > MAX_LINE_BYTES:
+                raise RoutingTraceError(f"{where}: line longer than {MAX_LINE_BYTES} bytes: not a record")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise RoutingTraceError(
+                    f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})"
+                ) from None
             if line.strip():
-                yield parse_record(line, f"{path}:{number}")
+                yield parse_record(line, where)
 
 
 def write_trace(records: Iterable[RoutingRecord], out: IO[str]) -> int:
@@ -157,7 +189,13 @@ def group_steps(records: Iterable[RoutingRecord]) -> list[Step]:
 
 
 def _is_index(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_INDEX
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """`value`'s repr cut to `limit` characters: an error message stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _is_weight(value: Any) -> bool:

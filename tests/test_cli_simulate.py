@@ -102,10 +102,10 @@ def test_plot_without_matplotlib_says_how_to_install(trace: str, tmp_path: Path,
 def test_a_plot_that_cannot_be_written_is_refused_before_the_replays(
     trace: str, tmp_path: Path, capsys, monkeypatch, where: str
 ) -> None:
-    from freetoken_agents.cli import simulate as cli_simulate
+    from freetoken_agents.engine.simulate import simulator  # the CLI imports it when it runs
 
     ran = []
-    monkeypatch.setattr(cli_simulate, "simulate", lambda *a, **kw: ran.append(1))
+    monkeypatch.setattr(simulator, "simulate", lambda *a, **kw: ran.append(1))
     assert main(run(trace, "--fast-mem", "0.1:0.9:9", "--plot", str(tmp_path / where))) == 1
     assert "--plot" in one_line_error(capsys)
     assert not ran  # a sweep's minutes of replays were lost to a typo in the plot's folder

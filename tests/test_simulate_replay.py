@@ -206,15 +206,16 @@ def test_a_policys_own_misses_are_served_as_the_bound_serves_beladys() -> None:
     given = bound(steps, layers, costs, fast_bytes=fast_bytes, host_bytes=None, fast_missing=belady)
     assert given == plain
     replay = TieredReplay(shape, profile, codec="mxfp4", fast_bytes=fast_bytes, host_bytes=None)
-    tally = replay.run(steps)
-    assert len(replay.missed) == len(steps) * len(layers)
-    assert sum(map(len, replay.missed)) == tally.fast_misses  # decode steps only in this trace
-    own = bound(steps, layers, costs, fast_bytes=fast_bytes, host_bytes=None, fast_missing=replay.missed)
+    missed: list[list[int]] = []  # per (step, MoE layer), through the replay's hook
+    tally = replay.run(steps, on_layer=lambda _step, _layer, keys: missed.append(keys))
+    assert len(missed) == len(steps) * len(layers)
+    assert sum(map(len, missed)) == tally.fast_misses  # decode steps only in this trace
+    own = bound(steps, layers, costs, fast_bytes=fast_bytes, host_bytes=None, fast_missing=missed)
     assert own.misses_per_token["fast"] * tally.tokens == pytest.approx(tally.fast_misses)
     assert tally.tokens / tally.seconds <= own.tokens_per_s <= plain.tokens_per_s
     one_short = r"^fast_missing has 287 entries; the steps have 288 \(6 steps x 48 MoE layers\)$"
     with pytest.raises(SimulationError, match=one_short):
-        bound(steps, layers, costs, fast_bytes=fast_bytes, host_bytes=None, fast_missing=replay.missed[1:])
+        bound(steps, layers, costs, fast_bytes=fast_bytes, host_bytes=None, fast_missing=missed[1:])
 
 
 def test_belady_and_the_bounds_start_with_tier_1_filled_as_every_policy_does() -> None:

@@ -306,7 +306,7 @@ def test_malformed_profile_names_file_and_key(tmp_path: Path, change: dict, mess
         if v is not None
     ]
     f.write_text("\n".join(lines) + "\n")
-    with pytest.raises(ProfileError, match=f"^{f}: .*{message}") as err:
+    with pytest.raises(ProfileError, match=f"^{f}(:[0-9]+)?: .*{message}") as err:  # :line of a key
         load_profile(f)
     assert isinstance(err.value, ValueError) and isinstance(err.value, EngineError)
     assert "\n" not in str(err.value)

@@ -19,26 +19,24 @@ engine's own tiers: `replay.TieredReplay(placement="layer-lru")`.)
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
 
 from ..memory.tiers import HostTier
 from ..routing_trace import Step
+from .caches import BeladyCache, LoadFill
 from .machine import ExpertCosts, Timeline
-from .replay import Tally, warm
-from .stats import belady_missing, filled_at_load
+from .mover import Tally, warm
+from .source import TraceFigures, step_keys
 
 PROFILE_FRACTION = 0.25
 """The static split's profiling pass: the first quarter of the decode tokens."""
 
 
-def layer_steps(steps: Sequence[Step], layers: Sequence[int]) -> list[list[int]]:
-    """Every (step, layer)'s routed experts as integer keys (layer position x 2**20 + expert), in
-    replay order: the input of `stats.belady_missing`."""
-    return [
-        [pos << 20 | e for e in sorted(step.layers.get(layer, {}))]
-        for step in steps
-        for pos, layer in enumerate(layers)
-    ]
+def layer_steps(steps: Iterable[Step], layers: Sequence[int]) -> list[list[int]]:
+    """Every (step, layer)'s routed experts as integer keys (`source.step_keys`), in replay order:
+    the input of `stats.belady_missing`."""
+    return [keys for step in steps for keys in step_keys(step, layers)]
 
 
 class _Streamer:
@@ -65,7 +63,7 @@ class _Streamer:
 
 
 def replay_streaming(
-    steps: Sequence[Step],
+    steps: Iterable[Step],
     layers: Sequence[int],
     costs: ExpertCosts,
     *,
@@ -73,22 +71,24 @@ def replay_streaming(
     host_bytes: int | None,
     num_experts: int,
     cached: bool,
+    figures: TraceFigures | None = None,
 ) -> Tally:
-    """`stream` (cached False) or `belady` (cached True: tier 1 holds fast_bytes of experts)."""
+    """`stream` (cached False) or `belady` (cached True: tier 1 holds fast_bytes of experts, run
+    by `caches.BeladyCache` over `figures.uses`, the `TraceFigures` of `steps` over `layers`:
+    walked once more first if not given)."""
     timeline = Timeline(costs.device)
     streamer = _Streamer(costs, timeline, host_bytes)
     warm(streamer.host, ((layer, e) for layer in layers for e in range(num_experts)), costs.stored_bytes)
     capacity = fast_bytes // costs.fast_bytes
-    keyed = layer_steps(steps, layers)
-    missing = filled_at_load(belady_missing(keyed, capacity), capacity) if cached else keyed
-    tally, now, prev_start, i = Tally(), 0.0, 0.0, 0
+    belady = BeladyCache((figures or TraceFigures.of(steps, layers)).uses, capacity) if cached else None
+    fill = LoadFill(capacity)
+    tally, now, prev_start = Tally(), 0.0, 0.0
     for step in steps:
         start_step, host_misses, moved = now, streamer.host_misses, Counter(streamer.bytes)
         misses = 0
-        for layer in layers:
+        for layer, keys in zip(layers, step_keys(step, layers), strict=True):
             routed = step.layers.get(layer, {})
-            miss = {k & 0xFFFFF for k in missing[i]}
-            i += 1
+            miss = {k & 0xFFFFF for k in (keys if belady is None else fill.kept(belady.missing(keys)))}
             hidden = timeline.run("device", now, costs.dense_s(step.tokens))
             ends = [hidden]
             for e in sorted(routed):
@@ -106,23 +106,28 @@ def replay_streaming(
     return tally
 
 
-def profiling_steps(steps: Sequence[Step], fraction: float = PROFILE_FRACTION) -> list[Step]:
-    """The profiling pass: the first `fraction` of the decode steps (at least one). The static
-    split places experts by it; "qstar-profiled" starts q* from it (`TieredReplay(warm_start=)`),
-    as `Engine.from_pretrained(..., routing_profile=PATH)` starts the engine from a recorded trace."""
-    decode = [s for s in steps if s.phase == "decode"]
-    return decode[: max(1, int(len(decode) * fraction))]
+def profiling_steps(
+    steps: Iterable[Step], fraction: float = PROFILE_FRACTION, *, decode_steps: int | None = None
+) -> Iterator[Step]:
+    """The profiling pass: the first `fraction` of the decode steps (at least one) of `steps`, of
+    which there are `decode_steps` (counted by one more walk of `steps` if not given), streamed.
+    The static split places experts by it; "qstar-profiled" starts q* from it
+    (`TieredReplay(warm_start=)`), as `Engine.from_pretrained(..., routing_profile=PATH)` starts
+    the engine from a recorded trace."""
+    if decode_steps is None:
+        decode_steps = sum(1 for s in steps if s.phase == "decode")
+    return islice((s for s in steps if s.phase == "decode"), max(1, int(decode_steps * fraction)))
 
 
 def replay_static(
-    steps: Sequence[Step],
+    steps: Iterable[Step],
     layers: Sequence[int],
     costs: ExpertCosts,
     *,
     fast_bytes: int,
     host_bytes: int | None,
     num_experts: int,
-    profile: Sequence[Step],
+    profile: Iterable[Step],
 ) -> Tally:
     """llama.cpp's static split (module docstring), placed by the routing of `profile`
     (`profiling_steps(steps)`, or another trace's steps)."""

@@ -34,17 +34,25 @@ reading their bytes, `host_mem_gbps`).
 
 For ``device = "cpu"`` the device IS the host: its memory figures are the host's, the link is a
 memory copy (copy bandwidth) and its compute the CPU's; `fast` and host tiers then share one RAM.
+
+Every figure must be finite and within what a machine can have (`RANGES`): rates 0.001 to 100,000
+GB/s (1 MB/s to 20x HBM3e), bf16/low-precision matrix throughput 1e-6 to 1e5 TFLOP/s, the CPU
+0.001 to 1e7 GFLOP/s and 1 to 65,536 cores, memories 1 MiB to 1 PiB, the link's latency 1 ns to
+1 s, an optional overhead 0 or 1 ps to 1 s. (A denormal `link_gbps = 1e-320` passed "positive" and
+ended the replay in a StopIteration traceback.) A profile file is at most 64 KiB of UTF-8 TOML;
+what it cannot be read as is a ProfileError naming file:line.
 """
 
 from __future__ import annotations
 
 import math
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import EngineError
+from .profile_toml import failing_line, key_lines, toml_module
 
 __all__ = ["BUILTIN_PROFILES", "HardwareProfile", "ProfileError", "load_profile"]
 
@@ -162,48 +170,88 @@ _OPTIONAL: dict[str, float] = {
 """Keys a profile may leave out (their defaults), >= 0: fixed costs (0: not modelled) and the
 CPU's per-codec rates (0: at host_mem_gbps)."""
 _DEVICES = ("cuda", "cpu")
+_RATE, _US = (1e-3, 1e5, "GB/s"), (1e-6, 1e6, "us")
+RANGES: dict[str, tuple[float, float, str]] = {
+    "link_gbps": _RATE,
+    "link_latency_us": (1e-3, 1e6, "us"),
+    "device_mem_gbps": _RATE,
+    "device_mem_bytes": (2**20, 2**50, "bytes"),
+    "device_bf16_tflops": (1e-6, 1e5, "TFLOP/s"),
+    "device_lowp_tflops": (1e-6, 1e5, "TFLOP/s"),
+    "host_mem_gbps": _RATE,
+    "host_mem_bytes": (2**20, 2**50, "bytes"),
+    "disk_gbps": _RATE,
+    "cpu_gflops": (1e-3, 1e7, "GFLOP/s"),
+    "cpu_cores": (1, 2**16, "cores"),
+    "layer_overhead_us": _US,
+    "expert_overhead_us": _US,
+    "tier_overhead_us": _US,
+    "miss_overhead_us": _US,
+    "stream_overhead_us": _US,
+    "host_int8_gbps": _RATE,
+    "host_mxfp4_gbps": _RATE,
+}
+"""Each figure's physical range (module docstring), inclusive; an optional figure may also be 0."""
+MAX_PROFILE_BYTES = 64 * 1024
+"""A profile file's largest size: a full profile with comments is ~1.5 KB."""
 
 
 def _as_dict(p: HardwareProfile) -> dict[str, Any]:
     return {f.name: getattr(p, f.name) for f in fields(p)}
 
 
-def _validate(doc: dict[str, Any], where: str) -> dict[str, Any]:
+def _validate(
+    doc: dict[str, Any], where: str, key_where: Callable[[str], str] | None = None
+) -> dict[str, Any]:
     """`doc` with int figures widened to float where a float is expected; ProfileError naming
-    `where` and the first key at fault (unknown, missing, wrong type, non-positive, bad device).
-    Optional keys (`_OPTIONAL`) left out take their defaults and may be 0."""
+    `where` (or `key_where(key)`: the file and the key's line) and the first key at fault
+    (unknown, missing, wrong type, non-positive, outside `RANGES`, bad device). Optional keys
+    (`_OPTIONAL`) left out take their defaults and may be 0."""
+    at = key_where or (lambda _key: where)
     unknown = sorted(set(doc) - set(_TYPES))
     if unknown:
-        raise ProfileError(f"{where}: unknown key {unknown[0]!r} (keys: {', '.join(_TYPES)})")
+        raise ProfileError(f"{at(unknown[0])}: unknown key {_short(unknown[0])} (keys: {', '.join(_TYPES)})")
     missing = [k for k in _TYPES if k not in doc and k not in _OPTIONAL]
     if missing:
         raise ProfileError(f"{where}: missing key {missing[0]!r}")
     out: dict[str, Any] = {}
     for key, kind in _TYPES.items():
-        v = doc.get(key, _OPTIONAL.get(key))
+        v, here = doc.get(key, _OPTIONAL.get(key)), at(key)
         if kind is str:
             if not isinstance(v, str) or not v:
-                raise ProfileError(f"{where}: key {key!r} must be a non-empty string, got {v!r}")
-        elif kind is int:
+                raise ProfileError(f"{here}: key {key!r} must be a non-empty string, got {_short(v)}")
+            out[key] = v
+            continue
+        if kind is int:
             if isinstance(v, bool) or not isinstance(v, int):
-                raise ProfileError(f"{where}: key {key!r} must be an integer, got {v!r}")
+                raise ProfileError(f"{here}: key {key!r} must be an integer, got {_short(v)}")
         else:
             if isinstance(v, bool) or not isinstance(v, int | float):
-                raise ProfileError(f"{where}: key {key!r} must be a number, got {v!r}")
+                raise ProfileError(f"{here}: key {key!r} must be a number, got {_short(v)}")
             v = float(v)
             if not math.isfinite(v):
-                raise ProfileError(f"{where}: key {key!r} must be finite, got {v!r}")
+                raise ProfileError(f"{here}: key {key!r} must be finite, got {v!r}")
         if key in _OPTIONAL:
             if v < 0:
-                raise ProfileError(f"{where}: key {key!r} must be >= 0, got {v!r}")
-        elif kind is not str and v <= 0:
-            raise ProfileError(f"{where}: key {key!r} must be positive, got {v!r}")
+                raise ProfileError(f"{here}: key {key!r} must be >= 0, got {v!r}")
+        elif v <= 0:
+            raise ProfileError(f"{here}: key {key!r} must be positive, got {_short(v)}")
+        lo, hi, unit = RANGES[key]
+        if not (lo <= v <= hi or (v == 0 and key in _OPTIONAL)):
+            zero = "0 or " if key in _OPTIONAL else ""
+            raise ProfileError(f"{here}: key {key!r} must be {zero}{lo:g} to {hi:g} {unit}, got {_short(v)}")
         out[key] = v
     if out["device"] not in _DEVICES:
         raise ProfileError(
-            f"{where}: key 'device' must be one of {', '.join(_DEVICES)}, got {out['device']!r}"
+            f"{at('device')}: key 'device' must be one of {', '.join(_DEVICES)}, got {_short(out['device'])}"
         )
     return out
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """`value`'s repr cut to `limit` characters: an error stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 BUILTIN_PROFILES: dict[str, HardwareProfile] = {
@@ -316,9 +364,10 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     """A built-in profile by name, or the profile in a TOML file with every required `HardwareProfile`
     field (the optional overheads default to 0).
 
-    ProfileError (a ValueError and an EngineError), in one line naming the file and the key, for an
-    unknown name, an unreadable or invalid TOML file, and an unknown, missing, mistyped or
-    non-positive key.
+    ProfileError (a ValueError and an EngineError), in one line naming the file (file:line where
+    there is one) and the key, for an unknown name, an unreadable or invalid TOML file (not UTF-8,
+    past `MAX_PROFILE_BYTES`, nested past the parser's stack, an int past 4300 digits), and an
+    unknown, missing, mistyped or non-positive key or one outside its `RANGES`.
     """
     key = str(name_or_path)
     if key in BUILTIN_PROFILES:
@@ -329,24 +378,30 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
             f"unknown hardware profile {key!r}: not a built-in "
             f"({', '.join(BUILTIN_PROFILES)}) nor a TOML file"
         )
-    toml = _toml_module(path)
+    toml = toml_module()
+    if toml is None:
+        raise ProfileError(f"{path}: reading TOML profiles needs Python 3.11+ or the tomli package")
     try:
-        doc = toml.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise ProfileError(f"cannot read hardware profile {path}: {e}") from None
+        with path.open("rb") as f:
+            data = f.read(MAX_PROFILE_BYTES + 1)
+    except OSError as e:
+        raise ProfileError(f"cannot read hardware profile {path}: {e.strerror or e}") from None
+    if len(data) > MAX_PROFILE_BYTES:  # named at the line that runs past it
+        line = data[:MAX_PROFILE_BYTES].count(b"\n") + 1
+        raise ProfileError(f"{path}:{line}: past {MAX_PROFILE_BYTES} bytes: not a hardware profile")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ProfileError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x})") from None
+    try:
+        doc = toml.loads(text)
     except toml.TOMLDecodeError as e:
         raise ProfileError(f"{path}: not valid TOML ({e})") from None
-    return HardwareProfile(**_validate(doc, str(path)))
-
-
-def _toml_module(path: Path) -> Any:
-    """tomllib (Python 3.11+), else the tomli backport; ProfileError when neither is there."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-
-        return tomllib
-    try:
-        import tomli
-    except ImportError:
-        raise ProfileError(f"{path}: reading TOML profiles needs Python 3.11+ or the tomli package") from None
-    return tomli
+    except (RecursionError, ValueError) as e:  # nesting past the stack; an int past 4300 digits
+        what = "nested too deeply" if isinstance(e, RecursionError) else "a number too long to read"
+        raise ProfileError(f"{path}:{failing_line(toml, text)}: not a hardware profile: {what}") from None
+    lines = key_lines(text)
+    return HardwareProfile(
+        **_validate(doc, str(path), lambda key: f"{path}:{lines[key]}" if key in lines else str(path))
+    )

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from ..errors import EngineError
@@ -42,141 +41,24 @@ from ..memory.routing import ROUTING_DECAY, RoutingFrequency
 from ..memory.tiers import HostTier
 from ..routing_trace import Step
 from .machine import ExpertCosts, Timeline, moves_whole
+from .mover import Tally, VirtualMover, warm
 from .profiles import HardwareProfile
 from .shapes import ModelShape
+
+__all__ = ["OnLayer", "SimulationError", "Tally", "TieredReplay", "VirtualMover", "warm"]
 
 
 class SimulationError(EngineError, ValueError):
     """A replay that cannot run (a budget below one layer's working set, an unknown policy)."""
 
 
-@dataclass
-class Tally:
-    """What the decode steps of a replay did (totals; `PolicyResult` divides by tokens)."""
-
-    tokens: int = 0
-    seconds: float = 0.0
-    fast_misses: int = 0
-    host_misses: int = 0
-    cpu_experts: int = 0
-    bytes: Counter[str] = field(default_factory=Counter)
-    decisions: Counter[str] = field(default_factory=Counter)
+OnLayer = Callable[[Step, int, list[int]], None]
+"""`TieredReplay.run`'s hook: a (step, MoE layer) and the keys of its routed experts that missed."""
 
 
-def warm(host: HostTier[Any], keys: Iterable[ExpertKey], nbytes: int) -> None:
-    """Fill `host` with `keys` (each `nbytes`) in order while they fit: the RAM of a machine that
-    has run the model for a while (a replay measures the steady state, not the first disk reads)."""
-    for key in keys:
-        if not host.has_room(nbytes, key):
-            return
-        host.put(key, True, nbytes)
-
-
-class VirtualMover:
-    """`TierMover`'s bookkeeping without bytes: reads, copies and decodes take time on `timeline`
-    and are recorded by the same oracles; tiers change exactly as the live mover changes them."""
-
-    def __init__(
-        self,
-        fast: FastTier[Any],
-        host: HostTier[Any],
-        costs: ExpertCosts,
-        timeline: Timeline,
-        links: tuple[BandwidthOracle, BandwidthOracle],
-        clock: ManualClock,
-        *,
-        moves_up: set[ExpertKey],
-        exclusive: bool,
-    ) -> None:
-        self.fast, self.host, self.costs, self.timeline = fast, host, costs, timeline
-        self.exclusive = exclusive
-        self.storage_link, self.fast_link = links
-        self.clock, self.moves_up = clock, moves_up
-        self.bytes: Counter[str] = Counter()
-        self.now = 0.0  # when the running layer started (reads it issues start then)
-
-    def _record(self, oracle: BandwidthOracle, nbytes: int, seconds: float) -> None:
-        self.clock.now = max(self.clock.now, self.now)
-        oracle.record(nbytes, seconds)
-
-    def read(self, at: float) -> float:
-        """Tier 3 -> tier 2: one block read; returns when it is in RAM."""
-        c = self.costs
-        self.bytes["storage->host"] += c.stored_bytes
-        self._record(self.storage_link, c.stored_bytes, c.disk_s)
-        return self.timeline.run("disk", at, c.disk_s)
-
-    def host_value(self, key: ExpertKey, at: float, *, keep: bool = True) -> float:
-        """When `key`'s tier-2 bytes are ready (a counted hit or miss; read and kept on a miss)."""
-        if self.host.get(key) is not None:
-            return at
-        ready = self.read(at)
-        if keep:
-            self.host.put(key, True, self.costs.stored_bytes)
-        return ready
-
-    def promote(self, key: ExpertKey, at: float, staged: float | None) -> float:
-        """Bring `key` into tier 1 (from a prefetch that arrived at `staged`, tier 2 or tier 3);
-        returns when it is ready there."""
-        c = self.costs
-        moves_up = key in self.moves_up
-        if staged is not None and c.device == "cuda":
-            ready = staged  # the prefetch already copied it into the spare buffer
-        else:
-            # As the live mover: CUDA keeps what does not move up, a CPU what is not exclusive.
-            keep = not moves_up if c.device == "cuda" else not self.exclusive
-            host_ready = staged if staged is not None else self.host_value(key, at, keep=keep)
-            s = c.promote_s(moves_up)  # CPU: a copy unless the block moves up
-            ready = self.timeline.run("link", host_ready, s)
-            self.bytes["host->fast"] += c.stored_bytes
-            self._record(self.fast_link, c.stored_bytes, s)
-        self.land(key)
-        return ready
-
-    def land(self, key: ExpertKey, *, recent: bool = False) -> None:
-        """`key` is in tier 1 (its copy done; `recent`: a staged copy kept in the recent segment):
-        the tiers change as the live mover changes them."""
-        if key in self.moves_up:
-            self.host.pop(key)
-        elif key not in self.host:  # a decoded copy: the compact bytes stay in tier 2
-            self.host.put(key, True, self.costs.stored_bytes)
-        if recent:
-            self.fast.put_recent(key, True, self.costs.fast_bytes)  # evictions: `on_fast_evict`
-        else:
-            self.fast.put(key, True, self.costs.fast_bytes)  # evictions: `on_fast_evict`
-
-    def on_fast_evict(self, key: ExpertKey, _value: Any) -> None:
-        """An expert whose bytes moved up goes back to tier 2 (CUDA: copied back over the link)."""
-        if key not in self.moves_up:
-            return
-        if self.costs.device == "cuda":
-            self.bytes["fast->host"] += self.costs.stored_bytes
-        self.host.put(key, True, self.costs.stored_bytes)
-
-    def prefetch_load(self, key: ExpertKey, *, stage: bool) -> float | None:
-        """A prefetch: read `key` into tier 2 if absent; on CUDA with `stage` also copy it into the
-        spare buffer. Returns when it is where a `take` finds it (CUDA without `stage`: None, a
-        demand promote copies it from tier 2)."""
-        c = self.costs
-        ready = self.now
-        if self.host.peek(key) is None:
-            ready = self.read(self.now)
-            if not (key in self.moves_up and key in self.fast):
-                self.host.put(key, True, c.stored_bytes)
-        if stage and c.device == "cuda":
-            self.bytes["host->fast"] += c.stored_bytes
-            self._record(self.fast_link, c.stored_bytes, c.link_s)
-            return self.timeline.run("link", ready, c.link_s)
-        return None if c.device == "cuda" else ready
-
-    def copy_rows(self, nbytes: int, at: float) -> float:
-        """A SPLIT's rows host -> device (not timed by the live engine: no oracle record)."""
-        self.bytes["host->fast"] += nbytes
-        return self.timeline.run("link", at, self.costs.rows_copy_s(nbytes))
-
-    def warm_host(self, keys: Sequence[ExpertKey]) -> None:
-        """Tier 2 as a machine that has run the model for a while has it (`warm`)."""
-        warm(self.host, keys, self.costs.stored_bytes)
+def _given(steps: Iterable[Step]) -> Iterable[Step] | None:
+    """`steps`, or None for an empty collection (no routing profile given)."""
+    return None if isinstance(steps, Collection) and not steps else steps
 
 
 class TieredReplay:
@@ -210,12 +92,13 @@ class TieredReplay:
         policy: QStarPolicy | None = None,
         costs: ExpertCosts | None = None,
         warm_host: bool = True,
-        warm_start: Sequence[Step] = (),
+        warm_start: Iterable[Step] = (),
         fill_at_load: bool = True,
     ) -> None:
         if placement not in ("qstar", "layer-lru"):
             raise SimulationError(f"placement must be 'qstar' or 'layer-lru', got {placement!r}")
-        if warm_start and placement != "qstar":
+        profiled = _given(warm_start)  # walked once, at the end of loading
+        if profiled is not None and placement != "qstar":
             raise SimulationError("a warm start (routing profile) is for placement 'qstar' only")
         self.shape, self.profile, self.placement = shape, profile, placement
         self.costs = c = costs or ExpertCosts.of(shape, profile, codec)
@@ -292,8 +175,8 @@ class TieredReplay:
         self.prefetch_depth = depth
         self.hot_every = hot_every
         self.planner.room = self.spare // c.fast_bytes if self.spare else None
-        if warm_start:
-            for key in self.planner.warm_start(warm_start):
+        if profiled is not None:
+            for key in self.planner.warm_start(profiled):
                 self.mover.land(key)
             self.planner.refresh_hot()
         elif exclusive and fill_at_load:
@@ -315,9 +198,7 @@ class TieredReplay:
         self.rng = random.Random(seed)
         self.now = 0.0
         self._draws: dict[ExpertKey, float] = {}  # the predictor's draw per routed expert, this step
-        # Per (step, MoE layer) in replay order, the routed experts that missed tier 1, keyed as
-        # `baselines.layer_steps` keys them (layer position x 2**20 + expert): `simulator.bound`.
-        self.missed: list[list[int]] = []
+        self._on_layer: OnLayer | None = None  # `run`'s hook
 
     def _spare_for(self, wanted: int) -> int:
         """A staging room of `wanted` bytes, or none if tier 1 would be left less than the minimum
@@ -363,9 +244,12 @@ class TieredReplay:
         return pred[:limit]
 
     # ---- the per-layer loop -----------------------------------------------------------------
-    def run(self, steps: Sequence[Step]) -> Tally:
-        """Replay `steps`; the tally of the decode steps."""
+    def run(self, steps: Iterable[Step], on_layer: OnLayer | None = None) -> Tally:
+        """Replay `steps` (walked once, in order: a stream is never held); the tally of the decode
+        steps. `on_layer(step, layer, missed)`: after each (step, MoE layer), the routed experts
+        that missed tier 1 there, keyed as `source.step_keys` (`bounds.BoundTally` counts them)."""
         tally = Tally()
+        self._on_layer = on_layer
         for step in steps:
             decode = step.phase == "decode"
             before = (self.now, Counter(self.mover.bytes), Counter(self.policy.decisions))
@@ -423,7 +307,8 @@ class TieredReplay:
                     misses += missed
                     if missed:
                         missed_here.append(pos << 20 | e)
-            self.missed.append(missed_here)
+            if self._on_layer is not None:
+                self._on_layer(step, layer, missed_here)
             self.now = max(ends)
         return misses
 

@@ -339,9 +339,14 @@ def shape_from_config(config: str | Path | Mapping[str, Any], name: str | None =
             path = path / "config.json"
         where = str(path)
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as e:
             raise EngineError(f"cannot read model config {where}: {e}") from None
+        except RecursionError:  # json's scanner recurses once per nesting level
+            raise EngineError(f"cannot read model config {where}: JSON nested too deeply") from None
+        except ValueError as e:  # not UTF-8, or an int past Python's 4300-digit limit
+            why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "a number too long to read"
+            raise EngineError(f"cannot read model config {where}: {why}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
         raise EngineError(f"{where}: not a Hugging Face config (no 'model_type')")
     adapter = adapter_for(raw["model_type"])

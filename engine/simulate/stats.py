@@ -36,10 +36,8 @@ skew, and the misses of three cache policies over it (issue 33).
 
 from __future__ import annotations
 
-import heapq
 import json
 import math
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -47,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from ..routing_trace import RoutingRecord, RoutingTraceError
+from . import caches
 
 # The statistic's decay, not the engine's (`memory.routing.ROUTING_DECAY`): the trace statistic of
 # the published "decayed frequency" figure, whose decay is not given; 0.9 kept it within 6% of it.
@@ -198,21 +197,8 @@ def lru_misses(steps: Sequence[Sequence[int]], capacity: int) -> int:
 
 def lru_missing(steps: Sequence[Sequence[int]], capacity: int) -> list[list[int]]:
     """The keys each step misses in an LRU cache of `capacity` entries (`lru_misses`)."""
-    cache: OrderedDict[int, None] = OrderedDict()
-    out: list[list[int]] = []
-    for keys in steps:
-        missing = []
-        for k in keys:
-            if k in cache:
-                cache.move_to_end(k)
-            else:
-                missing.append(k)
-        for _ in range(len(cache) + len(missing) - capacity):
-            cache.popitem(last=False)  # own hits were just moved to the end: never evicted
-        for k in missing:
-            cache[k] = None
-        out.append(missing)
-    return out
+    cache = caches.LRUCache(capacity)
+    return [cache.missing(keys) for keys in steps]
 
 
 def frequency_misses(
@@ -262,30 +248,8 @@ def belady_misses(steps: Sequence[Sequence[int]], capacity: int) -> int:
 
 def belady_missing(steps: Sequence[Sequence[int]], capacity: int) -> list[list[int]]:
     """The keys each step misses under Belady's offline optimum (`belady_misses`)."""
-    never = len(steps)
-    next_use: list[list[int]] = [[] for _ in steps]
-    seen: dict[int, int] = {}
-    for i in range(len(steps) - 1, -1, -1):
-        next_use[i] = [seen.get(k, never) for k in steps[i]]
-        for k in steps[i]:
-            seen[k] = i
-    due: dict[int, int] = {}  # cached key -> the step of its next use
-    heap: list[tuple[int, int]] = []  # (-next use, key), stale entries skipped
-    out: list[list[int]] = []
-    for i, keys in enumerate(steps):
-        missing = [k for k in keys if k not in due]
-        # Own hits are due now (step i), every other entry later: they are never the farthest.
-        for _ in range(len(due) + len(missing) - capacity):
-            while True:
-                neg, k = heapq.heappop(heap)
-                if due.get(k) == -neg:
-                    del due[k]
-                    break
-        for k, nxt in zip(keys, next_use[i], strict=True):
-            due[k] = nxt
-            heapq.heappush(heap, (-nxt, k))
-        out.append(missing)
-    return out
+    cache = caches.BeladyCache(caches.NextUses.of(steps), capacity)
+    return [cache.missing(keys) for keys in steps]
 
 
 def filled_at_load(missing: Sequence[Sequence[int]], capacity: int) -> list[list[int]]:
@@ -295,17 +259,8 @@ def filled_at_load(missing: Sequence[Sequence[int]], capacity: int) -> list[list
     until they are full and then hold exactly those keys, so the rest of their misses is theirs
     filled so (LRU: each of those keys as fresh as its first use made it). For Belady it is the
     best fill too: the keys needed soonest."""
-    seen: set[int] = set()
-    out: list[list[int]] = []
-    for keys in missing:
-        kept = []
-        for k in keys:
-            if len(seen) < capacity and k not in seen:
-                seen.add(k)
-            else:
-                kept.append(k)
-        out.append(kept)
-    return out
+    fill = caches.LoadFill(capacity)
+    return [fill.kept(keys) for keys in missing]
 
 
 def _share(part: float, whole: float) -> float:

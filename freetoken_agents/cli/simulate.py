@@ -11,19 +11,20 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..engine.choices import QUANT_CODECS as CODEC_ALIASES
+from ..engine.choices import SIMULATION_POLICIES as POLICIES
 from ..engine.errors import MemoryBudgetError
-from ..engine.memory.budget import format_size, parse_size
-from ..engine.routing_trace import read_trace
-from ..engine.simulate.profiles import load_profile
-from ..engine.simulate.replay import SimulationError
-from ..engine.simulate.shapes import CODEC_ALIASES, shape_for
-from ..engine.simulate.simulator import POLICIES, SimulationReport, simulate
 from .argtypes import probability
 from .common import CLIError, show_progress, write
 
+if TYPE_CHECKING:
+    from ..engine.simulate.simulator import SimulationReport
+
 PLOT_HINT = "pip install 'freetoken-agents[plot]'"
+# The simulator's modules (and torch with them) are imported by the functions that use them, so
+# building the parser and `--help` load neither (issue 65).
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ def budget(text: str) -> Budget:
         return Budget(number, True)
     if number is not None and number != int(number):
         raise argparse.ArgumentTypeError(f"expected a fraction <= 1 or a size (e.g. 12GB), got {text!r}")
+    from ..engine.memory.budget import parse_size
+
     try:
         size = parse_size(text.strip(), "size")
     except MemoryBudgetError:
@@ -156,9 +159,16 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.plot:  # before minutes of replays, not after them
         _plot_backend()
         _check_writable(args.plot, "--plot")
+    from ..engine.simulate.profiles import load_profile
+    from ..engine.simulate.replay import SimulationError
+    from ..engine.simulate.shapes import shape_for
+    from ..engine.simulate.simulator import simulate
+    from ..engine.simulate.source import TraceSource
+
     shape, profile = shape_for(args.model), load_profile(args.hardware)
-    records = list(read_trace(args.trace))
-    routing_profile = list(read_trace(args.routing_profile)) if args.routing_profile else None
+    # Streamed: each pass re-reads the file a line at a time, never holding it (`source`).
+    records = TraceSource(args.trace)
+    routing_profile = TraceSource(args.routing_profile) if args.routing_profile else None
     total = shape.total_expert_bytes(args.codec)
     host = args.host_mem.nbytes(total) if args.host_mem else None
     from tqdm.auto import tqdm
@@ -213,6 +223,8 @@ def _table(rows: list[list[str]]) -> str:
 
 def format_reports(reports: Sequence[SimulationReport], total: int) -> str:
     """The plain-text tables: a SIMULATED header, then per fast budget every policy and the bound."""
+    from ..engine.memory.budget import format_size
+
     r0 = reports[0]
     host = "unbounded" if r0.host_bytes is None else format_size(r0.host_bytes)
     out = [
@@ -323,6 +335,7 @@ def _profile_here(args: argparse.Namespace) -> int:
     if args.out is not None:  # before minutes of measuring
         _check_writable(args.out, "--out")
     from ..engine.simulate.measure import measure_profile
+    from ..engine.simulate.shapes import shape_for
 
     # With --model, memory is read as that model's decode reads it (rows of its hidden size), and
     # the tiered overheads measured with its experts per layer and top-k.
