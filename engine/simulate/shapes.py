@@ -338,15 +338,10 @@ def shape_from_config(config: str | Path | Mapping[str, Any], name: str | None =
         if path.is_dir():
             path = path / "config.json"
         where = str(path)
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise EngineError(f"cannot read model config {where}: {e}") from None
-        except RecursionError:  # json's scanner recurses once per nesting level
-            raise EngineError(f"cannot read model config {where}: JSON nested too deeply") from None
-        except ValueError as e:  # not UTF-8, or an int past Python's 4300-digit limit
-            why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "a number too long to read"
-            raise EngineError(f"cannot read model config {where}: {why}") from None
+        if _is_ftw(path):  # a converted checkpoint: its manifest holds the config.json it came from
+            raw = _ftw_config(path)
+        else:
+            raw = _read_config(path, where)
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
         raise EngineError(f"{where}: not a Hugging Face config (no 'model_type')")
     adapter = adapter_for(raw["model_type"])
@@ -359,6 +354,43 @@ def shape_from_config(config: str | Path | Mapping[str, Any], name: str | None =
         return shape_from_spec(spec, name=name or raw["model_type"])
     except ValueError as e:
         raise EngineError(f"{where}: {e}") from None
+
+
+def _read_config(path: Path, where: str) -> Any:
+    """A config.json file's JSON; EngineError in one line when it cannot be read as one."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise EngineError(f"cannot read model config {where}: {e}") from None
+    except RecursionError:  # json's scanner recurses once per nesting level
+        raise EngineError(f"cannot read model config {where}: JSON nested too deeply") from None
+    except ValueError as e:  # not UTF-8, or an int past Python's 4300-digit limit
+        if isinstance(e, UnicodeDecodeError) and path.suffix.lower() != ".json":  # another kind of file
+            raise EngineError(
+                f"cannot read model config {where}: not UTF-8 text (a model is a built-in name "
+                f"({', '.join(BUILTIN_CONFIGS)}), a config.json, a checkpoint folder or an FTW file)"
+            ) from None
+        why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "a number too long to read"
+        raise EngineError(f"cannot read model config {where}: {why}") from None
+
+
+def _is_ftw(path: Path) -> bool:
+    """Whether `path` is a file that starts with the FTW magic."""
+    from ..ftw.layout import MAGIC
+
+    try:
+        with path.open("rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False  # `_read_config` names the file and why
+
+
+def _ftw_config(path: Path) -> Any:
+    """The model config an FTW file's manifest holds (its checksums checked, no tensor read)."""
+    from ..ftw.reader import FTWFile
+
+    with FTWFile(path) as ftw:
+        return ftw.model_config
 
 
 def shape_for(name_or_path: str | Path) -> ModelShape:

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from ..engine.simulate.simulator import SimulationReport
 
 PLOT_HINT = "pip install 'freetoken-agents[plot]'"
+# Built-in models with a calibrated synthetic routing preset (`engine.simulate.synthetic`), for
+# --synthetic; names only here, so that `--help` imports no simulator module.
+SYNTHETIC_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b")
+SYNTHETIC_TOKENS = 256  # decode tokens of a --synthetic trace: longer is steadier, shorter is faster
 # The simulator's modules (and torch with them) are imported by the functions that use them, so
 # building the parser and `--help` load neither (issue 65).
 
@@ -101,12 +105,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--trace", metavar="PATH", help="routing trace (JSON lines)")
     mode.add_argument(
+        "--synthetic",
+        choices=SYNTHETIC_MODELS,
+        metavar="MODEL",
+        help=f"replay a synthetic trace from MODEL's calibrated routing preset instead of a trace file "
+        f"(one of: {', '.join(SYNTHETIC_MODELS)}; --model defaults to MODEL)",
+    )
+    mode.add_argument(
         "--profile-here", action="store_true", help="measure this machine and print its profile TOML"
     )
     p.add_argument(
         "--model",
         metavar="SHAPE",
-        help="built-in model name or a config.json path (with --profile-here: measure for its shapes)",
+        help="built-in model name, a config.json path, a checkpoint folder or an .ftw file "
+        "(with --profile-here: measure for its shapes)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        metavar="N",
+        help=f"--synthetic: decode tokens of the trace (default: {SYNTHETIC_TOKENS})",
     )
     p.add_argument("--hardware", metavar="PROFILE", help="built-in hardware profile or a TOML file")
     p.add_argument(
@@ -137,7 +155,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "qstar-profiled, as the engine's --routing-profile (default: the trace's own first 25%%)",
     )
     p.add_argument("--recall", type=probability, default=0.8, help="q*'s predictor recall (default: 0.8)")
-    p.add_argument("--seed", type=int, default=0, help="seed of q*'s predictor (default: 0)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of q*'s predictor and of a --synthetic trace (default: 0)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     p.add_argument("--plot", metavar="OUT.png", help="plot tok/s and misses against the fast budget")
     p.add_argument("--out", metavar="FILE.toml", help="--profile-here: write the profile here")
@@ -151,10 +171,19 @@ def run_simulate(args: argparse.Namespace) -> int:
         return _profile_here(args)
     if args.out or args.quick or args.scratch_dir:
         raise CLIError("--out, --quick and --scratch-dir go with --profile-here")
+    if args.tokens is not None and not args.synthetic:
+        raise CLIError("--tokens goes with --synthetic")
+    if args.tokens is not None and args.tokens < 1:
+        raise CLIError(f"--tokens must be at least 1, got {args.tokens}")
+    if args.synthetic and not args.model:
+        args.model = args.synthetic
     missing = [
         f"--{k.replace('_', '-')}" for k in ("trace", "model", "hardware", "fast_mem") if not getattr(args, k)
     ]
+    if missing and args.synthetic:
+        missing.remove("--trace")
     if missing:
+        missing = [m if m != "--trace" else "--trace (or --synthetic MODEL)" for m in missing]
         raise CLIError(f"missing {', '.join(missing)} (or use --profile-here)")
     if args.plot:  # before minutes of replays, not after them
         _plot_backend()
@@ -166,14 +195,17 @@ def run_simulate(args: argparse.Namespace) -> int:
     from ..engine.simulate.source import TraceSource
 
     shape, profile = shape_for(args.model), load_profile(args.hardware)
-    # Streamed: each pass re-reads the file a line at a time, never holding it (`source`).
-    records = TraceSource(args.trace)
+    # Streamed: each pass re-reads the file a line at a time, never holding it (`source`); a
+    # --synthetic trace is held (a few MB at the default length).
+    trace = _synthetic(args.synthetic, args.tokens, args.seed) if args.synthetic else args.trace
+    records = TraceSource(trace)
     routing_profile = TraceSource(args.routing_profile) if args.routing_profile else None
     total = shape.total_expert_bytes(args.codec)
     host = args.host_mem.nbytes(total) if args.host_mem else None
     from tqdm.auto import tqdm
 
-    quiet = len(args.fast_mem) < 2 or not show_progress()
+    sweep = len(args.fast_mem) > 1
+    bar = sweep and show_progress()  # a bar on a terminal; else a line per budget as it finishes
     opts: dict[str, Any] = dict(
         host_bytes=host,
         codec=args.codec,
@@ -184,7 +216,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     # A budget below one layer's top-k is refused; a policy that needs more (layer-lru: every
     # layer's top-k) is reported infeasible at that budget by `simulate`.
     reports, skipped, errors = [], [], []  # a sweep skips the budgets below the minimum working set
-    for b in tqdm(args.fast_mem, desc="simulate", unit="budget", file=sys.stderr, leave=False, disable=quiet):
+    n = len(args.fast_mem)
+    for i, b in enumerate(
+        tqdm(args.fast_mem, desc="simulate", unit="budget", file=sys.stderr, leave=False, disable=not bar)
+    ):
         try:
             reports.append(
                 simulate(records, shape, profile, fast_bytes=b.nbytes(total), recall=args.recall, **opts)
@@ -192,6 +227,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         except SimulationError as e:
             skipped.append(b.nbytes(total))
             errors.append(e)
+            continue  # said after the loop (and where none fits, only the error is)
+        if sweep and not bar:
+            _progress_line(i + 1, n, b.nbytes(total), total)
     if errors and (len(args.fast_mem) == 1 or not reports):
         raise errors[0]
     for e in errors:
@@ -208,6 +246,24 @@ def run_simulate(args: argparse.Namespace) -> int:
         if not args.json:
             write(f"plot: {args.plot}\n")
     return 0
+
+
+def _synthetic(model: str, tokens: int | None, seed: int) -> list[Any]:
+    """A synthetic decode trace of `model` from its calibrated preset (`synthetic.preset_trace`)."""
+    from ..engine.simulate.synthetic import MIXTRAL_8X7B, QWEN3_30B_A3B, preset_trace
+
+    presets = {"mixtral-8x7b": MIXTRAL_8X7B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+    return preset_trace(presets[model], tokens=tokens or SYNTHETIC_TOKENS, seed=seed)
+
+
+def _progress_line(i: int, n: int, fast: int, total: int) -> None:
+    """One line on stderr for a sweep's budget `i` of `n` as it finishes (stderr not a terminal)."""
+    from ..engine.memory.budget import format_size
+
+    sys.stderr.write(
+        f"freetoken simulate: budget {i}/{n} done: fast memory {format_size(fast)} ({fast / total:.0%})\n"
+    )
+    sys.stderr.flush()
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -329,7 +385,7 @@ def _check_writable(path: str, option: str) -> None:
 
 def _profile_here(args: argparse.Namespace) -> int:
     """Measure this machine (`measure_profile`) and print its TOML, or write it to --out."""
-    given = [k for k in ("trace", "hardware", "fast_mem", "host_mem", "plot") if getattr(args, k)]
+    given = [k for k in ("trace", "tokens", "hardware", "fast_mem", "host_mem", "plot") if getattr(args, k)]
     if given:
         raise CLIError(f"--profile-here measures this machine; drop --{given[0].replace('_', '-')}")
     if args.out is not None:  # before minutes of measuring
