@@ -40,6 +40,14 @@ CODECS: tuple[str, ...] = tuple(dict.fromkeys(QUANT_CODECS.values()))
 GGUF_SOURCE = "source"
 """The GGUF converter's quant that keeps each tensor's stored precision (`loading.gguf.SOURCE`;
 a test keeps the two equal)."""
-SIMULATION_POLICIES: tuple[str, ...] = ("qstar", "qstar-profiled", "layer-lru", "static", "stream", "belady")
+SIMULATION_POLICIES: tuple[str, ...] = (
+    "qstar",
+    "qstar-profiled",
+    "layer-lru",
+    "static",
+    "static-layers",
+    "stream",
+    "belady",
+)
 """The expert policies `freetoken simulate --policies` replays (`simulate.simulator.POLICIES`, whose
 module needs torch; a test keeps the two equal)."""

@@ -228,6 +228,9 @@ def _profile_text(**change: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+AFTER_PROFILE = len(_profile_text().splitlines()) + 1  # the first line past a whole profile
+
+
 @pytest.mark.parametrize(
     ("text", "line", "message"),
     [
@@ -241,9 +244,9 @@ def _profile_text(**change: str) -> str:
             18,
             "key 'stream_overhead_us' must be 0 or 1e-06 to 1e+06 us",
         ),
-        (_profile_text() + "x = " + "[" * 5_000 + "]" * 5_000 + "\n", 21, "nested too deeply"),
-        (_profile_text() + "x = " + "[" * 100_000 + "]" * 100_000 + "\n", 21, "past 65536 bytes"),
-        (_profile_text().encode() + b"# \xff\xfe\n", 21, "not UTF-8 text (byte 0xff)"),
+        (_profile_text() + "x = " + "[" * 5_000 + "]" * 5_000 + "\n", AFTER_PROFILE, "nested too deeply"),
+        (_profile_text() + "x = " + "[" * 100_000 + "]" * 100_000 + "\n", AFTER_PROFILE, "past 65536 bytes"),
+        (_profile_text().encode() + b"# \xff\xfe\n", AFTER_PROFILE, "not UTF-8 text (byte 0xff)"),
     ],
     ids=[
         "denormal",

@@ -5,6 +5,10 @@
   uses; the most used fill
   tier 1 and stay there, the rest are computed on the CPU from RAM (the next most used that fit
   tier 2), or from the disk (read at each use: they do not fit RAM). Nothing moves while decoding.
+- `static-layers`: llama.cpp's ``--n-cpu-moe N`` (or ``-ot`` by layer): whole layers' experts in
+  tier 1, the last layers (``--n-cpu-moe N`` keeps the first N layers' experts on the CPU), as
+  many as fit; every other expert computed on the CPU from RAM (or the disk, past the RAM budget).
+  No profiling pass and nothing moves while decoding.
 - `stream`: no cache. Every routed expert is copied into tier 1 for its use (tier 2 an LRU of its
   budget, tier 3 read on a miss), no CPU compute.
 - `belady`: tier 1 as one cache of every layer's experts run by the offline optimum (evict the
@@ -128,17 +132,23 @@ def replay_static(
     host_bytes: int | None,
     num_experts: int,
     profile: Iterable[Step],
+    by_layer: bool = False,
 ) -> Tally:
     """llama.cpp's static split (module docstring), placed by the routing of `profile`
-    (`profiling_steps(steps)`, or another trace's steps)."""
-    uses: Counter[tuple[int, int]] = Counter()
-    for step in profile:
-        for layer, routed in step.layers.items():
-            uses.update({(layer, e): n for e, n in routed.items()})
-    # Most used first; experts the profiling pass never saw after them, in (layer, expert) order.
-    keys = [(layer, e) for layer in layers for e in range(num_experts)]
-    ranked = sorted(keys, key=lambda k: (-uses[k], k))
+    (`profiling_steps(steps)`, or another trace's steps); `by_layer`: `static-layers`, whole layers
+    from the last one down (`profile` unused)."""
     n_fast = fast_bytes // costs.fast_bytes
+    if by_layer:
+        ranked = [(layer, e) for layer in reversed(layers) for e in range(num_experts)]
+        n_fast -= n_fast % num_experts  # whole layers only
+    else:
+        uses: Counter[tuple[int, int]] = Counter()
+        for step in profile:
+            for layer, routed in step.layers.items():
+                uses.update({(layer, e): n for e, n in routed.items()})
+        # Most used first; experts the profiling pass never saw after them, in (layer, expert) order.
+        keys = [(layer, e) for layer in layers for e in range(num_experts)]
+        ranked = sorted(keys, key=lambda k: (-uses[k], k))
     n_host = len(ranked) if host_bytes is None else host_bytes // costs.stored_bytes
     resident = set(ranked[:n_fast])
     in_ram = resident | set(ranked[n_fast : n_fast + n_host])

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .profiles import HardwareProfile
-from .shapes import ModelShape, codec_name
+from .shapes import GGUF_BITS, ModelShape, codec_name
 
 ACTIVATION_DTYPE_BYTES = 2  # bf16 hidden states cross the link
 
@@ -42,6 +42,8 @@ ACTIVATION_DTYPE_BYTES = 2  # bf16 hidden states cross the link
 def tier1_codec(codec: str, device: str) -> str:
     """The codec an expert of `codec` is computed in from tier 1 on `device` ("cuda" or "cpu")."""
     c = codec_name(codec)
+    if c in GGUF_BITS:  # llama.cpp computes from the GGUF blocks on either device
+        return c
     if device == "cuda":
         return c if c == "mxfp4" else "bf16"
     return "bf16" if c.startswith("fp8") else c
@@ -51,6 +53,8 @@ def moves_whole(codec: str, device: str) -> bool:
     """Whether tier 1 holds an expert in its stored bytes (its bytes move up instead of being
     copied, with exclusive tiers): bf16 on a GPU; fp32, bf16 or int8 on a CPU."""
     c = codec_name(codec)
+    if c in GGUF_BITS:
+        return True
     return c == "bf16" if device == "cuda" else c in ("fp32", "bf16", "int8")
 
 
@@ -87,16 +91,22 @@ class ExpertCosts:
     link_latency_s: float = 0.0
 
     @classmethod
-    def of(cls, shape: ModelShape, profile: HardwareProfile, codec: str) -> ExpertCosts:
+    def of(
+        cls, shape: ModelShape, profile: HardwareProfile, codec: str, dense_codec: str | None = None
+    ) -> ExpertCosts:
+        """`dense_codec`: what the dense weights are held in (None: the engine's compute dtype,
+        fp32 on a CPU and bf16 on a GPU; a GGUF's own, e.g. "q4_k_m", for llama.cpp's setups)."""
         c = codec_name(codec)
         dev = profile.device
         fast_codec = tier1_codec(c, dev)
         stored = shape.expert_bytes(c)
         fast = shape.expert_bytes(fast_codec)
-        device_bps = profile.device_mem_gbps * 1e9
+        # What a CPU's GEMV reaches of its memory bandwidth (0: not modelled, all of it).
+        efficiency = profile.host_efficiency or 1.0
+        device_bps = profile.device_mem_gbps * 1e9 * (efficiency if dev == "cpu" else 1.0)
         lowp = fast_codec in ("int8", "fp8_e4m3")
         device_flops = (profile.device_lowp_tflops if lowp else profile.device_bf16_tflops) * 1e12
-        host_bps, host_flops = profile.host_mem_gbps * 1e9, profile.cpu_gflops * 1e9
+        host_bps, host_flops = profile.host_mem_gbps * 1e9 * efficiency, profile.cpu_gflops * 1e9
         expert_overhead = profile.expert_overhead_us * 1e-6
         if dev == "cuda":
             link_s = copy_s = profile.link_seconds(stored)
@@ -108,7 +118,8 @@ class ExpertCosts:
         act = 2 * shape.hidden * ACTIVATION_DTYPE_BYTES
         n_moe = max(1, len(shape.moe_layers))
         # The engine keeps dense weights in its compute dtype: fp32 on a CPU, bf16 on a GPU.
-        dense_bytes = shape.dense_bytes_per_token("fp32" if dev == "cpu" else "bf16") / n_moe
+        dense = codec_name(dense_codec) if dense_codec else ("fp32" if dev == "cpu" else "bf16")
+        dense_bytes = shape.dense_bytes_per_token(dense) / n_moe
         dense_flops = shape.dense_flops_per_token() / n_moe
         return cls(
             device=dev,

@@ -96,6 +96,11 @@ class HardwareProfile:
             weight-read bound at host_mem_gbps (what a fused kernel reaches on a desktop CPU).
             Measured by `measure_profile`: on the 2-core Xeon dev machine the int8 kernel reads
             ~11 GB/s where fp32 reads 28, and MXFP4 is decoded before its matmul.
+        host_efficiency: the share of `host_mem_gbps` a CPU's expert (and, on a "cpu" profile,
+            dense) GEMV reaches for codecs without a measured rate above; optional, default 0: not
+            modelled, the full bandwidth. Real engines reach 35-70% (FACTS.md: llama.cpp on
+            desktops ~52-70%, ktransformers on an 8-channel server ~35-45%, a PyTorch bf16 CPU
+            path ~20%).
     """
 
     name: str
@@ -118,6 +123,7 @@ class HardwareProfile:
     stream_overhead_us: float = 0.0
     host_int8_gbps: float = 0.0
     host_mxfp4_gbps: float = 0.0
+    host_efficiency: float = 0.0
 
     def __post_init__(self) -> None:
         for key, value in _validate(_as_dict(self), f"profile {self.name!r}").items():
@@ -157,6 +163,7 @@ _TYPES: dict[str, type] = {
     "stream_overhead_us": float,
     "host_int8_gbps": float,
     "host_mxfp4_gbps": float,
+    "host_efficiency": float,
 }
 _OPTIONAL: dict[str, float] = {
     "layer_overhead_us": 0.0,
@@ -166,6 +173,7 @@ _OPTIONAL: dict[str, float] = {
     "stream_overhead_us": 0.0,
     "host_int8_gbps": 0.0,
     "host_mxfp4_gbps": 0.0,
+    "host_efficiency": 0.0,
 }
 """Keys a profile may leave out (their defaults), >= 0: fixed costs (0: not modelled) and the
 CPU's per-codec rates (0: at host_mem_gbps)."""
@@ -190,6 +198,7 @@ RANGES: dict[str, tuple[float, float, str]] = {
     "stream_overhead_us": _US,
     "host_int8_gbps": _RATE,
     "host_mxfp4_gbps": _RATE,
+    "host_efficiency": (0.01, 1.0, "of host_mem_gbps"),
 }
 """Each figure's physical range (module docstring), inclusive; an optional figure may also be 0."""
 MAX_PROFILE_BYTES = 64 * 1024

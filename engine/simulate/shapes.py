@@ -48,6 +48,7 @@ from .builtin_models import BUILTIN_CONFIGS
 __all__ = [
     "BUILTIN_CONFIGS",
     "CODEC_ALIASES",
+    "GGUF_BITS",
     "ModelShape",
     "TraceFootprint",
     "check_trace_fits",
@@ -63,6 +64,18 @@ CODEC_ALIASES: dict[str, str] = QUANT_CODECS
 names themselves are accepted too)."""
 FALLBACK_CODEC = "bf16"
 """Codec a weight is counted in when the requested one cannot represent it (as convert does)."""
+GGUF_BITS: dict[str, float] = {
+    "q8_0": 8.5,  # llama.cpp ggml-common.h: 32 int8 + one fp16 scale per block (34 bytes)
+    "q6_k": 6.5625,  # 210 bytes per 256-weight super-block
+    "q5_k": 5.5,  # 176 bytes per 256
+    "q4_k": 4.5,  # 144 bytes per 256
+    # A Q4_K_M file mixes Q4_K with Q6_K (some down projections, the output) and keeps small
+    # tensors wider; estimate from published file sizes: Qwen3-30B-A3B-Q4_K_M ~18.6 GB for 30.5 B
+    # parameters (4.88 bits), DeepSeek-V3-Q4_K_M ~404 GB for 671 B (4.82 bits).
+    "q4_k_m": 4.85,
+}
+"""llama.cpp's GGUF types priced at their own bits per weight (what llama.cpp holds in memory and
+computes from): a simulator-only codec name, for the peers' setups; not an FTW codec."""
 
 
 def codec_name(codec: str) -> str:
@@ -70,14 +83,16 @@ def codec_name(codec: str) -> str:
     listing the accepted names otherwise."""
     if codec in CODEC_ALIASES:
         return CODEC_ALIASES[codec]
-    if codec in CODECS:
+    if codec in CODECS or codec in GGUF_BITS:
         return codec
-    known = sorted(set(CODEC_ALIASES) | set(CODECS))
+    known = sorted(set(CODEC_ALIASES) | set(CODECS) | set(GGUF_BITS))
     raise ValueError(f"unknown codec {codec!r}; known: {', '.join(known)}")
 
 
 def _part_bytes(shape: tuple[int, ...], codec: str) -> list[int]:
     """Bytes of each stored part of one tensor of `shape` in `codec` (falling back as convert does)."""
+    if codec in GGUF_BITS:
+        return [math.ceil(math.prod(shape) * GGUF_BITS[codec] / 8)]
     try:
         specs = get_codec(codec).part_specs(shape)
     except ValueError:
@@ -131,6 +146,7 @@ class ModelShape:
     dense_matrices: tuple[tuple[int, int, int], ...]
     dense_vector_elems: int
     fp32_elems: int
+    kv_elems_per_token: int = 0  # K and V elements one token adds to the cache, all layers
 
     # ---- routed experts ---------------------------------------------------------------------
     def _expert_tensors(self) -> tuple[list[tuple[int, int]], list[int]]:
@@ -194,6 +210,17 @@ class ModelShape:
         # + the final norm and one embedding row
         vectors = sum(_part_bytes((self.dense_vector_elems + 2 * self.hidden,), vc))
         return mats + vectors + 4 * self.fp32_elems + self.lm_head_bytes(c)
+
+    def dense_resident_bytes(self, codec: str = "bf16") -> int:
+        """Bytes of every non-routed weight held where the dense part runs: 2-D weights in `codec`
+        (the embedding table too, once if tied), 1-D ones as `dense_bytes_per_token` counts them."""
+        c = codec_name(codec)
+        embed = 0 if self.tie_word_embeddings else _matrix_bytes(self.vocab_size, self.hidden, c)
+        return self.dense_bytes_per_token(c) + embed
+
+    def kv_bytes(self, tokens: int, dtype_bytes: int = 2) -> int:
+        """Bytes of the KV cache of `tokens` tokens (bf16 unless `dtype_bytes` says otherwise)."""
+        return tokens * self.kv_elems_per_token * dtype_bytes
 
     def dense_flops_per_token(self) -> int:
         """FLOPs of the non-routed matrices one token runs, lm_head included (attention scores over
@@ -279,9 +306,11 @@ def shape_from_spec(spec: ModelSpec, name: str | None = None) -> ModelShape:
     num_experts, top_k, intermediate, expert_bias = sizes.pop()
     mats: Counter[tuple[int, int]] = Counter()
     vectors: list[int] = [h]  # final norm
-    fp32 = 0
+    fp32 = kv = 0
     for layer in spec.layers:
         _attention_weights(layer.attention, h, mats, vectors)
+        a = layer.attention  # MLA caches its compressed latent and the rope key, as llama.cpp does
+        kv += a.kv_lora_rank + a.qk_rope_head_dim if a.kind == "mla" else 2 * a.num_kv_heads * a.head_dim
         vectors += [h, h]  # input and post-attention norms
         moe = layer.moe
         if moe is None:
@@ -318,6 +347,7 @@ def shape_from_spec(spec: ModelSpec, name: str | None = None) -> ModelShape:
         dense_matrices=tuple(sorted((count, o, n) for (o, n), count in mats.items())),
         dense_vector_elems=sum(vectors) - h,
         fp32_elems=fp32,
+        kv_elems_per_token=kv,
     )
 
 
@@ -418,21 +448,23 @@ class TraceFootprint:
     max_expert: int
     top_k: int
     min_top_k: int
+    context: int = 0  # the longest sequence's tokens (its largest token position + 1)
 
 
 def trace_footprint(records: Iterable[RoutingRecord]) -> TraceFootprint:
     """The layers, largest expert id and top-k (largest and smallest record) of `records`;
     RoutingTraceError for an empty trace."""
     layers: set[int] = set()
-    max_expert, top_k, min_top_k = -1, 0, None
+    max_expert, top_k, min_top_k, context = -1, 0, None, 0
     for r in records:
         layers.add(r.layer)
+        context = max(context, r.token + 1)
         max_expert = max(max_expert, *r.experts)
         top_k = max(top_k, len(r.experts))
         min_top_k = len(r.experts) if min_top_k is None else min(min_top_k, len(r.experts))
     if min_top_k is None:
         raise RoutingTraceError("routing trace is empty: no records")
-    return TraceFootprint(frozenset(layers), max_expert, top_k, min_top_k)
+    return TraceFootprint(frozenset(layers), max_expert, top_k, min_top_k, context)
 
 
 def check_trace_fits(

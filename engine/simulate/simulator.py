@@ -46,15 +46,27 @@ from typing import Any
 from ..routing_trace import Step
 from .baselines import PROFILE_FRACTION, profiling_steps, replay_static, replay_streaming
 from .bounds import Bound, BoundTally, LayerChain, bound, bound_tally
+from .fit import FitError, check_fits
 from .machine import ExpertCosts
 from .profiles import HardwareProfile
 from .replay import SimulationError, Tally, TieredReplay
 from .shapes import ModelShape, check_trace_fits, codec_name
 from .source import RecordSource, TraceSource, trace_source
 
-__all__ = ["POLICIES", "Bound", "LayerChain", "PolicyResult", "SimulationReport", "bound", "simulate"]
+__all__ = [
+    "POLICIES",
+    "Bound",
+    "FitError",
+    "LayerChain",
+    "PolicyResult",
+    "SimulationReport",
+    "bound",
+    "simulate",
+]
 
-POLICIES = ("qstar", "qstar-profiled", "layer-lru", "static", "stream", "belady")
+POLICIES = ("qstar", "qstar-profiled", "layer-lru", "static", "static-layers", "stream", "belady")
+_NO_TIER1_FLOOR = ("static", "static-layers")
+"""Policies that run with less tier 1 than one layer's top-k (llama.cpp's -cmoe: none at all)."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,9 @@ def simulate(
     recall: float = 0.8,
     seed: int = 0,
     routing_profile: RecordSource | TraceSource | None = None,
+    dense_codec: str | None = None,
+    context: int | None = None,
+    check_fit: bool = True,
 ) -> SimulationReport:
     """Replay `records` (a routing trace that fits `shape`: records in memory, a trace file's path
     or a `source.TraceSource`, streamed a step at a time, once per pass) under each of `policies`
@@ -136,8 +151,12 @@ def simulate(
     RAM). `routing_profile`: another trace of the model (an earlier session's) that places the
     static split and starts qstar-profiled, as `--routing-profile` starts the engine, instead of
     the trace's own first 25% (`baselines.profiling_steps`): both then predict tokens they never
-    saw. RoutingTraceError for a trace or profile that does not fit `shape`; SimulationError for
-    an unknown policy or a budget below one layer's working set."""
+    saw. `dense_codec`: what the dense weights are held in (None: the engine's compute dtype);
+    `context`: the tokens whose KV the device holds (None: the trace's longest sequence).
+    RoutingTraceError for a trace or profile that does not fit `shape`; SimulationError for
+    an unknown policy or a budget below one layer's working set; FitError (`fit.check_fits`,
+    unless `check_fit` is False) when fast memory, the dense weights and the KV cache do not fit
+    the machine."""
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise SimulationError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
@@ -160,8 +179,19 @@ def simulate(
         profiled = profile_steps.__iter__
         tokens = sum(s.tokens for s in profiled())
         source = f"a routing profile of {tokens} tokens"
-    costs = ExpertCosts.of(shape, profile, codec)
-    if fast_bytes < costs.fast_bytes * shape.top_k:
+    dense = codec_name(dense_codec) if dense_codec else ("fp32" if profile.device == "cpu" else "bf16")
+    if check_fit:
+        check_fits(
+            shape,
+            profile,
+            fast_bytes=fast_bytes,
+            host_bytes=host_bytes,
+            dense_codec=dense,
+            context=fp.context if context is None else context,
+        )
+    costs = ExpertCosts.of(shape, profile, codec, dense_codec=dense)
+    floor_free = all(p in _NO_TIER1_FLOOR for p in policies)
+    if fast_bytes < costs.fast_bytes * shape.top_k and not floor_free:
         raise SimulationError(
             f"fast memory of {fast_bytes} bytes cannot hold one layer's top-{shape.top_k} experts "
             f"({costs.fast_bytes * shape.top_k} bytes)"
@@ -191,9 +221,16 @@ def simulate(
             own = BoundTally(costs, host_misses=the_bound.host_misses, warm=the_bound.warm)
             tally = replay.run(steps, on_layer=own.on_layer)
             overlapped = own.result().tokens_per_s
-        elif policy == "static":
+        elif policy in ("static", "static-layers"):
+            by_layer = policy == "static-layers"
             tally = replay_static(
-                steps, layers, costs, **budgets, num_experts=shape.num_experts, profile=profiled()
+                steps,
+                layers,
+                costs,
+                **budgets,
+                num_experts=shape.num_experts,
+                profile=() if by_layer else profiled(),
+                by_layer=by_layer,
             )
         else:
             tally = replay_streaming(

@@ -200,8 +200,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     trace = _synthetic(args.synthetic, args.tokens, args.seed) if args.synthetic else args.trace
     records = TraceSource(trace)
     routing_profile = TraceSource(args.routing_profile) if args.routing_profile else None
-    total = shape.total_expert_bytes(args.codec)
-    host = args.host_mem.nbytes(total) if args.host_mem else None
+    from ..engine.simulate.machine import tier1_codec
+    from ..engine.simulate.shapes import codec_name
+
+    # A share of fast memory is of the bytes tier 1 holds (a GPU holds int8 or fp8 experts as
+    # bf16); a share of host memory of the stored bytes.
+    total = shape.total_expert_bytes(tier1_codec(codec_name(args.codec), profile.device))
+    host = args.host_mem.nbytes(shape.total_expert_bytes(args.codec)) if args.host_mem else None
     from tqdm.auto import tqdm
 
     sweep = len(args.fast_mem) > 1
@@ -286,7 +291,7 @@ def format_reports(reports: Sequence[SimulationReport], total: int) -> str:
     out = [
         f"SIMULATED figures (predicted on a modelled machine, not measured): model {r0.model}, "
         f"hardware {r0.hardware}, codec {r0.codec}, {r0.decode_tokens} decode tokens\n",
-        f"experts: {format_size(total)} in all; host memory for experts: {host}\n",
+        f"experts: {format_size(total)} in all, as tier 1 holds them; host memory for experts: {host}\n",
         f"static and qstar-profiled start from {r0.profile}\n",
     ]
     for r in reports:
