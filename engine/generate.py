@@ -1,4 +1,4 @@
-"""Token sampling and the streaming decode loop."""
+"""The streaming decode loop (`stream_tokens`); how a token is picked is `sampling.py`'s."""
 
 from __future__ import annotations
 
@@ -7,11 +7,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import torch
-from pydantic import BaseModel, ConfigDict, Field
-
 from .detokenize import IncrementalDetokenizer
 from .errors import MemoryBudgetError
+from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 from .stop_text import first_stop, held_back_for_stops
 
 if TYPE_CHECKING:
@@ -19,31 +17,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["GenerationResult", "Sampler", "SamplingParams", "TokenEvent", "TokenLogprob", "stream_tokens"]
+
 FinishReason = Literal["length", "stop_token", "stop_string", "memory"]
-
-
-class SamplingParams(BaseModel):
-    """How the next token is picked. temperature 0 is greedy; `seed` makes sampling repeatable."""
-
-    model_config = ConfigDict(frozen=True)
-
-    max_new_tokens: int = Field(default=64, ge=0)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_k: int | None = Field(default=None, ge=1)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One generated token: its id, the text it adds (empty without a tokenizer) and, on the
-    last event, why generation ended."""
+    """One generated token: its id, the text it adds (empty without a tokenizer), on the last
+    event why generation ended, and its logprob when `SamplingParams.logprobs` asked for it."""
 
     token_id: int
     text: str
     finish_reason: FinishReason | None = None
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -52,39 +39,6 @@ class GenerationResult:
     text: str
     finish_reason: FinishReason
     prompt_tokens: int
-
-
-class Sampler:
-    """Picks tokens from logits [V] under SamplingParams.
-
-    The draw happens on the CPU with a CPU generator whatever the logits' device: a seeded
-    sampler picks the same tokens on a GPU as on the CPU (given the same probabilities), and a
-    CPU generator cannot drive a CUDA multinomial ("Expected a 'cuda' device type for generator").
-    """
-
-    def __init__(self, params: SamplingParams) -> None:
-        self.params = params
-        self.generator: torch.Generator | None = None
-        if params.temperature > 0:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-
-    def __call__(self, logits: torch.Tensor) -> int:
-        p = self.params
-        if p.temperature == 0:
-            return int(torch.argmax(logits))
-        scores = logits.float() / p.temperature
-        if p.top_k is not None and p.top_k < scores.shape[-1]:
-            kth = torch.topk(scores, p.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if p.top_p is not None and p.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=True)
-            cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
-            # Drop tokens once the mass before them already reaches top_p (the first always stays).
-            drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= p.top_p
-            scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
-        probs = torch.softmax(scores, dim=-1).cpu()
-        return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
 def stream_tokens(
@@ -108,8 +62,10 @@ def stream_tokens(
     """
     if params.max_new_tokens == 0:
         return
-    sampler = Sampler(params)
     logits = session.prefill(prompt_ids, last_only=True)[-1]
+    # the prompt is the whole sequence before the output (repetition_penalty counts it all)
+    sampler = Sampler(params, session.token_ids if params.repetition_penalty != 1.0 else ())
+    top_n = params.logprobs
     detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
     stops = set(params.stop_token_ids)
     text = ""  # the stable text of the tokens so far (empty without a tokenizer)
@@ -118,9 +74,11 @@ def stream_tokens(
     steps = min(params.max_new_tokens, session.engine.max_context - session.position)
     for step in range(steps):
         token = sampler(logits)
+        sampler.observe(token)
+        lp = token_logprob(logits, token, top_n) if top_n is not None else None  # the raw logits'
         if token in stops:
             session.append_unprocessed(token)
-            yield TokenEvent(token, _rest(detok, emitted), "stop_token")
+            yield TokenEvent(token, _rest(detok, emitted), "stop_token", lp)
             return
         searched = len(text)  # holds no stop string (else generation had ended)
         if detok is not None:
@@ -129,21 +87,21 @@ def stream_tokens(
         hit = first_stop(text, params.stop_strings, searched)
         if hit is not None:
             session.append_unprocessed(token)
-            yield TokenEvent(token, text[emitted:hit], "stop_string")
+            yield TokenEvent(token, text[emitted:hit], "stop_string", lp)
             return
         if step == steps - 1:
             session.append_unprocessed(token)
-            yield TokenEvent(token, _rest(detok, emitted), "length")
+            yield TokenEvent(token, _rest(detok, emitted), "length", lp)
             return
         try:
             next_logits = session.decode(token)
         except MemoryBudgetError as e:
             logger.warning("generation stopped after %d tokens by a memory limit: %s", step + 1, e)
             session.append_unprocessed(token)
-            yield TokenEvent(token, _rest(detok, emitted), "memory")
+            yield TokenEvent(token, _rest(detok, emitted), "memory", lp)
             return
         safe = len(text) - held_back_for_stops(text, params.stop_strings)
-        yield TokenEvent(token, text[emitted:safe])
+        yield TokenEvent(token, text[emitted:safe], logprob=lp)
         emitted = safe
         logits = next_logits
 

@@ -17,23 +17,27 @@ from typing import Any
 import torch
 
 from .parsers.qwen3_coder import FUNCTION_END, PARAMETER, PARAMETER_END, VALUE_END, XmlParameter
+from .schema_bounds import MAX_STRING_CHARS
 
 
 class JsonLexer:
-    """A JSON value: (in_string, escaped, depth, last structural byte)."""
+    """A JSON value: (in_string, escaped, depth, last structural byte), and `chars`: the
+    characters written so far in the open string (escapes count as written; the decoder closes a
+    string that runs too long: `ConstrainedDecode`)."""
 
-    __slots__ = ("depth", "escaped", "in_string", "last")
+    __slots__ = ("chars", "depth", "escaped", "in_string", "last")
 
     def __init__(self) -> None:
-        self.in_string, self.escaped, self.depth, self.last = False, False, 0, 0
+        self.in_string, self.escaped, self.depth, self.last, self.chars = False, False, 0, 0, 0
 
     def copy(self) -> JsonLexer:
         twin = JsonLexer()
-        twin.in_string, twin.escaped, twin.depth, twin.last = (
+        twin.in_string, twin.escaped, twin.depth, twin.last, twin.chars = (
             self.in_string,
             self.escaped,
             self.depth,
             self.last,
+            self.chars,
         )
         return twin
 
@@ -43,6 +47,8 @@ class JsonLexer:
 
     def feed_byte(self, c: int) -> None:
         if self.in_string:
+            if not 0x80 <= c < 0xC0:  # a UTF-8 continuation byte is part of the same character
+                self.chars += 1
             if self.escaped:
                 self.escaped = False
             elif c == 0x5C:  # backslash
@@ -50,7 +56,7 @@ class JsonLexer:
             elif c == 0x22:  # quote
                 self.in_string, self.last = False, c
         elif c == 0x22:
-            self.in_string = True
+            self.in_string, self.chars = True, 0
         elif c in b"{[":
             self.depth += 1
         elif c in b"}]":
@@ -62,6 +68,11 @@ class JsonLexer:
     def closed(self) -> bool:
         """The top-level value has ended with a quote or a bracket (nothing may follow it)."""
         return not self.in_string and self.depth == 0 and self.last in (0x22, 0x5D, 0x7D)
+
+    @property
+    def string_chars(self) -> int:
+        """Characters written in the open string (0 outside a string)."""
+        return self.chars if self.in_string else 0
 
     def closers(self, vocab: Any) -> tuple[torch.Tensor, ...]:
         return (vocab.string_close if self.in_string else vocab.bracket_close,)
@@ -120,6 +131,12 @@ class XmlParamsLexer:
     def closed(self) -> bool:
         return self.mode == "tags" and self.tail == _FUNCTION_END
 
+    @property
+    def string_chars(self) -> int:
+        """Characters of the open string of a JSON value (a raw-text value is bounded by its
+        grammar: `_raw_text`)."""
+        return self.json.string_chars if self.mode == "json" and self.json is not None else 0
+
     def closers(self, vocab: Any) -> tuple[torch.Tensor, ...]:
         if self.mode == "raw":
             return (vocab.prefix_closers(_rest(self.tail, _VALUE_END)),)
@@ -152,7 +169,8 @@ def xml_structural_tag(
 
 
 def _raw_text(schema: dict[str, Any]) -> dict[str, Any]:
-    """A raw-text value: one of a string enum, a string pattern, else any text up to maxLength."""
+    """A raw-text value: one of a string enum, a string pattern, else any text up to maxLength
+    (MAX_STRING_CHARS when the schema sets none: a value ends, `schema_bounds`)."""
     values = schema.get("enum") if isinstance(schema.get("enum"), list) else None
     if values is None and "const" in schema:
         values = [schema["const"]]
@@ -160,9 +178,11 @@ def _raw_text(schema: dict[str, Any]) -> dict[str, Any]:
         return {"type": "or", "elements": [{"type": "const_string", "value": v} for v in values]}
     if schema.get("type") == "string" and isinstance(schema.get("pattern"), str):
         return {"type": "regex", "pattern": schema["pattern"]}
-    text: dict[str, Any] = {"type": "any_text", "excludes": [PARAMETER_END]}
+    text: dict[str, Any] = {"type": "any_text", "excludes": [PARAMETER_END], "max_chars": MAX_STRING_CHARS}
     if isinstance(schema.get("maxLength"), int) and schema["maxLength"] >= 0:
         text["max_chars"] = schema["maxLength"]
+    elif isinstance(schema.get("minLength"), int):  # a text the schema wants longer is not cut short
+        text["max_chars"] = max(MAX_STRING_CHARS, schema["minLength"])
     return text
 
 

@@ -11,17 +11,18 @@ machine (`_fences.FenceDetector`), so each token costs the same at token 2,000 a
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from freetoken_agents.engine import MemoryBudgetError, SamplingParams, held_back_for_stops
-from freetoken_agents.engine.generate import Sampler
+from freetoken_agents.engine import MemoryBudgetError, held_back_for_stops
+from freetoken_agents.engine.sampling import Sampler
 from freetoken_agents.engine.stop_text import first_stop
 
 from ._fences import FenceDetector
+from ._turn_output import RecordingStepper, TurnOutput
 from .anchors import AnchorHandle
 from .backend import GenerateRequest, GenEvent
 from .constrained import ConstrainedDecode, GrammarFactory, JsonConstraint
@@ -76,9 +77,11 @@ class TurnDecoder:
 
     def __init__(self, model: TurnModel, request: GenerateRequest) -> None:
         self.m, self.req = model, request
-        self.sample = Sampler(
-            SamplingParams(temperature=request.temperature, top_p=request.top_p, seed=request.seed)
-        )
+        # repetition_penalty counts the context before the turn (vLLM's prompt) and the turn's tokens
+        prompt = model.token_ids if request.repetition_penalty != 1.0 else ()
+        self.sample = Sampler(request.sampling(), prompt)
+        self.output = TurnOutput(model, self.sample, request.logprobs)
+        self.sampled = False  # the token being handled was sampled (not forced by `prefix`)
         self.tools_on = bool(request.tools)
         self.free_used = 0  # free tokens sampled in the turn
         # Relevant calls (`GenerateRequest.call_sources`): the tools tool_choice "auto" may call.
@@ -107,7 +110,11 @@ class TurnDecoder:
         self.strip_leading = False  # the answer after a reasoning block: skip its leading blank lines
 
     # ---- the turn -------------------------------------------------------------------------------
-    def run(self) -> Iterator[GenEvent]:
+    def run(self) -> Generator[GenEvent, None, None]:
+        events = self._run()
+        return self.output.attach(events) if self.output.records else events
+
+    def _run(self) -> Generator[GenEvent, None, None]:
         try:
             try:
                 yield from self._turn()
@@ -131,7 +138,7 @@ class TurnDecoder:
         prefix = self.req.prefix
         forced = m.tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
         while True:
-            sampled = not forced
+            sampled = self.sampled = not forced
             if forced:
                 token = forced.pop(0)
             elif self.free_used >= self.req.max_new_tokens or m.position + 2 > m.max_context:
@@ -182,7 +189,10 @@ class TurnDecoder:
 
     def _decode(self, token: int) -> None:
         """Run a sampled token. At the memory limit it stays in the context as pending (produced,
-        not run), as `stream_tokens` leaves it, and the limit ends the turn."""
+        not run), as `stream_tokens` leaves it, and the limit ends the turn. A sampled token is
+        reported to the turn's output first (logprobs, penalty counts)."""
+        if self.sampled:
+            self.output.generated(token)
         try:
             self.m.decode(token)
         except MemoryBudgetError:
@@ -206,6 +216,7 @@ class TurnDecoder:
         the token that began it is not sampled at that position again. (A marker that is one
         special token is never sampled at all: `__init__` bans it.)"""
         yield from self._cut_to(start, keep_text=False)
+        self.output.taken_back(self._replay_ids[:-1])  # the last one was never run
         self._refused.setdefault(self.m.position, set()).add(self._replay_ids[0])
         self.searched = len(self.detok.text)
         self.fences.pos = min(self.fences.pos, self.searched)  # a marker holds no backticks
@@ -371,8 +382,9 @@ class TurnDecoder:
         if self.req.constrain:
             schema = parser.body_schema(tools)
             constraint = _body_constraint(m, parser.body_format, schema, self.req.argument_sources, tools)
+            stepper = RecordingStepper(m, self.output) if self.output.records else m
             decode = ConstrainedDecode(
-                m, constraint, budget=limit, room=room, sampler=self.sample, tokenizer=m.tokenizer
+                stepper, constraint, budget=limit, room=room, sampler=self.sample, tokenizer=m.tokenizer
             )
             if forced and decode.min_tokens > limit:
                 raise TokenLimitTooSmall(
@@ -404,6 +416,7 @@ class TurnDecoder:
         samples among the candidates' next tokens only. Returns the name and the prefix tokens
         (now in the context)."""
         m = self.m
+        self.sampled = True
         candidates = {n: m.tokenizer.encode(m.parser.call_prefix(n), add_special_tokens=False) for n in names}
         taken: list[int] = []
         while True:
@@ -429,6 +442,7 @@ class TurnDecoder:
         """An unconstrained forced call's body: free tokens up to the stop token (not appended:
         the turn's end adds it) or `limit`. Returns the finish reason."""
         self._new_segment()
+        self.sampled = True
         for _ in range(max(0, limit)):
             token = self._sample_free()
             if token in self.m.stop_ids:

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .anchors import AnchorHandle, RollbackOutcome
 from .parsers import ToolCallParser
 from .trace import AnchorKind
+
+if TYPE_CHECKING:  # the engine (and torch) load with a backend that samples, not with this module
+    from freetoken_agents.engine.sampling import SamplingParams, TokenLogprob
 
 
 class Usage(BaseModel):
@@ -58,6 +61,12 @@ class GenerateRequest(BaseModel):
     constrained call is decoded as a span of one of these texts (the user's and the tools'
     messages); None: the grammar alone. JSON call bodies only (Qwen3-Coder's XML bodies ignore it).
 
+    Sampling (`engine.sampling.SamplingParams`, passed down unchanged): temperature, top_p, top_k,
+    min_p, repetition_penalty (over the context before the turn and the turn's tokens),
+    presence_penalty and frequency_penalty (over the turn's generated tokens), seed. `logprobs`:
+    None, or N to get each generated token's logprob (raw model distribution) and its N best
+    alternatives on the events (`GenEvent.logprobs`; tokens the grammar or `prefix` forced have none).
+
     `call_sources`: relevant calls (`relevance.py`): with tool_choice "auto" the model may call only
     the offered tools these texts (the user's messages) are about, or that it was trained to call
     (`FreeTokenModel.trained_tools`); when there is none, the turn answers without a call. None: any
@@ -73,12 +82,34 @@ class GenerateRequest(BaseModel):
     max_call_tokens: int = Field(default=192, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     prefix: str = ""
     logit_bias: dict[int, float] = Field(default_factory=dict)
     stop: list[str] = Field(default_factory=list)
     argument_sources: list[str] | None = None
     call_sources: list[str] | None = None
+
+    def sampling(self) -> SamplingParams:
+        """The request's sampling settings as the engine takes them."""
+        from freetoken_agents.engine.sampling import SamplingParams
+
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            logprobs=self.logprobs,
+        )
 
 
 @dataclass(frozen=True)
@@ -88,12 +119,16 @@ class GenEvent:
 
     finish_reason (on "done"): "stop" (the turn ended), "length" (a token limit or the context's
     end), or "memory" (the engine's memory limit stopped it; every token produced was delivered).
+    logprobs (`GenerateRequest.logprobs`): the sampled tokens decoded since the previous event
+    that carried some, in order (a token's entry may come before the event with its text, which
+    can be held back).
     """
 
     kind: Literal["text", "reasoning", "anchor", "done"]
     text: str = ""
     anchor: AnchorHandle | None = None
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @runtime_checkable

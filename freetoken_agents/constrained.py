@@ -46,6 +46,7 @@ from .grounding import (
     tool_texts,
 )
 from .parsers.qwen3_coder import xml_parameters
+from .schema_bounds import BoundedCompiler, bounded_json_ebnf, string_limit
 from .schema_check import check_schema
 from .token_vocab import TokenVocab
 
@@ -89,7 +90,9 @@ class GrammarFactory:
         )
         # xgrammar's own cache keeps every schema it ever compiled (no limit by default): a server
         # sees schemas without end, so only `_cache`, bounded, keeps them
-        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
+        # JSON schemas compile bounded (`schema_bounds`): a structured reply ends even when the
+        # model runs on
+        self.compiler = BoundedCompiler(xgr.GrammarCompiler(self.info, cache_enabled=False), xgr)
         self.vocab_size = vocab_size
         self.vocab = TokenVocab(self.info, tokenizer, vocab_size, stop_token_ids)
         self._cache = GrammarCache(GRAMMAR_CACHE_SIZE)
@@ -123,7 +126,7 @@ class GrammarFactory:
                 objects=object_keys(schema),
                 tool_texts=tool_texts(tools),
             )
-        return JsonConstraint(compiled, self.vocab, grounding=grounding)
+        return JsonConstraint(compiled, self.vocab, grounding=grounding, string_limit=string_limit(schema))
 
     def xml_parameters(self, schema: dict[str, Any]) -> JsonConstraint:
         """The constraint for the body of a Qwen3-Coder call to a tool whose parameters are
@@ -137,7 +140,9 @@ class GrammarFactory:
         compiled = self._cache.get(*self._xml_job(schema, params))
         raw = frozenset(p.name.encode() for p in params if p.raw)
         required = tuple(p.name.encode() for p in params if p.required)
-        return JsonConstraint(compiled, self.vocab, XmlParamsLexer(raw, required))
+        return JsonConstraint(
+            compiled, self.vocab, XmlParamsLexer(raw, required), string_limit=string_limit(schema)
+        )
 
     def precompile(
         self, schema: dict[str, Any], *, body_format: str = "json", timeout: float
@@ -174,18 +179,18 @@ class GrammarFactory:
 
     @staticmethod
     def _json_ebnf(schema: dict[str, Any]) -> str:
-        """The grammar of one JSON value under `schema` (compact, as `json_schema` compiles it)."""
-        grammar = _xgrammar().Grammar.from_json_schema(
-            json.dumps(schema), any_whitespace=False, strict_mode=True
-        )
-        return str(grammar)
+        """The grammar of one JSON value under `schema` (compact and bounded, as `json_schema`
+        compiles it)."""
+        return bounded_json_ebnf(schema, _xgrammar())
 
 
 class JsonConstraint:
     """One value under a compiled grammar: mask logits, accept tokens, jump forward, and the cost
     (in tokens) of closing the value from the current state. `lexer` tells the closing policy
     where the value stands (`_body_formats`): a JSON value's by default. `grounding` further masks
-    the tokens of plain string fields to spans of the conversation (None: the grammar alone)."""
+    the tokens of plain string fields to spans of the conversation (None: the grammar alone).
+    `string_limit`: the characters a string may run to before the decoder closes it
+    (`schema_bounds.string_limit`; None: no limit)."""
 
     def __init__(
         self,
@@ -193,6 +198,7 @@ class JsonConstraint:
         vocab: TokenVocab,
         lexer: JsonLexer | XmlParamsLexer | None = None,
         grounding: SpanGrounding | None = None,
+        string_limit: int | None = None,
     ) -> None:
         xgr = _xgrammar()
         self._xgr = xgr
@@ -201,6 +207,7 @@ class JsonConstraint:
         self.bitmask = xgr.allocate_token_bitmask(1, vocab.size)
         self.lexer = lexer if lexer is not None else JsonLexer()
         self.grounding = grounding
+        self.string_limit = string_limit
 
     # ---- state -----------------------------------------------------------------------------------
     @property
@@ -212,6 +219,11 @@ class JsonConstraint:
     def finished(self) -> bool:
         """Complete and closed: nothing but the end may follow."""
         return self.complete and self.lexer.closed
+
+    @property
+    def string_ran_long(self) -> bool:
+        """The open string has reached `string_limit` characters: it must close now."""
+        return self.string_limit is not None and self.lexer.string_chars >= self.string_limit
 
     # ---- steps -----------------------------------------------------------------------------------
     def mask_(self, logits: torch.Tensor) -> torch.Tensor:
@@ -385,6 +397,8 @@ class ConstrainedDecode:
             if remaining <= 0:
                 break
             logits = c.mask_(self.model.next_logits().clone())
+            if c.string_ran_long:  # a free string at its bound (`schema_bounds`): close it now
+                logits = c.restrict_to_closing_(logits)
             token = self.sampler(logits)
             if remaining <= need + CLOSING_SLACK and token not in stops:
                 need = c.closing_cost(after=token)

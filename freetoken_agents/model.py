@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from freetoken_agents.engine import MemoryBudgetError, SamplingParams, encode_plain
-from freetoken_agents.engine.generate import Sampler
+from freetoken_agents.engine.sampling import Sampler
 
 from ._decode import TurnDecoder
+from ._turn_output import RecordingStepper, TurnOutput
 from .anchors import AnchorBook, AnchorHandle, RollbackOutcome
 from .backend import GenerateRequest, GenEvent, ModelBackend, Usage, common_prefix_length
 from .constrained import ConstrainedDecode, GrammarFactory
@@ -41,7 +42,7 @@ from .parsers import parser_for, reasoning_markers, with_template_call_ids
 from .trace import AnchorKind
 
 if TYPE_CHECKING:
-    from freetoken_agents.engine import Anchor, Engine
+    from freetoken_agents.engine import Anchor, Engine, Session
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +128,11 @@ class FreeTokenModel:
         self._shared = _SharedParts()
         self._open()
 
-    def _open(self) -> None:
-        """This object's own context: session, anchors, usage, lock (the rest is shared)."""
+    def _open(self, session: Session | None = None) -> None:
+        """This object's own context: session (`session`, else a new one), anchors, usage, lock
+        (the rest is shared)."""
         self.anchors = AnchorBook(self.max_anchors, store=self.engine.anchors)
-        self.session = self.engine.new_session()
+        self.session = session if session is not None else self.engine.new_session()
         self._usage = Usage()
         self._logits: torch.Tensor | None = None  # next-token logits [V] after the context, when known
         self._lock = threading.RLock()
@@ -148,6 +150,17 @@ class FreeTokenModel:
         it as a context manager) to release its KV and anchors."""
         twin = copy.copy(self)
         twin._open()
+        return twin
+
+    @_context_read
+    def fork(self) -> FreeTokenModel:
+        """Another context holding this one's tokens: the engine session forked (its KV blocks
+        shared, copy-on-write: no prefill) and the next-token logits shared; its own anchors (none)
+        and usage. n replies to one prompt decode in forks of the context that prefilled it.
+        Close it when done."""
+        twin = copy.copy(self)
+        twin._open(self.session.fork())
+        twin._logits = self._logits
         return twin
 
     @_context_step
@@ -366,9 +379,10 @@ class FreeTokenModel:
 
         The value closes within `max_tokens` sampled tokens (text the schema forces is prefilled
         and not counted); when even the schema's shortest value needs more, TokenLimitTooSmall
-        (naming `limit_name`) is raised before anything is decoded. `sampling`: temperature /
-        top_k / top_p / seed. `end_turn`: append the stop token afterwards (pending: it costs no
-        model step). ContextConflict as for `generate`.
+        (naming `limit_name`) is raised before anything is decoded. `sampling`: the engine's
+        SamplingParams (temperature, top_k, top_p, min_p, penalties, seed; `logprobs` puts each
+        sampled token's logprob on the events, as `generate` does). `end_turn`: append the stop
+        token afterwards (pending: it costs no model step). ContextConflict as for `generate`.
         """
         return self._guarded(
             self._decode_json(schema, max_tokens, sampling or SamplingParams(), end_turn, limit_name)
@@ -382,12 +396,14 @@ class FreeTokenModel:
         end_turn: bool,
         limit_name: str,
     ) -> Iterator[GenEvent]:
+        sampler = Sampler(sampling, self.token_ids if sampling.repetition_penalty != 1.0 else ())
+        output = TurnOutput(self, sampler, sampling.logprobs)
         call = ConstrainedDecode(
-            self,
+            RecordingStepper(self, output) if output.records else self,
             self.grammars().json_schema(schema),
             budget=max_tokens,
             room=self.max_context - self.position - (1 if end_turn else 0),
-            sampler=Sampler(sampling),
+            sampler=sampler,
             tokenizer=self.tokenizer,
         )
         if call.min_tokens > max_tokens:
@@ -401,14 +417,14 @@ class FreeTokenModel:
         try:
             for delta in call:
                 if delta:
-                    yield GenEvent("text", delta)
+                    yield GenEvent("text", delta, logprobs=output.take())
         except MemoryBudgetError as e:  # what was decoded has been delivered
             logger.warning("structured output stopped by the memory limit: %s", e)
-            yield GenEvent("done", finish_reason="memory")
+            yield GenEvent("done", finish_reason="memory", logprobs=output.take())
             return
         if end_turn and self.stop_ids:
             self.append_pending(self.stop_ids[0])
-        yield GenEvent("done", finish_reason=call.finish_reason)
+        yield GenEvent("done", finish_reason=call.finish_reason, logprobs=output.take())
 
     # ---- internals ------------------------------------------------------------------------------
     def _guarded(self, events: Iterator[GenEvent]) -> Generator[GenEvent, None, None]:

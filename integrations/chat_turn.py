@@ -9,10 +9,17 @@ stop string), `ReasoningDelta`s (a thinking model's `<think>` block), a `ToolCal
 call's closing marker is decoded (malformed ones too, with their `error`: each front end decides
 what to do with them), then one `Finished` with the finish reason and the usage. Between two
 events it checks `cancelled()` and stops (finish_reason "cancelled") when the caller left.
+With `ChatTurnRequest.logprobs`, the deltas (and `Finished`, for tokens whose text was no content
+delta: tool calls, a held-back tail) carry each generated token's logprobs, in order.
+
+`run_chat_choices` gives n replies to one prompt: the prompt is prefilled once, then each reply
+decodes in a fork of that context (KV blocks shared), with its own seed; its events carry
+`choice`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -23,6 +30,7 @@ from freetoken_agents.model import GenerateRequest, GenEvent
 from freetoken_agents.parsers import new_call_id
 
 from .prefix_cache import PrefixCache, prepare_context, record_context
+from .token_logprobs import TokenLogprobs, TokenTexts
 
 if TYPE_CHECKING:
     from freetoken_agents.model import FreeTokenModel
@@ -34,8 +42,26 @@ __all__ = [
     "Finished",
     "ReasoningDelta",
     "ToolCallDone",
+    "run_chat_choices",
+    "no_calls",
     "run_chat_turn",
 ]
+
+
+def no_calls(backend: FreeTokenModel, logit_bias: dict[int, float]) -> dict[str, Any]:
+    """tool_choice "none" as ChatTurnRequest fields (`ChatTurnRequest(ids=..., **no_calls(...))`,
+    `logit_bias`: the request's own): the prompt offers its tools, the decoder lets no call start.
+    It is the SDK decoder's relevant-calls gate with nothing relevant (`GenerateRequest.call_sources`:
+    one tool no text is about, no texts): a call marker that is one token is masked, a longer one
+    is cut where it began and its first token refused there (`_decode.TurnDecoder`), in every
+    tool-call family; a call's end marker that is one token is masked too (refused its call, the
+    embedded model wrote the end of one). Without it the tools the prompt showed were called anyway
+    and their markup came back as content."""
+    bias = dict(logit_bias)
+    end = backend.tokenizer.encode(backend.parser.end, add_special_tokens=False) if backend.parser.end else []
+    if len(end) == 1:
+        bias[end[0]] = float("-inf")
+    return {"tools": [{"type": "function", "function": {"name": ""}}], "call_sources": (), "logit_bias": bias}
 
 
 @dataclass(frozen=True)
@@ -50,6 +76,8 @@ class ChatTurnRequest:
     reply (and is named when it cannot fit). argument_sources: ground tool-call string arguments in
     these texts (`GenerateRequest.argument_sources`; None: the grammar alone). call_sources: with
     the model deciding, call only tools these texts are about (`GenerateRequest.call_sources`).
+    Sampling (temperature ... frequency_penalty, seed) goes to the engine's SamplingParams unchanged;
+    logprobs: None, or N alternatives per generated token (`TokenLogprobs` on the events).
     """
 
     ids: list[int]
@@ -62,7 +90,13 @@ class ChatTurnRequest:
     json_limit: Literal["max_tokens", "max_call_tokens"] = "max_tokens"
     temperature: float = 0.0
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
+    logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     argument_sources: tuple[str, ...] | None = None
     call_sources: tuple[str, ...] | None = None
@@ -72,11 +106,15 @@ class ChatTurnRequest:
 class ContentDelta:
     text: str
     after_calls: bool = False  # text the model wrote between or after its tool calls
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    choice: int = 0  # which of `run_chat_choices`' replies
 
 
 @dataclass(frozen=True)
 class ReasoningDelta:
     text: str  # part of a thinking model's <think> block: `reasoning_content`, never the answer
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    choice: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +133,7 @@ class ToolCallDone:
     error: str | None = None
     args: Any = None
     raw: str = ""
+    choice: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,6 +146,8 @@ class Finished:
     completion_tokens: int
     cached_tokens: int
     backend_reason: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # generated tokens no delta carried (tool calls)
+    choice: int = 0
 
 
 Event = ContentDelta | ReasoningDelta | ToolCallDone | Finished
@@ -128,32 +169,96 @@ def run_chat_turn(
     does). `cache` None: the caller keeps the context itself (its anchors stay), it is only
     synced to the prompt.
     Raises TokenLimitTooSmall when a forced call or a JSON reply cannot close inside its bound."""
+    yield from run_chat_choices(
+        backend, cache, request, 1, reuse=reuse, record=record, cancelled=cancelled, tenant=tenant
+    )
+
+
+MAX_CHOICES = 8
+"""Most replies one request may ask for (`run_chat_choices`' n): each holds its own KV."""
+
+
+def run_chat_choices(
+    backend: FreeTokenModel,
+    cache: PrefixCache | None,
+    request: ChatTurnRequest,
+    n: int = 1,
+    *,
+    reuse: bool = True,
+    record: bool = True,
+    cancelled: Callable[[], bool] = lambda: False,
+    tenant: str = "",
+) -> Generator[Event, None, None]:
+    """`n` replies to `request`, one after the other, each event tagged with its `choice` (one
+    `Finished` per choice). The prompt is prefilled once (reused from `cache` as `run_chat_turn`
+    does); reply 0 decodes in `backend`'s context (and is what `record` pins), replies 1..n-1 in
+    forks of the prompt's context (`FreeTokenModel.fork`: KV blocks shared, no prefill), closed
+    afterwards. Reply i samples with seed `request.seed + i` (vLLM's rule), or its own random seed
+    when the request has none. ValueError for n outside [1, MAX_CHOICES]."""
+    if not 1 <= n <= MAX_CHOICES:
+        raise ValueError(f"n={n}: between 1 and {MAX_CHOICES} replies")
+    cached = _prepare(backend, cache, request.ids, reuse=reuse, tenant=tenant)
+    contexts = [backend] + [backend.fork() for _ in range(n - 1)]
+
+    def pin_first() -> None:  # reply 0's context is the one a next request may continue
+        if reuse and record and cache is not None:
+            record_context(backend, cache, tenant)
+
+    try:
+        for i, context in enumerate(contexts):
+            seed = None if request.seed is None else request.seed + i
+            turn = dataclasses.replace(request, seed=seed)
+            for event in _reply(context, turn, cached, cancelled, pin_first if i == 0 else lambda: None):
+                yield dataclasses.replace(event, choice=i)
+                if isinstance(event, Finished) and event.finish_reason == "cancelled":
+                    return
+    finally:
+        for fork in contexts[1:]:
+            fork.close()
+
+
+def _prepare(
+    backend: FreeTokenModel, cache: PrefixCache | None, ids: list[int], *, reuse: bool, tenant: str
+) -> int:
+    """Make the context `ids` with next-token logits ready; returns the prompt tokens reused."""
+    if cache is not None:
+        return prepare_context(backend, cache, ids, reuse=reuse, tenant=tenant)
+    before = backend.usage().prefilled
+    backend.sync(ids)
+    backend.next_logits()
+    return max(0, len(ids) - (backend.usage().prefilled - before))
+
+
+def _reply(
+    backend: FreeTokenModel,
+    request: ChatTurnRequest,
+    cached: int,
+    cancelled: Callable[[], bool],
+    on_end: Callable[[], None],
+) -> Generator[Event, None, None]:
+    """The reply's events, decoded after the context (already the prompt); `on_end` runs before
+    the last `Finished` of a reply that was not cancelled."""
     ids = request.ids
-    if cache is None:
-        before = backend.usage().prefilled
-        backend.sync(ids)
-        backend.next_logits()
-        cached = max(0, len(ids) - (backend.usage().prefilled - before))
-    else:
-        cached = prepare_context(backend, cache, ids, reuse=reuse, tenant=tenant)
     parser = backend.parser
     tools_on = bool(request.tools) and request.json_schema is None
     markers = (parser.start,) if tools_on and parser.start else ()
     full, emitted, finish, reason = "", 0, "length", None
     calls = _CallTracker(parser, request.tools if tools_on else [])
+    lp = _Logprobs(backend, request.logprobs)
     events = _events(backend, request, tools_on)
     try:
         for event in events:
             if cancelled():
                 finish = "cancelled"
                 break
+            lp.add(event)
             if event.kind == "done":
                 # "memory" (the engine's KV budget ran out) and the like: the reply was cut short
                 reason = event.finish_reason
                 finish = reason if reason in ("stop", "length") else "length"
                 continue
             if event.kind == "reasoning" and event.text:
-                yield ReasoningDelta(event.text)
+                yield ReasoningDelta(event.text, lp.take())
                 continue
             if event.kind != "text" or not event.text:
                 continue
@@ -165,7 +270,7 @@ def run_chat_turn(
             else:
                 visible = len(full) - held_back_for_stops(full, markers)
             if visible > emitted:
-                yield ContentDelta(full[emitted:visible])
+                yield ContentDelta(full[emitted:visible], logprobs=lp.take())
                 emitted = visible
             yield from calls.feed(full)
     finally:
@@ -175,23 +280,52 @@ def run_chat_turn(
         yield Finished(finish, len(ids), completion, cached, reason)
         return
     if calls.start is None and emitted < len(full):
-        yield ContentDelta(full[emitted:])  # a held-back tail that turned out to be text
+        # a held-back tail that turned out to be text
+        yield ContentDelta(full[emitted:], logprobs=lp.take())
     if calls.start is not None:
         parsed = parser.parse(full[calls.start :], calls.tools)
         yield from calls.feed(full, parsed=parsed)
         if parsed.partial:
             yield calls.invalid("", parsed.partial, "unterminated tool call", parsed.partial)
         if parsed.content:
-            yield ContentDelta(parsed.content, after_calls=True)
+            yield ContentDelta(parsed.content, after_calls=True, logprobs=lp.take())
     if calls.done:
         finish = "tool_calls"
-    if reuse and record and cache is not None:
-        record_context(backend, cache, tenant)
-    yield Finished(finish, len(ids), completion, cached, reason)
+    on_end()
+    yield Finished(finish, len(ids), completion, cached, reason, lp.take())
+
+
+class _Logprobs:
+    """The engine's logprob entries of a reply, waiting for the next event to carry them, as
+    `TokenLogprobs` (text and bytes: `TokenTexts`)."""
+
+    def __init__(self, backend: FreeTokenModel, top_n: int | None) -> None:
+        self.texts = TokenTexts(backend) if top_n is not None else None
+        self.entries: list[Any] = []
+
+    def add(self, event: GenEvent) -> None:
+        self.entries.extend(event.logprobs)
+
+    def take(self) -> tuple[TokenLogprobs, ...]:
+        if self.texts is None or not self.entries:
+            return ()
+        out = self.texts.convert(self.entries)
+        self.entries = []
+        return out
 
 
 def _events(backend: FreeTokenModel, request: ChatTurnRequest, tools_on: bool) -> Iterator[GenEvent]:
-    sampling = dict(temperature=request.temperature, top_p=request.top_p, seed=request.seed)
+    sampling = dict(
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        seed=request.seed,
+        logprobs=request.logprobs,
+    )
     if request.json_schema is not None:
         limit = request.json_limit
         return backend.decode_json(

@@ -38,6 +38,16 @@ class TestChatFreeTokenUnit(ChatModelUnitTests):
     def chat_model_params(self) -> dict:
         return {"model": str(tiny_chat_checkpoint())}
 
+    @pytest.mark.xfail(
+        strict=True,
+        reason="the standard test loads with allowed_objects='all', LangChain's allow-list of its own "
+        "partner classes, which no other package's class can be on, and compares with a stored "
+        "snapshot, which holds this run's temporary checkpoint path; ChatFreeToken's dumpd/load round "
+        "trip is tested in test_langchain_serialization.py",
+    )
+    def test_serdes(self, model, snapshot) -> None:  # type: ignore[override]
+        super().test_serdes(model, snapshot)
+
 
 def test_model_name_alias_and_ignored_kwargs() -> None:
     llm = ChatFreeToken(model_name="/nowhere", timeout=5, max_retries=1, api_key="k", organization="x")

@@ -172,7 +172,7 @@ def with_arguments(arguments: str) -> dict:
 )
 def test_tool_call_arguments_too_deep_or_with_absurd_numbers_are_400s(server, arguments, says):
     error = error_of(post(server, with_arguments(arguments)), 400)
-    assert error["param"] == "messages.1.tool_calls.0.function.arguments" and says in error["message"]
+    assert error["param"] == "messages[1].tool_calls[0].function.arguments" and says in error["message"]
 
 
 def test_ordinary_tool_call_arguments_are_served(server):

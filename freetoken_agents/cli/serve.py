@@ -82,6 +82,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=256,
         help="open connections past which the server answers 503 at once (default 256)",
     )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=None,
+        metavar="ORIGIN",
+        help="let a browser app served from ORIGIN (scheme://host[:port], or * for any) call the "
+        "server; repeatable (default: no CORS, browsers refuse cross-origin calls)",
+    )
     p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt from scratch")
     p.add_argument(
         "--tool-format",
@@ -116,13 +124,19 @@ def api_keys(flags: list[str] | None, env: str | None) -> tuple[str, ...] | None
 def run(args: argparse.Namespace) -> int:
     from ..embedded import default_model
     from ..engine import Engine
-    from ..integrations.openai_server import ServerConfig, create_app, serve
+    from ..integrations.openai_server import InvalidOrigin, ServerConfig, check_origin, create_app, serve
 
     if not 0 <= args.port <= 65535:
         raise CLIError(f"--port must be in 0..65535, got {args.port}")
+    try:  # before the engine loads: a typo in an origin should not cost a model load
+        cors_origins = tuple(check_origin(origin) for origin in args.cors_origin or ())
+    except InvalidOrigin as e:
+        raise CLIError(f"--cors-origin: {e}") from None
     api_key = api_keys(args.api_key, os.environ.get(API_KEY_ENV))
     if api_key is None and not _loopback(args.host):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
+    if "*" in cors_origins and api_key is None:
+        logger.warning("--cors-origin * without --api-key: any web page a browser opens can use the server")
     use_threads(args.threads, args.model)
     path = Path(args.model) if args.model is not None else default_model()
     engine = Engine.from_options(path, engine_options(args))
@@ -133,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         prefix_cache=not args.no_prefix_cache,
         max_request_bytes=args.max_request_bytes,
+        cors_origins=cors_origins,
     )
     app = create_app(engine, config, family=args.tool_format)
     serve(

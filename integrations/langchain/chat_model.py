@@ -157,6 +157,30 @@ class ChatFreeToken(BaseChatModel):
             structured_output=True,
         )
 
+    # ---- serialization (langchain_core.load.dumpd / load) ---------------------------------------------
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        """Where `langchain_core.load.load` imports the class from: the public module, so a saved
+        chain loads with `load(data, valid_namespaces=["freetoken_agents"],
+        allowed_objects=[ChatFreeToken, ...])`."""
+        return ["freetoken_agents", "integrations", "langchain"]
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        # never written into a dump (unused here, but a drop-in user may pass a real key)
+        return {"api_key": "FREETOKEN_API_KEY"}
+
+    @property
+    def lc_attributes(self) -> dict[str, Any]:
+        # a MemoryBudget object is not JSON; its fields (bytes) load back as the same budget
+        if isinstance(self.memory, MemoryBudget):
+            return {"memory": self.memory.model_dump(exclude_none=True)}
+        return {}
+
     # ---- tools and structured output ---------------------------------------------------------------
     def bind_tools(
         self,
@@ -227,18 +251,19 @@ class ChatFreeToken(BaseChatModel):
     def _turn(
         self,
         handle: EngineHandle,
-        messages: list[BaseMessage],
+        chat: list[dict[str, Any]],
         stop: list[str] | None,
         kwargs: dict[str, Any],
         state: TurnState,
     ) -> Generator[AIMessageChunk, None, None]:
-        """The call's steps (rendering the prompt included), each run on the engine's step worker."""
+        """The call's steps (rendering the prompt included), each run on the engine's step worker.
+        `chat`: the messages as chat-template dicts (`to_chat_dicts`, made before the engine loads:
+        a message the model cannot read is refused without loading the weights)."""
         tools = list(kwargs.get("tools") or [])
         fmt = kwargs.get("response_format")
         schema = None
         if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
             schema = fmt.get("schema") or (fmt.get("json_schema") or {}).get("schema")
-        chat = to_chat_dicts(messages)
         ids = handle.backend.render(chat, tools or None)
         budget = handle.engine.max_context
         if len(ids) >= budget:
@@ -293,8 +318,9 @@ class ChatFreeToken(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
+        chat = to_chat_dicts(messages)
         state, handle = TurnState(), self._handle()
-        for _ in iterate_on(handle.worker, self._turn(handle, messages, stop, kwargs, state)):
+        for _ in iterate_on(handle.worker, self._turn(handle, chat, stop, kwargs, state)):
             pass
         return self._result(state)
 
@@ -305,8 +331,9 @@ class ChatFreeToken(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
+        chat = to_chat_dicts(messages)
         handle = self._handle()
-        for chunk in iterate_on(handle.worker, self._turn(handle, messages, stop, kwargs, TurnState())):
+        for chunk in iterate_on(handle.worker, self._turn(handle, chat, stop, kwargs, TurnState())):
             out = ChatGenerationChunk(message=chunk)
             if run_manager and isinstance(chunk.content, str) and chunk.content:
                 run_manager.on_llm_new_token(chunk.content, chunk=out)
@@ -344,6 +371,7 @@ class ChatFreeToken(BaseChatModel):
         thread waits for the steps of another call (each call has its own context), so any number
         of concurrent calls proceed, interleaved. A consumer that stops early (cancelled, closed)
         stops the turn after its current step."""
+        chat = to_chat_dicts(messages)
         handle = await asyncio.to_thread(self._handle)  # the first call loads the weights
-        async for chunk in aiterate_on(handle.worker, self._turn(handle, messages, stop, kwargs, state)):
+        async for chunk in aiterate_on(handle.worker, self._turn(handle, chat, stop, kwargs, state)):
             yield chunk

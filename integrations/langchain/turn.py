@@ -24,7 +24,15 @@ from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call
 
 from freetoken_agents.constrained import resolve_tool_choice
 
-from ..chat_turn import ChatTurnRequest, ContentDelta, Finished, ReasoningDelta, ToolCallDone, run_chat_turn
+from ..chat_turn import (
+    ChatTurnRequest,
+    ContentDelta,
+    Finished,
+    ReasoningDelta,
+    ToolCallDone,
+    no_calls,
+    run_chat_turn,
+)
 from .engines import EngineHandle
 
 logger = logging.getLogger(__name__)
@@ -70,9 +78,11 @@ def run_turn(
     state = state if state is not None else TurnState()
     tools_on = bool(opts.tools) and opts.tool_choice != "none" and opts.json_schema is None
     names = [t["function"]["name"] for t in opts.tools]
+    calls: dict[str, Any] = {"tools": opts.tools if tools_on else [], "call_sources": opts.call_sources}
+    if opts.tools and opts.tool_choice == "none" and opts.json_schema is None:
+        calls = no_calls(handle.backend, {})  # the prompt shows the tools; no call may start
     request = ChatTurnRequest(
         ids=ids,
-        tools=opts.tools if tools_on else [],
         force=resolve_tool_choice(opts.tool_choice, names) if tools_on else None,
         json_schema=opts.json_schema,
         stop=tuple(opts.stop),
@@ -82,7 +92,7 @@ def run_turn(
         temperature=opts.temperature,
         seed=opts.seed,
         argument_sources=opts.argument_sources,
-        call_sources=opts.call_sources,
+        **calls,
     )
     context, ok = handle.open_context(), False
     # No reply pinned: the context given back keeps it live for the conversation's next call.

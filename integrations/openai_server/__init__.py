@@ -7,7 +7,8 @@
     serve(create_app(engine, ServerConfig(model_name="my-model")), host="127.0.0.1", port=8000)
 
 Needs `fastapi` and `uvicorn` (dependencies of freetoken-agents). See `app.py` for the routes,
-`queue.py` for how one engine serves many clients, `completion.py` for one reply.
+`queue.py` for how one engine serves many clients, `completion.py` for one reply;
+`completions_api.py` (POST /v1/completions) and `responses_api.py` (POST /v1/responses).
 """
 
 from __future__ import annotations
@@ -19,9 +20,19 @@ from collections.abc import Iterator
 from typing import Any
 
 from .app import ServerConfig, ServerState, create_app
+from .cors import InvalidOrigin, check_origin
 from .errors import OpenAIError
 
-__all__ = ["OpenAIError", "ServerConfig", "ServerState", "create_app", "serve", "server_config"]
+__all__ = [
+    "InvalidOrigin",
+    "OpenAIError",
+    "ServerConfig",
+    "ServerState",
+    "check_origin",
+    "create_app",
+    "serve",
+    "server_config",
+]
 
 
 def serve(app: Any, **settings: Any) -> None:

@@ -1,8 +1,11 @@
 """The HTTP side: a FastAPI app serving the OpenAI chat-completions API over one engine.
 
-Routes: POST /v1/chat/completions (JSON or server-sent events), GET /v1/models (the server is
-ready when it answers), GET /health (no key needed; the queue's counters). Every error is an
-OpenAI-style body (`errors.py`); after any of them the server goes on serving.
+Routes: POST /v1/chat/completions (JSON or server-sent events), POST /v1/completions
+(`completions_api.py`), POST /v1/responses (`responses_api.py`), GET /v1/models (the server is
+ready when it answers) and /v1/models/{id}, GET /health (no key needed; the queue's counters).
+Every error is an OpenAI-style body (`errors.py`); after any of them the server goes on serving.
+Replies are in OpenAI's exact wire shape (`chat_reply.py`); CORS is off unless origins are named
+(`cors.py`).
 
 A request is parsed and checked here (auth first, then the body under its byte limit, JSON, the
 schema, then `prepare.check`: fields and the cost of every JSON schema, in time linear in the
@@ -36,27 +39,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from freetoken_agents.sync_bridge import step_worker
 
 from ..prefix_cache import PrefixCache
-from .completion import ContentDelta, Event, Finished, ReasoningDelta, ToolCallDone, run_completion
-from .errors import OpenAIError, bad_request, from_validation_error
+from .chat_reply import ChatReply, system_fingerprint
+from .completion import run_completion
+from .completions_api import add_completion_routes
+from .cors import add_cors, check_origin
+from .errors import OpenAIError, bad_request, from_validation_error, internal_error, model_not_found
 from .prepare import COMPILE_TIMEOUT_S, CheckedRequest, check, compile_grammars, prepare
 from .queue import EngineWorker, Job, JobEnd, QueueFull
-from .schemas import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    Choice,
-    ChunkChoice,
-    Delta,
-    FunctionCall,
-    ModelCard,
-    ModelList,
-    PromptTokensDetails,
-    ResponseMessage,
-    ToolCallDelta,
-    ToolCallOut,
-    Usage,
-    completion_id,
-)
+from .responses_api import add_response_routes
+from .schemas import ChatCompletionRequest, ModelCard, ModelList, completion_id
 
 if TYPE_CHECKING:
     from freetoken_agents.engine import Engine
@@ -74,7 +65,9 @@ class ServerConfig:
     body accepted (413 past it, counted while reading so a huge body is never buffered);
     body_idle_s / body_timeout_s: a body with no byte for that long, or not whole in that time, is a
     408 (its connection closed); grammar_timeout_s: a request's schemas wait at most that long for
-    the grammar-compile thread (503 past it) and each compile at most that long (400 past it).
+    the grammar-compile thread (503 past it) and each compile at most that long (400 past it);
+    cors_origins: browser origins (`https://app.example`, or `*`) allowed to call the server
+    (`cors.py`; none: no CORS, a browser app's preflight is refused).
 
     Prefix reuse (and `cached_tokens`) is scoped per tenant: the API key a request used and its
     `user` field. A request never reuses KV another tenant's prompt left (pinned or live), so
@@ -89,6 +82,11 @@ class ServerConfig:
     body_idle_s: float = 10.0
     body_timeout_s: float = 60.0
     grammar_timeout_s: float = COMPILE_TIMEOUT_S
+    cors_origins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for origin in self.cors_origins:
+            check_origin(origin)  # InvalidOrigin before the server starts, not a silent mismatch
 
 
 class _Started:
@@ -103,6 +101,8 @@ class ServerState:
         self.cache = PrefixCache(max_entries=config.cached_prefixes)
         self.worker = EngineWorker(step_worker(backend.step_owner), config.max_queue)
         self.created = int(time.time())
+        engine = backend.engine
+        self.fingerprint = system_fingerprint(engine.model_fingerprint, str(engine.dtype), engine.device.type)
         backend.grammars()  # build the grammar compiler once, before requests validate schemas
 
     def job(self, checked: CheckedRequest, tenant: str, loop: asyncio.AbstractEventLoop) -> Job:
@@ -143,6 +143,8 @@ def create_app(engine: Engine, config: ServerConfig, *, family: str | None = Non
     app = FastAPI(title="FreeToken", summary="OpenAI-compatible chat completions", lifespan=lifespan)
     app.state.server = state
     _error_handlers(app)
+    if config.cors_origins:
+        add_cors(app, config.cors_origins)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -151,8 +153,17 @@ def create_app(engine: Engine, config: ServerConfig, *, family: str | None = Non
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         _authorize(request, config.api_key)
-        card = ModelCard(id=config.model_name, created=state.created, max_model_len=engine.max_context)
-        return ModelList(data=[card]).model_dump()
+        return ModelList(data=[model_card()]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")  # path: a served Hub id holds a slash (org/name)
+    async def model(request: Request, model_id: str) -> dict[str, Any]:
+        _authorize(request, config.api_key)
+        if model_id != config.model_name:
+            raise model_not_found(model_id, config.model_name)
+        return model_card().model_dump()
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=config.model_name, created=state.created, max_model_len=engine.max_context)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
@@ -188,7 +199,7 @@ def create_app(engine: Engine, config: ServerConfig, *, family: str | None = Non
             if first.error is not None:
                 raise first.error  # OpenAIError: its status; anything else: the 500 handler
             raise OpenAIError(499, "the request was cancelled", type="cancelled")
-        reply = _Reply(completion_id(), config.model_name, body)
+        reply = ChatReply(completion_id(), config.model_name, body, state.fingerprint)
         if body.stream:
             return StreamingResponse(
                 reply.stream(job, watcher, state.worker),
@@ -200,6 +211,8 @@ def create_app(engine: Engine, config: ServerConfig, *, family: str | None = Non
         finally:
             watcher.cancel()
 
+    add_completion_routes(app, state)  # POST /v1/completions (completions_api.py)
+    add_response_routes(app, state)  # POST /v1/responses (responses_api.py)
     return app
 
 
@@ -296,103 +309,6 @@ async def _watch_disconnect(request: Request, job: Job, worker: EngineWorker) ->
             return
 
 
-def _usage(done: Finished) -> Usage:
-    return Usage(
-        prompt_tokens=done.prompt_tokens,
-        completion_tokens=done.completion_tokens,
-        total_tokens=done.prompt_tokens + done.completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=done.cached_tokens),
-    )
-
-
-class _Reply:
-    """Turns a job's events into one ChatCompletion or a stream of chunks."""
-
-    def __init__(self, rid: str, model: str, request: ChatCompletionRequest) -> None:
-        self.id, self.model, self.request = rid, model, request
-        self.created = int(time.time())
-
-    async def _events(self, job: Job) -> AsyncIterator[Event]:
-        while not isinstance(event := await job.events.get(), JobEnd):
-            yield event
-        if event.error is not None:
-            raise event.error
-
-    async def collect(self, job: Job) -> dict[str, Any]:
-        text, reasoning, calls, done = [], [], [], None
-        async for event in self._events(job):
-            if isinstance(event, ContentDelta):
-                text.append(event.text)
-            elif isinstance(event, ReasoningDelta):
-                reasoning.append(event.text)
-            elif isinstance(event, ToolCallDone):
-                calls.append(
-                    ToolCallOut(
-                        id=event.id, function=FunctionCall(name=event.name, arguments=event.arguments)
-                    )
-                )
-            else:
-                done = event
-        if done is None or done.finish_reason == "cancelled":
-            raise OpenAIError(499, "the request was cancelled", type="cancelled")
-        message = ResponseMessage(
-            content="".join(text) if text or not calls else None,
-            reasoning_content="".join(reasoning) or None,
-            tool_calls=calls or None,
-        )
-        choice = Choice(message=message, finish_reason=done.finish_reason)  # type: ignore[arg-type]
-        completion = ChatCompletion(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=_usage(done)
-        )
-        return completion.model_dump(exclude_none=True)
-
-    def _chunk(self, delta: Delta, finish: str | None = None, usage: Usage | None = None) -> str:
-        choices = [] if usage is not None else [ChunkChoice(delta=delta, finish_reason=finish)]  # type: ignore[arg-type]
-        chunk = ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
-        )
-        return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
-
-    async def stream(self, job: Job, watcher: asyncio.Task, worker: EngineWorker) -> AsyncIterator[str]:
-        include_usage = bool(self.request.stream_options and self.request.stream_options.include_usage)
-        ended = False
-        try:
-            yield self._chunk(Delta(role="assistant", content=""))
-            try:
-                async for event in self._events(job):
-                    if isinstance(event, ContentDelta):
-                        yield self._chunk(Delta(content=event.text))
-                    elif isinstance(event, ReasoningDelta):
-                        yield self._chunk(Delta(reasoning_content=event.text))
-                    elif isinstance(event, ToolCallDone):
-                        call = ToolCallDelta(
-                            index=event.index,
-                            id=event.id,
-                            type="function",
-                            function={"name": event.name, "arguments": event.arguments},
-                        )
-                        yield self._chunk(Delta(tool_calls=[call]))
-                    elif event.finish_reason != "cancelled":
-                        yield self._chunk(Delta(), event.finish_reason)
-                        if include_usage:
-                            yield self._chunk(Delta(), usage=_usage(event))
-            except OpenAIError as e:  # after the headers went out: an error event, as OpenAI sends
-                yield f"data: {json.dumps(e.body())}\n\n"
-            except Exception as e:
-                logger.exception("a streamed completion failed")
-                yield f"data: {json.dumps(_internal(e).body())}\n\n"
-            yield "data: [DONE]\n\n"
-            ended = True
-        finally:
-            watcher.cancel()
-            if not ended:  # the client left mid-stream
-                worker.client_left(job)
-
-
-def _internal(error: BaseException) -> OpenAIError:
-    return OpenAIError(500, f"internal error: {type(error).__name__}: {error}", type="server_error")
-
-
 def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -410,4 +326,4 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("request failed")
-        return _internal(exc).response()
+        return internal_error(exc).response()

@@ -5,13 +5,17 @@ events the HTTP side turns into a response or SSE chunks.
 `run_completion` yields `ContentDelta`s as text is decoded, a `ToolCallDone` as each call's closing
 marker is decoded (malformed calls are dropped with a warning), then one `Finished` with the finish
 reason and usage. It runs on the engine's step worker; between two events it checks
-`cancelled()` and stops (finish_reason "cancelled") when the client left.
+`cancelled()` and stops (finish_reason "cancelled") when the client left. With n > 1 the choices
+come one after the other (`chat_turn.run_chat_choices`: one prefill, forked contexts), each
+event tagged with its `choice` and each choice ending with its own `Finished`; with logprobs the
+deltas and `Finished` carry `TokenLogprobs`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from freetoken_agents.errors import TokenLimitTooSmall
@@ -23,18 +27,29 @@ from ..chat_turn import (
     Finished,
     ReasoningDelta,
     ToolCallDone,
-    run_chat_turn,
+    run_chat_choices,
 )
 from ..prefix_cache import PrefixCache
+from ..token_logprobs import TokenLogprobs
 from .errors import bad_request
 from .prepare import PreparedRequest
+from .schemas import ChoiceLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage
 
 if TYPE_CHECKING:
     from freetoken_agents.model import FreeTokenModel
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ContentDelta", "Event", "Finished", "ReasoningDelta", "ToolCallDone", "run_completion"]
+__all__ = [
+    "ContentDelta",
+    "Event",
+    "Finished",
+    "ReasoningDelta",
+    "ToolCallDone",
+    "run_completion",
+    "total_usage",
+    "wire_logprobs",
+]
 
 
 def turn_request(req: PreparedRequest) -> ChatTurnRequest:
@@ -51,7 +66,13 @@ def turn_request(req: PreparedRequest) -> ChatTurnRequest:
         json_limit="max_tokens",
         temperature=req.temperature,
         top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
         seed=req.seed,
+        logprobs=req.logprobs,
         logit_bias=req.logit_bias,
         call_sources=req.call_sources,
     )
@@ -68,19 +89,51 @@ def run_completion(
 ) -> Iterator[Event]:
     """Generate the reply to `req` (see the module docstring). Raises OpenAIError (400) when a
     forced call or a JSON reply cannot close inside max_tokens. Prefix reuse is `tenant`'s own."""
-    turn = run_chat_turn(backend, cache, turn_request(req), reuse=reuse, cancelled=cancelled, tenant=tenant)
-    content = False  # some content was sent: text after the calls goes on a new line
+    turn = run_chat_choices(
+        backend, cache, turn_request(req), req.n, reuse=reuse, cancelled=cancelled, tenant=tenant
+    )
+    content: set[int] = set()  # choices some content was sent for: text after calls on a new line
     try:
         for event in turn:
             if isinstance(event, ToolCallDone) and event.error is not None:
                 logger.warning("dropping a malformed tool call %r: %s", event.raw[:80], event.error)
                 continue
             if isinstance(event, ContentDelta):
-                if event.after_calls:
-                    event = ContentDelta(("\n" if content else "") + event.text)
-                content = True
+                if event.after_calls and event.choice in content:
+                    event = dataclasses.replace(event, text="\n" + event.text)
+                content.add(event.choice)
             yield event
     except TokenLimitTooSmall as e:  # a forced call or JSON reply whose shortest value does not fit
         raise bad_request(str(e).replace("max_call_tokens", "max_tokens"), param="max_tokens") from e
     finally:
         turn.close()
+
+
+def wire_logprobs(entries: Sequence[TokenLogprobs]) -> ChoiceLogprobs:
+    """Token logprobs as a choice (or a chunk's choice) carries them."""
+    return ChoiceLogprobs(
+        content=[
+            TokenLogprob(
+                token=e.token,
+                bytes=list(e.bytes),
+                logprob=e.logprob,
+                top_logprobs=[
+                    TopLogprob(token=t.token, bytes=list(t.bytes), logprob=t.logprob) for t in e.top_logprobs
+                ],
+            )
+            for e in entries
+        ]
+    )
+
+
+def total_usage(done: Sequence[Finished]) -> Usage:
+    """The usage of a request's choices (their `Finished`): the prompt once, the completions summed
+    (as OpenAI counts n > 1)."""
+    first = done[0]
+    completion = sum(d.completion_tokens for d in done)
+    return Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=first.prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=first.cached_tokens),
+    )

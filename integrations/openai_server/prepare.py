@@ -30,7 +30,10 @@ from freetoken_agents.errors import GrammarCompilerBusy
 from freetoken_agents.grammar_cache import CompiledGrammar
 from freetoken_agents.schema_check import check_schema
 
+from ..chat_turn import MAX_CHOICES, no_calls
 from .errors import OpenAIError, bad_request
+from .extensions import check_extensions, extension_schema, generation_prompt
+from .extensions import max_tokens as extension_max_tokens
 from .schemas import ChatCompletionRequest, Content, NamedToolChoice
 
 if TYPE_CHECKING:
@@ -42,13 +45,16 @@ class PreparedRequest:
     """What the engine worker needs for one request.
 
     ids: the prompt's token ids (the messages and tools in the model's chat template).
-    tools: the offered tools, as OpenAI tool dicts; tools_on: the reply may call them.
+    tools: the offered tools, as OpenAI tool dicts; tools_on: the reply may call them (with
+        tool_choice "none": `chat_turn.no_calls`, under which the decoder lets no call start).
     force: None (the model decides), '*' (some tool must be called) or the forced tool's name.
     json_schema: the whole reply decodes under this schema (response_format), else None.
     max_tokens: the bound on sampled tokens, for the free text and for each tool call (text the
         grammar forces, keys and punctuation, is not sampled and not counted).
     call_sources: relevant calls, the model's default (`FreeTokenModel.relevant_calls`): the user's
         messages, which the calls the model decides must be about; None: any offered tool.
+    Sampling (temperature ... frequency_penalty, seed) as the engine's SamplingParams takes it;
+    logprobs: None, or the alternatives per token (top_logprobs); n: replies to decode.
     """
 
     ids: list[int]
@@ -59,7 +65,14 @@ class PreparedRequest:
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
+    logprobs: int | None = None
+    n: int = 1
     stop: tuple[str, ...] = ()
     logit_bias: dict[int, float] = field(default_factory=dict)
     call_sources: tuple[str, ...] | None = None
@@ -90,7 +103,7 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
             calls = []
             for j, call in enumerate(message.tool_calls or []):
                 arguments = _arguments(
-                    call.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments"
+                    call.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments"
                 )
                 calls.append(
                     {
@@ -188,7 +201,7 @@ class CheckedRequest:
 def check(request: ChatCompletionRequest, backend: FreeTokenModel, *, model_name: str) -> CheckedRequest:
     """Everything about `request` that costs time linear in its size and touches no tokenizer:
     fields, tool choice, and the cost of every schema (`check_schema`); OpenAIError if bad."""
-    if request.model != model_name:
+    if request.model is not None and request.model != model_name:  # left out: the one model
         raise OpenAIError(
             404,
             f"The model `{request.model}` does not exist; this server serves `{model_name}`.",
@@ -196,12 +209,21 @@ def check(request: ChatCompletionRequest, backend: FreeTokenModel, *, model_name
             code="model_not_found",
         )
     _refuse_unsupported(request)
+    check_extensions(request)  # llama-server / vLLM fields: honoured or a 400 naming them
+    extension_max_tokens(request)
     tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
     names = [t["function"]["name"] for t in tools]
     choice = request.tool_choice if request.tool_choice is not None else "auto"
     force = _force(choice, names)
     tools_on = bool(tools) and choice != "none"
     json_schema = _response_schema(request, tools_on and force is None)
+    guided = extension_schema(request)  # vLLM's guided_json: as response_format json_schema
+    if guided is not None:
+        if tools_on and force is None:
+            raise bad_request(
+                "guided_json with tools and tool_choice 'auto' is not supported", param="guided_json"
+            )
+        json_schema = guided
     if json_schema is not None and force is not None:
         json_schema = None  # a forced call is the whole reply; response_format applies to text
     schemas: dict[str, dict[str, Any]] = {}
@@ -214,7 +236,7 @@ def check(request: ChatCompletionRequest, backend: FreeTokenModel, *, model_name
             chosen = tools if force in (None, "*") else [t for t in tools if t["function"]["name"] == force]
             schemas["tools"] = backend.parser.body_schema(chosen)  # what a call decodes under
     if json_schema is not None:
-        schemas["response_format.json_schema.schema"] = json_schema
+        schemas["guided_json" if guided is not None else "response_format.json_schema.schema"] = json_schema
     for param, schema in schemas.items():
         try:
             check_schema(schema)
@@ -268,13 +290,14 @@ def prepare(
     if not _bound_prompt(checked, backend, limit, cancelled):
         return None
     try:
-        ids = backend.render(checked.messages, checked.tools or None)
+        prompt_header = generation_prompt(request)  # vLLM's add_generation_prompt (default true)
+        ids = backend.render(checked.messages, checked.tools or None, generation_prompt=prompt_header)
     except ChatTemplateError as e:  # e.g. a message order or role the model's template refuses
         raise bad_request(str(e), param="messages") from None
     prompt = len(ids)
     if prompt + 1 > limit:
         raise _too_long(limit, prompt)
-    requested = request.max_completion_tokens or request.max_tokens
+    requested = extension_max_tokens(request)  # max_completion_tokens, max_tokens or n_predict
     if requested is not None and prompt + requested > limit:
         raise bad_request(
             f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -284,19 +307,32 @@ def prepare(
             code="context_length_exceeded",
         )
     backend.grammars().keep(*checked.grammars)  # others' may have pushed them out while it waited
+    calls: dict[str, Any] = {
+        "tools": checked.tools,
+        "tools_on": checked.tools_on,
+        "call_sources": tuple(user_sources(checked.messages)) if backend.relevant_calls else None,
+        "logit_bias": _logit_bias(request.logit_bias, backend.vocab_size),
+    }
+    if checked.tools and request.tool_choice == "none" and checked.json_schema is None:
+        # the prompt shows the tools; the decoder lets no call start
+        calls = {**no_calls(backend, calls["logit_bias"]), "tools_on": True}
     return PreparedRequest(
         ids=ids,
-        tools=checked.tools,
-        tools_on=checked.tools_on,
         force=checked.force,
         json_schema=checked.json_schema,
         max_tokens=requested if requested is not None else limit - prompt,
         temperature=request.temperature if request.temperature is not None else 1.0,
         top_p=request.top_p,
+        top_k=request.top_k if request.top_k is not None and request.top_k > 0 else None,  # -1, 0: off
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty if request.repetition_penalty is not None else 1.0,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
         seed=request.seed,
+        logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        n=request.n or 1,
         stop=request.stop_strings,
-        logit_bias=_logit_bias(request.logit_bias, backend.vocab_size),
-        call_sources=tuple(user_sources(checked.messages)) if backend.relevant_calls else None,
+        **calls,
     )
 
 
@@ -373,13 +409,10 @@ def _too_long(limit: int, prompt: int | None) -> OpenAIError:
 
 
 def _refuse_unsupported(request: ChatCompletionRequest) -> None:
-    if request.n not in (None, 1):
-        raise bad_request(f"n={request.n} is not supported: this server returns one choice (n=1)", param="n")
-    if request.logprobs:
-        raise bad_request("logprobs are not supported", param="logprobs")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(request, name):
-            raise bad_request(f"{name} is not supported (only 0)", param=name)
+    if request.n is not None and request.n > MAX_CHOICES:
+        raise bad_request(f"n={request.n}: at most {MAX_CHOICES} choices per request", param="n")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     if len(request.stop_strings) > 4:
         raise bad_request("at most 4 stop sequences", param="stop")
 

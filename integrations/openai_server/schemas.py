@@ -2,17 +2,18 @@
 is queued: a malformed one is a 400 naming the field) and what the server answers.
 
 Fields OpenAI defines that change nothing here are accepted and ignored (`store`,
-`metadata`, `parallel_tool_calls`, zero penalties, ...); a field whose effect the server cannot
-give (`n` > 1, `logprobs`, non-zero penalties) is refused rather than silently ignored.
+`metadata`, `parallel_tool_calls`, ...); a field whose effect the server cannot give is refused
+rather than silently ignored. Sampling fields (OpenAI's and vLLM's `top_k`, `min_p`,
+`repetition_penalty`) go to the engine's sampler unchanged (`engine/sampling.py`).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from freetoken_agents.parsers import new_call_id
 
@@ -122,11 +123,14 @@ class StreamOptions(BaseModel):
 
 class ChatCompletionRequest(BaseModel):
     """POST /v1/chat/completions. `max_completion_tokens` wins over `max_tokens` when both are
-    given; absent, a reply may run to the end of the context."""
+    given; absent, a reply may run to the end of the context. `model` may be left out (or null):
+    the server serves one model, as llama-server and vLLM do. Fields no model here declares are
+    kept in `model_extra`: llama-server's and vLLM's are honoured or refused there (`extensions`),
+    any other is ignored."""
 
-    model_config = _LENIENT
+    model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
@@ -139,11 +143,15 @@ class ChatCompletionRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)  # what torch's generator accepts
     stop: str | list[str] | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1)  # at most `chat_turn.MAX_CHOICES` (`prepare`)
     logit_bias: dict[str, float] | None = None
     logprobs: bool | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # needs logprobs: true
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's; -1 or 0: off
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # vLLM's
+    repetition_penalty: float | None = Field(default=None, gt=0.0)  # vLLM's; 1: off
     user: str | None = Field(default=None, max_length=256)  # scopes prefix reuse (with the API key)
 
     @property
@@ -173,61 +181,103 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class WireModel(BaseModel):
+    """A response object as OpenAI sends it: a field whose value is None goes out as null (a
+    chunk's `"finish_reason": null`, every choice's `"logprobs": null`, a tool-call reply's
+    `"content": null`; clients index these keys), except the fields in `omit_if_none`, which OpenAI
+    leaves out when they hold nothing, unless they were set explicitly (a stream's `"usage": null`,
+    sent on every chunk when the client asked for usage)."""
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _wire(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        given = self.model_fields_set
+        return {k: v for k, v in data.items() if v is not None or k not in self.omit_if_none or k in given}
+
+
 class ToolCallOut(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ResponseMessage(BaseModel):
+class ResponseMessage(WireModel):
+    omit_if_none = frozenset({"reasoning_content", "tool_calls"})
     role: Literal["assistant"] = "assistant"
-    content: str | None = None
+    content: str | None = None  # null beside tool calls, as OpenAI sends it
+    refusal: None = None  # OpenAI's; this server never refuses in words
     reasoning_content: str | None = None  # a thinking model's <think> block, as vLLM returns it
     tool_calls: list[ToolCallOut] | None = None
 
 
-class Choice(BaseModel):
+class TopLogprob(BaseModel):
+    token: str
+    bytes: list[int] | None = None  # the token's UTF-8 bytes (part of a character, for some)
+    logprob: float
+
+
+class TokenLogprob(TopLogprob):
+    """One generated token (OpenAI's ChatCompletionTokenLogprob): raw model logprobs."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(WireModel):
+    content: list[TokenLogprob] | None = None
+    refusal: None = None
+
+
+class Choice(WireModel):
     index: int = 0
     message: ResponseMessage
+    logprobs: ChoiceLogprobs | None = None  # with `logprobs: true` in the request
     finish_reason: Literal["stop", "length", "tool_calls"]
-    logprobs: None = None
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(WireModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[Choice]
     usage: Usage
+    system_fingerprint: str | None = None
 
 
-class ToolCallDelta(BaseModel):
+class ToolCallDelta(WireModel):
+    omit_if_none = frozenset({"id", "type", "function"})
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: dict[str, str] | None = None
 
 
-class Delta(BaseModel):
+class Delta(WireModel):
+    """Only what the chunk adds: OpenAI leaves out every field a delta does not carry."""
+
+    omit_if_none = frozenset({"role", "content", "reasoning_content", "tool_calls"})
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 
-class ChunkChoice(BaseModel):
+class ChunkChoice(WireModel):
     index: int = 0
     delta: Delta
-    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None  # the chunk's tokens, with `logprobs: true`
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None  # null until the last
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(WireModel):
+    omit_if_none = frozenset({"usage"})  # `"usage": null` only when stream_options.include_usage
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChunkChoice]
     usage: Usage | None = None
 
