@@ -18,7 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ModelCausedError, RetryableToolError
 
-DEFAULT_NOTE = "[attempt {attempt} failed: {tool}: {error}. Call the tool again, fixing the problem.]\n"
+DEFAULT_NOTE = "[attempt {attempt} failed: {tool}: {error}. Call the tool again, fixing the problem.]"
+"""No newline at the end: the model's next token follows the note directly, as in the embedded
+model's training dialogues (`recipes/tiny/corpus.py`), where the call marker comes right after it;
+after "...]\n" the embedded model wrote the call's JSON without its `<tool_call>` marker, so no
+call parsed and the retry became a final answer holding the raw call."""
 
 
 class RetryPolicy(BaseModel):

@@ -100,7 +100,7 @@ def test_second_of_two_calls_fails_model_caused() -> None:
     turn = model.contexts[1].rsplit("<|assistant|>", 1)[1]  # the turn the retry continued
     assert turn.startswith("Let me record it.<tool_call>") and turn.count("<tool_call>") == 1
     assert '"record_visit"' in turn and '"Lisbonn"' not in turn
-    assert turn.endswith("unknown city 'Lisbonn'. Call the tool again, fixing the problem.]\n")  # the note
+    assert turn.endswith("unknown city 'Lisbonn'. Call the tool again, fixing the problem.]")  # the note
     text = result.trace.steps[0].text
     assert text.startswith("[attempt 1 failed") and text.endswith("Let me record it.")
 
