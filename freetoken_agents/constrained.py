@@ -72,7 +72,10 @@ def _xgrammar() -> Any:
     try:
         import xgrammar
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("constrained decoding needs xgrammar: pip install 'xgrammar>=0.2'") from e
+        raise ImportError(
+            "constrained decoding needs xgrammar: pip install --no-deps xgrammar==0.2.9 (CPU), "
+            "or pip install 'freetoken-agents[cuda]' on an NVIDIA machine"
+        ) from e
     return xgrammar
 
 
