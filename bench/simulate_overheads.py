@@ -8,9 +8,11 @@ pre-gating), `miss_overhead_us` (per routed expert outside tier 1: q*'s decision
 around computing it where its weights are) and `stream_overhead_us` (what a STREAM's tier moves
 add) at 0, so `freetoken simulate` predicts q*'s policy on an engine whose bookkeeping
 is free; llama.cpp's static split, written in C++, has none to speak of. This measures the three
-costs on this machine on each model's own MoE layer shape, its experts per layer and top-k
-(`simulate.measure._tiered_overheads_us`, what `--profile-here --model M` writes; the median of
-`--measures` runs), then replays the README's calibrated traces (Mixtral-8x7B, 577
+costs, and the all-hit layer's (a decode layer whose routed experts are all in tier 1, beyond the
+resident engine's layer: `simulate.all_hit.all_hit_overhead_us`; printed, not simulated, as the
+profiles have no field for it), on this machine on each model's own MoE layer shape, its experts
+per layer and top-k (`simulate.measure._tiered_overheads_us`, what `--profile-here --model M`
+writes; the median of `--measures` runs), then replays the README's calibrated traces (Mixtral-8x7B, 577
 tokens; Qwen3-30B-A3B, 300 tokens; MXFP4 experts; seed 0) on `--hardware` with the costs at each
 of `--scales` times the measured ones, and prints q* (cold, and started from the static split's
 profiling pass) against the static split. Everything but the measured costs is simulated: the
@@ -30,6 +32,7 @@ import torch
 
 def main() -> None:
     from freetoken_agents.engine.simulate import shapes
+    from freetoken_agents.engine.simulate.all_hit import all_hit_overhead_us
     from freetoken_agents.engine.simulate.measure import _tiered_overheads_us
     from freetoken_agents.engine.simulate.profiles import load_profile
     from freetoken_agents.engine.simulate.simulator import simulate
@@ -60,10 +63,17 @@ def main() -> None:
         ]
         tier_us, miss_us, stream_us = (statistics.median(r[i] for r in runs) for i in range(3))
         costs[name] = (tier_us, miss_us, stream_us)
+        hits = [
+            all_hit_overhead_us(400, None, experts=shape.num_experts, top_k=shape.top_k)
+            for _ in range(args.measures)
+        ]
+        hit_us, resident_us = (statistics.median(r[i] for r in hits) for i in range(2))
         print(
             f"measured here on {name}'s MoE layer ({shape.num_experts} experts, top-{shape.top_k}; "
             f"{args.threads} threads, median of {args.measures}): "
-            f"{tier_us:.1f} us per tiered MoE layer, {miss_us:.1f} us per miss, {stream_us:.1f} more a STREAM"
+            f"{tier_us:.1f} us per tiered MoE layer, {miss_us:.1f} us per miss, "
+            f"{stream_us:.1f} more a STREAM; {hit_us:.1f} us per all-hit layer "
+            f"beyond the resident layer's {resident_us:.1f}"
         )
     scales = [float(s) for s in args.scales.split(",")]
     print(f"\nSIMULATED decode tok/s on {args.hardware}, MXFP4 experts")

@@ -123,7 +123,7 @@ class ExpertPlanner:
         with self.lock:
             # Only tier 1's experts can be pinned: ranking every expert sorted 6,144 of them for
             # Qwen3-30B (2.6 ms every `hot_every` steps), twice what tier 1 holds.
-            self.fast.set_hot(self.routing.hottest(self.fast.keys()))
+            self.fast.set_hot(self.routing.hottest(self.fast.held()))  # any order: it sorts
 
     def warm_start(self, steps: Iterable[Step]) -> list[ExpertKey]:
         """Start from a recorded routing (`routing_trace.iter_steps` of a trace of this model,

@@ -389,8 +389,8 @@ class TieredExpertProvider(ExpertStore):
             self.prefetcher.begin_layer(layer, used)
             self._prefetch_next(layer, hidden)
         if decode:
-            with self._lock:
-                resident = self.fast.get_all([(layer, e) for e in used])
+            with self._lock:  # one lookup over the layer's row of tier 1 (`FastTier.hits`)
+                resident = self.fast.hits(layer, used)
             if self.graph_steps is not None:
                 self.graph_steps.note_eager_layer(layer, resident is not None)
             if resident is not None:  # the common decode step: no per-expert decision at all

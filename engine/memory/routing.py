@@ -8,6 +8,7 @@ prefetcher's priors when pre-gating predicts fewer experts than it may load.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import repeat
 
 from ..experts import ExpertKey
 
@@ -44,7 +45,7 @@ class RoutingFrequency:
         self.steps = dict.fromkeys(self.by_layer, 0)  # steps noted per layer
 
     def note(self, layer: int, used: Iterable[int]) -> None:
-        """`layer` ran one step routed to `used`."""
+        """`layer` ran one step routed to `used` (distinct expert ids)."""
         counts = self.by_layer[layer]
         self.steps[layer] += 1
         scale = self._scale[layer] * self.decay
@@ -55,8 +56,10 @@ class RoutingFrequency:
             self._epoch[layer] += 1
         self._scale[layer] = scale
         add = 1.0 / scale
-        for e in used:
-            counts[e] = counts.get(e, 0.0) + add
+        # counts[e] += add for each e, as C-level calls (no bytecode per expert: a decode step of
+        # Qwen3-30B-A3B notes 48 layers x 8 experts); `add + c` is `c + add` bit for bit.
+        used = used if isinstance(used, (list, tuple)) else list(used)  # read twice below
+        counts.update(zip(used, map(add.__add__, map(counts.get, used, repeat(0.0))), strict=True))
 
     def of(self, key: ExpertKey) -> float:
         """The decayed count of `key` (0 if never routed to)."""

@@ -294,7 +294,7 @@ class TieredReplay:
                     self.planner.expect(nxt, pred)
                     self.prefetcher.issue(nxt, pred, skip=self._in_ram)
             ends = [hidden]
-            resident = self.fast.get_all([(layer, e) for e in used]) if t == 1 else None
+            resident = self.fast.hits(layer, used) if t == 1 else None  # as the live provider
             missed_here: list[int] = []
             if resident is not None:
                 self.policy.count_resident(len(used), 1)
