@@ -31,6 +31,9 @@ from .messages import to_chat_dicts
 from .tool_choice import normalize_tool_choice
 from .turn import TurnOptions, TurnState, run_turn
 
+SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+"""Sampling settings passed to the engine unchanged (a call's keyword overrides the field)."""
+
 logger = logging.getLogger(__name__)
 
 
@@ -79,6 +82,19 @@ class ChatFreeToken(BaseChatModel):
     """Use `_stream` for `invoke` (callbacks get tokens as they are decoded)."""
     seed: int | None = None
     """Sampling seed (temperature > 0)."""
+    top_p: float | None = None
+    """Nucleus sampling: keep the most likely tokens up to this probability mass (temperature > 0)."""
+    top_k: int | None = None
+    """Sample among the k most likely tokens only (temperature > 0; None or 0: all)."""
+    min_p: float | None = None
+    """Drop tokens less likely than min_p x the most likely one's probability (temperature > 0)."""
+    repetition_penalty: float = 1.0
+    """vLLM's: logits of tokens already in the prompt or the reply divided (or, if negative,
+    multiplied) by it; 1.0: off. Applies to greedy decoding too."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted from the logit of every token the reply already holds (-2..2)."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted once per earlier occurrence of the token in the reply (-2..2)."""
     prefix_cache: bool = True
     """Reuse the longest cached prefix of each prompt; False prefills every prompt from scratch."""
     dtype: str = "float32"
@@ -283,6 +299,7 @@ class ChatFreeToken(BaseChatModel):
             max_call_tokens=call_budget,
             temperature=kwargs.get("temperature", self.temperature),
             seed=kwargs.get("seed", self.seed),
+            **{name: kwargs.get(name, getattr(self, name)) for name in SAMPLING_FIELDS},
             reuse=self.prefix_cache,
             argument_sources=tuple(conversation_sources(chat)) if self._grounds(handle) else None,
             call_sources=tuple(user_sources(chat)) if self._gates_calls(handle) else None,
