@@ -1,10 +1,12 @@
-"""Shared fixtures: tiny random checkpoints of every supported architecture, built once per run."""
+"""Shared fixtures: tiny random checkpoints of every supported architecture, built once per run;
+a `freetoken serve` server with the default config and an `openai` client of it, per module."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -74,3 +76,19 @@ def kernel_calls(monkeypatch) -> list[tuple[int, ...]]:
 
     monkeypatch.setattr(torch, "_weight_int8pack_mm", counting)
     return calls
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Any]:
+    """A real server over the embedded model with the default config (`serve_harness`), one per
+    test module; a module that needs another config defines its own `server`."""
+    from serve_harness import running_server
+
+    with running_server() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: Any) -> Any:
+    """An `openai.OpenAI` client of the module's `server`."""
+    return server.client()

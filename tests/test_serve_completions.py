@@ -19,17 +19,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT = "def add(a, b):\n    return"
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
 def raw_continuation(server, prompt: str, n: int, **sampling) -> str:
     """The greedy continuation of `prompt` as the engine writes it without any chat template
     (`sampling`: SamplingParams' penalties)."""

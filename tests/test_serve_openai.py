@@ -8,23 +8,12 @@ import re
 
 import httpx
 import pytest
-from serve_harness import MODEL, TOOLS, running_server
+from serve_harness import MODEL, TOOLS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 TIMES = [{"role": "user", "content": "What is 12 times 7?"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    with running_server() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 def test_models_and_health_answer(server, client):

@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from serve_harness import MODEL, TOOLS, running_server
+from serve_harness import MODEL, TOOLS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -21,17 +21,6 @@ WEATHER = "What is the weather in Paris?"
 TIMES = "What is 12 times 7?"
 FUNCTIONS = [{"type": "function", **tool["function"]} for tool in TOOLS]  # the Responses tool shape
 SCHEMAS = {tool["name"]: tool["parameters"] for tool in FUNCTIONS}
-
-
-@pytest.fixture(scope="module")
-def server():
-    with running_server() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 def chat_text(client, messages, **kwargs) -> str:

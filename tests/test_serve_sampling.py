@@ -8,23 +8,12 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from serve_harness import MODEL, TOOLS, running_server
+from serve_harness import MODEL, TOOLS
 from transformers import RepetitionPenaltyLogitsProcessor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    with running_server() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 def chat(client, **kwargs):

@@ -7,21 +7,19 @@ Every error is an OpenAI-style body (`errors.py`); after any of them the server 
 Replies are in OpenAI's exact wire shape (`chat_reply.py`); CORS is off unless origins are named
 (`cors.py`).
 
-A request is parsed and checked here (auth first, then the body under its byte limit, JSON, the
-schema, then `prepare.check`: fields and the cost of every JSON schema, in time linear in the
-body), its grammars compiled (`prepare.compile_grammars`: on the one grammar-compile thread, with
-a deadline, never on the engine worker), then queued for the engine worker (`queue.py`), which
-first runs `prepare.prepare` (render, tokenize, bound the prompt, one request at a time) and then
-`completion.run_completion`. A client that disconnects cancels its job, waiting, being prepared or
-running. A 400 found while preparing is answered before any byte of the response is sent.
+A request is parsed and checked (`request_io.py`, the plumbing every route shares: auth first,
+then the body under its byte limit, JSON, the schema, then `prepare.check`: fields and the cost of
+every JSON schema, in time linear in the body), its grammars compiled (`prepare.compile_grammars`:
+on the one grammar-compile thread, with a deadline, never on the engine worker), then queued for
+the engine worker (`queue.py`), which first runs `prepare.prepare` (render, tokenize, bound the
+prompt, one request at a time) and then `completion.run_completion`. A client that disconnects
+cancels its job, waiting, being prepared or running. A 400 found while preparing is answered before
+any byte of the response is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Generator, Sequence
@@ -33,7 +31,6 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from freetoken_agents.sync_bridge import step_worker
@@ -43,9 +40,10 @@ from .chat_reply import ChatReply, system_fingerprint
 from .completion import run_completion
 from .completions_api import add_completion_routes
 from .cors import add_cors, check_origin
-from .errors import OpenAIError, bad_request, from_validation_error, internal_error, model_not_found
-from .prepare import COMPILE_TIMEOUT_S, CheckedRequest, check, compile_grammars, prepare
-from .queue import EngineWorker, Job, JobEnd, QueueFull
+from .errors import OpenAIError, from_validation_error, internal_error, model_not_found
+from .prepare import COMPILE_TIMEOUT_S, CheckedRequest, prepare
+from .queue import EngineWorker, Job
+from .request_io import authorize, read_request, respond, start_chat
 from .responses_api import add_response_routes
 from .schemas import ChatCompletionRequest, ModelCard, ModelList, completion_id
 
@@ -152,12 +150,12 @@ def create_app(engine: Engine, config: ServerConfig, *, family: str | None = Non
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        _authorize(request, config.api_key)
+        authorize(request, config.api_key)
         return ModelList(data=[model_card()]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")  # path: a served Hub id holds a slash (org/name)
     async def model(request: Request, model_id: str) -> dict[str, Any]:
-        _authorize(request, config.api_key)
+        authorize(request, config.api_key)
         if model_id != config.model_name:
             raise model_not_found(model_id, config.model_name)
         return model_card().model_dump()
@@ -167,146 +165,14 @@ def create_app(engine: Engine, config: ServerConfig, *, family: str | None = Non
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
-        key = _authorize(request, config.api_key)
-        body = await _parse(request, config)
-        checked = await anyio.to_thread.run_sync(
-            lambda: compile_grammars(
-                check(body, state.backend, model_name=config.model_name),
-                state.backend,
-                timeout=config.grammar_timeout_s,
-            )
-        )
-        job = state.job(checked, _tenant(key, body.user), asyncio.get_running_loop())
-        try:
-            state.worker.submit(job)
-        except QueueFull as e:
-            raise OpenAIError(
-                429,
-                str(e),
-                type="rate_limit_error",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": str(e.retry_after)},
-            ) from None
-        watcher = asyncio.create_task(_watch_disconnect(request, job, state.worker))
-        try:
-            first = await job.events.get()
-        except BaseException:
-            watcher.cancel()
-            job.cancel()
-            raise
-        if isinstance(first, JobEnd):  # refused while prepared (a 400), or cancelled before it ran
-            watcher.cancel()
-            if first.error is not None:
-                raise first.error  # OpenAIError: its status; anything else: the 500 handler
-            raise OpenAIError(499, "the request was cancelled", type="cancelled")
+        body, who = await read_request(request, config, ChatCompletionRequest)
+        job, watcher = await start_chat(request, state, body, who)
         reply = ChatReply(completion_id(), config.model_name, body, state.fingerprint)
-        if body.stream:
-            return StreamingResponse(
-                reply.stream(job, watcher, state.worker),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        try:
-            return JSONResponse(await reply.collect(job))
-        finally:
-            watcher.cancel()
+        return await respond(reply, job, watcher, state.worker, stream=body.stream)
 
     add_completion_routes(app, state)  # POST /v1/completions (completions_api.py)
     add_response_routes(app, state)  # POST /v1/responses (responses_api.py)
     return app
-
-
-def _authorize(request: Request, api_key: str | Sequence[str] | None) -> str | None:
-    """The key the request carries, if it is one of `api_key`'s (401 otherwise); None when the
-    server needs no key."""
-    if api_key is None:
-        return None
-    keys = (api_key,) if isinstance(api_key, str) else tuple(api_key)
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    sent = token.strip().encode()
-    matched = [key for key in keys if hmac.compare_digest(sent, key.encode())]  # every key compared
-    if scheme.lower() != "bearer" or not matched:
-        raise OpenAIError(
-            401,
-            "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
-            code="invalid_api_key",
-        )
-    return matched[0]
-
-
-def _tenant(key: str | None, user: str | None) -> str:
-    """Whose prompts a request may reuse: one tenant per (API key, `user`) pair."""
-    key_id = hashlib.sha256(key.encode()).hexdigest()[:16] if key is not None else "-"
-    return f"{key_id}/{user or ''}"
-
-
-async def _read_body(request: Request, config: ServerConfig) -> bytes:
-    """The body, refused with a 413 as soon as it (or its declared Content-Length) passes the
-    limit, and with a 408 when it stalls: no byte for `body_idle_s`, or not whole after
-    `body_timeout_s` (uvicorn has no read timeout: a client that sends its head and then stops would
-    hold its connection and handler forever, and enough of them every slot)."""
-    limit = config.max_request_bytes
-    too_large = OpenAIError(
-        413,
-        f"the request body is larger than the server's limit of {limit} bytes",
-        code="request_too_large",
-        headers={"Connection": "close"},  # the rest of the body is never read
-    )
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    stream = request.stream().__aiter__()
-    deadline = asyncio.get_running_loop().time() + config.body_timeout_s
-    while True:
-        left = deadline - asyncio.get_running_loop().time()
-        try:
-            chunk = await asyncio.wait_for(anext(stream), min(config.body_idle_s, max(left, 0.0)))
-        except StopAsyncIteration:
-            return b"".join(chunks)
-        except TimeoutError:
-            raise OpenAIError(
-                408,
-                f"the request body did not arrive in time ({size} bytes read; the server waits "
-                f"{config.body_idle_s:g} s for each part and {config.body_timeout_s:g} s in all)",
-                code="request_timeout",
-                headers={"Connection": "close"},  # the rest of the body is never read
-            ) from None
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-
-
-async def _parse(request: Request, config: ServerConfig) -> ChatCompletionRequest:
-    raw = await _read_body(request, config)
-    try:
-        payload = json.loads(raw)
-    except RecursionError:  # deeply nested JSON: a client error, not a 500
-        raise bad_request("the JSON body of your request is nested too deeply") from None
-    except ValueError as e:
-        raise bad_request(f"We could not parse the JSON body of your request: {e}") from None
-    try:  # a lone surrogate (\\ud800) cannot be encoded for the tokenizer: refuse it here
-        json.dumps(payload, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request("the request contains a lone UTF-16 surrogate, which is not valid text") from None
-    except RecursionError:
-        raise bad_request("the JSON body of your request is nested too deeply") from None
-    if not isinstance(payload, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:
-        return ChatCompletionRequest.model_validate(payload)
-    except ValidationError as e:
-        raise from_validation_error(RequestValidationError(e.errors())) from None
-
-
-async def _watch_disconnect(request: Request, job: Job, worker: EngineWorker) -> None:
-    """Cancel `job` when its client disconnects before the job ends."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            worker.client_left(job)
-            return
 
 
 def _error_handlers(app: FastAPI) -> None:

@@ -11,7 +11,6 @@ chunk with no choices and the usage (every other chunk then carries `"usage": nu
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -24,7 +23,6 @@ from freetoken_agents import __version__
 from ..token_logprobs import TokenLogprobs
 from .completion import (
     ContentDelta,
-    Event,
     Finished,
     ReasoningDelta,
     ToolCallDone,
@@ -32,7 +30,7 @@ from .completion import (
     wire_logprobs,
 )
 from .errors import OpenAIError, internal_error
-from .queue import EngineWorker, Job, JobEnd
+from .queue import Job
 from .schemas import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -41,7 +39,6 @@ from .schemas import (
     ChunkChoice,
     Delta,
     FunctionCall,
-    PromptTokensDetails,
     ResponseMessage,
     ToolCallDelta,
     ToolCallOut,
@@ -58,15 +55,6 @@ def system_fingerprint(model_fingerprint: str, dtype: str, device: str) -> str:
     return f"fp_{hashlib.sha256(tag.encode()).hexdigest()[:12]}"
 
 
-def usage_of(done: Finished) -> Usage:
-    return Usage(
-        prompt_tokens=done.prompt_tokens,
-        completion_tokens=done.completion_tokens,
-        total_tokens=done.prompt_tokens + done.completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=done.cached_tokens),
-    )
-
-
 class ChatReply:
     """Turns a job's events into one ChatCompletion (`collect`) or a stream of chunks (`stream`)."""
 
@@ -76,17 +64,11 @@ class ChatReply:
         options = request.stream_options
         self.include_usage = bool(options and options.include_usage)
 
-    async def _events(self, job: Job) -> AsyncIterator[Event]:
-        while not isinstance(event := await job.events.get(), JobEnd):
-            yield event
-        if event.error is not None:
-            raise event.error
-
     async def collect(self, job: Job) -> dict[str, Any]:
         # per choice (n > 1: they come one after the other): text, reasoning, calls, logprobs
         parts: dict[int, tuple[list, list, list, list]] = {}
         done: dict[int, Finished] = {}
-        async for event in self._events(job):
+        async for event in job.results():
             text, reasoning, calls, logprobs = parts.setdefault(event.choice, ([], [], [], []))
             if isinstance(event, ContentDelta):
                 text.append(event.text)
@@ -146,43 +128,37 @@ class ChatReply:
         )
         return f"data: {chunk.model_dump_json()}\n\n"
 
-    async def stream(self, job: Job, watcher: asyncio.Task, worker: EngineWorker) -> AsyncIterator[str]:
-        ended, opened, done = False, {0}, []  # choices whose role chunk went out; their ends
+    async def stream(self, job: Job) -> AsyncIterator[str]:
+        opened, done = {0}, []  # choices whose role chunk went out; their ends
+        yield self._chunk(Delta(role="assistant", content=""))
         try:
-            yield self._chunk(Delta(role="assistant", content=""))
-            try:
-                async for event in self._events(job):
-                    if event.choice not in opened:  # n > 1: the next choice begins
-                        opened.add(event.choice)
-                        yield self._chunk(Delta(role="assistant", content=""), index=event.choice)
-                    if isinstance(event, ContentDelta):
-                        delta = Delta(content=event.text)
-                        yield self._chunk(delta, index=event.choice, logprobs=event.logprobs)
-                    elif isinstance(event, ReasoningDelta):
-                        delta = Delta(reasoning_content=event.text)
-                        yield self._chunk(delta, index=event.choice, logprobs=event.logprobs)
-                    elif isinstance(event, ToolCallDone):
-                        call = ToolCallDelta(
-                            index=event.index,
-                            id=event.id,
-                            type="function",
-                            function={"name": event.name, "arguments": event.arguments},
-                        )
-                        yield self._chunk(Delta(tool_calls=[call]), index=event.choice)
-                    elif event.finish_reason != "cancelled":
-                        end = event.finish_reason
-                        yield self._chunk(Delta(), end, index=event.choice, logprobs=event.logprobs)
-                        done.append(event)
-                if self.include_usage and done:  # once, after every choice's end
-                    yield self._chunk(None, usage=total_usage(done))
-            except OpenAIError as e:  # after the headers went out: an error event, as OpenAI sends
-                yield f"data: {json.dumps(e.body())}\n\n"
-            except Exception as e:
-                logger.exception("a streamed completion failed")
-                yield f"data: {json.dumps(internal_error(e).body())}\n\n"
-            yield "data: [DONE]\n\n"
-            ended = True
-        finally:
-            watcher.cancel()
-            if not ended:  # the client left mid-stream
-                worker.client_left(job)
+            async for event in job.results():
+                if event.choice not in opened:  # n > 1: the next choice begins
+                    opened.add(event.choice)
+                    yield self._chunk(Delta(role="assistant", content=""), index=event.choice)
+                if isinstance(event, ContentDelta):
+                    delta = Delta(content=event.text)
+                    yield self._chunk(delta, index=event.choice, logprobs=event.logprobs)
+                elif isinstance(event, ReasoningDelta):
+                    delta = Delta(reasoning_content=event.text)
+                    yield self._chunk(delta, index=event.choice, logprobs=event.logprobs)
+                elif isinstance(event, ToolCallDone):
+                    call = ToolCallDelta(
+                        index=event.index,
+                        id=event.id,
+                        type="function",
+                        function={"name": event.name, "arguments": event.arguments},
+                    )
+                    yield self._chunk(Delta(tool_calls=[call]), index=event.choice)
+                elif event.finish_reason != "cancelled":
+                    end = event.finish_reason
+                    yield self._chunk(Delta(), end, index=event.choice, logprobs=event.logprobs)
+                    done.append(event)
+            if self.include_usage and done:  # once, after every choice's end
+                yield self._chunk(None, usage=total_usage(done))
+        except OpenAIError as e:  # after the headers went out: an error event, as OpenAI sends
+            yield f"data: {json.dumps(e.body())}\n\n"
+        except Exception as e:
+            logger.exception("a streamed completion failed")
+            yield f"data: {json.dumps(internal_error(e).body())}\n\n"
+        yield "data: [DONE]\n\n"

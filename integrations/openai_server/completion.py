@@ -38,6 +38,8 @@ from .schemas import ChoiceLogprobs, PromptTokensDetails, TokenLogprob, TopLogpr
 if TYPE_CHECKING:
     from freetoken_agents.model import FreeTokenModel
 
+    from .completions_decode import RawFinished
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -126,9 +128,9 @@ def wire_logprobs(entries: Sequence[TokenLogprobs]) -> ChoiceLogprobs:
     )
 
 
-def total_usage(done: Sequence[Finished]) -> Usage:
-    """The usage of a request's choices (their `Finished`): the prompt once, the completions summed
-    (as OpenAI counts n > 1)."""
+def total_usage(done: Sequence[Finished | RawFinished]) -> Usage:
+    """The usage of a request's choices (their `Finished`, or a legacy completion's `RawFinished`):
+    the prompt once, the completions summed (as OpenAI counts n > 1)."""
     first = done[0]
     completion = sum(d.completion_tokens for d in done)
     return Usage(

@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from freetoken_agents.engine import encode_plain
 
-from .completions_decode import RawFinished, RawRequest, TextPiece, run_raw_completion
+from .completion import total_usage
+from .completions_decode import RawRequest, TextPiece, run_raw_completion
 from .completions_schemas import (
     Completion,
     CompletionChoice,
@@ -34,9 +35,8 @@ from .completions_schemas import (
 )
 from .errors import OpenAIError, bad_request, model_not_found
 from .prepare import _bound_prompt, _logit_bias
-from .queue import Job, JobEnd
-from .request_io import ServerHost, as_openai_error, authorize, cancelled, parse_body, start, tenant
-from .schemas import PromptTokensDetails
+from .queue import Job
+from .request_io import ServerHost, as_openai_error, cancelled, read_request, respond, start
 
 __all__ = ["add_completion_routes"]
 
@@ -47,22 +47,12 @@ def add_completion_routes(app: FastAPI, host: ServerHost) -> None:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> JSONResponse | StreamingResponse:
-        key = authorize(request, config.api_key)
-        body = await parse_body(request, config, CompletionRequest)
+        body, who = await read_request(request, config, CompletionRequest)
         check(body, model_name=config.model_name)
-        job = _job(host, body, tenant(key, body.user), asyncio.get_running_loop())
+        job = _job(host, body, who, asyncio.get_running_loop())
         started, watcher = await start(request, host, job)
         reply = _Reply(body, config.model_name, started.prompt)
-        if body.stream:
-            return StreamingResponse(
-                reply.stream(job, watcher, host),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        try:
-            return JSONResponse(await reply.collect(job))
-        finally:
-            watcher.cancel()
+        return await respond(reply, job, watcher, host.worker, stream=body.stream)
 
 
 def check(body: CompletionRequest, *, model_name: str) -> None:
@@ -205,12 +195,6 @@ class _Reply:
         self.id, self.created = completion_id(), int(time.time())
         self.echo = prompt if body.echo else ""
 
-    async def _events(self, job: Job) -> AsyncIterator[TextPiece | RawFinished]:
-        while not isinstance(event := await job.events.get(), JobEnd):
-            yield event
-        if event.error is not None:
-            raise event.error
-
     def _logprobs(self, pieces: list[TextPiece]) -> CompletionLogprobs | None:
         if self.body.logprobs is None:
             return None
@@ -229,7 +213,7 @@ class _Reply:
 
     async def collect(self, job: Job) -> dict[str, Any]:
         pieces, done = [], None
-        async for event in self._events(job):
+        async for event in job.results():
             if isinstance(event, TextPiece):
                 pieces.append(event)
             else:
@@ -240,41 +224,25 @@ class _Reply:
         choice = CompletionChoice(
             text=text, logprobs=self._logprobs(pieces), finish_reason=done.finish_reason
         )  # type: ignore[arg-type]
-        return self._completion([choice], _usage(done)).model_dump()
+        return self._completion([choice], total_usage([done])).model_dump()
 
     def _chunk(self, completion: Completion) -> str:
         return f"data: {completion.model_dump_json()}\n\n"
 
-    async def stream(self, job: Job, watcher: asyncio.Task, host: ServerHost) -> AsyncIterator[str]:
+    async def stream(self, job: Job) -> AsyncIterator[str]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
-        ended = False
+        if self.echo:
+            yield self._chunk(self._completion([CompletionChoice(text=self.echo)]))
         try:
-            if self.echo:
-                yield self._chunk(self._completion([CompletionChoice(text=self.echo)]))
-            try:
-                async for event in self._events(job):
-                    if isinstance(event, TextPiece):
-                        choice = CompletionChoice(text=event.text, logprobs=self._logprobs([event]))
-                        yield self._chunk(self._completion([choice]))
-                    elif event.finish_reason != "cancelled":
-                        choice = CompletionChoice(text="", finish_reason=event.finish_reason)  # type: ignore[arg-type]
-                        yield self._chunk(self._completion([choice]))
-                        if include_usage:
-                            yield self._chunk(self._completion([], _usage(event)))
-            except Exception as e:  # after the headers went out: an error event, as OpenAI sends
-                yield f"data: {json.dumps(as_openai_error(e).body())}\n\n"
-            yield "data: [DONE]\n\n"
-            ended = True
-        finally:
-            watcher.cancel()
-            if not ended:  # the client left mid-stream
-                host.worker.client_left(job)
-
-
-def _usage(done: RawFinished) -> CompletionUsage:
-    return CompletionUsage(
-        prompt_tokens=done.prompt_tokens,
-        completion_tokens=done.completion_tokens,
-        total_tokens=done.prompt_tokens + done.completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=done.cached_tokens),
-    )
+            async for event in job.results():
+                if isinstance(event, TextPiece):
+                    choice = CompletionChoice(text=event.text, logprobs=self._logprobs([event]))
+                    yield self._chunk(self._completion([choice]))
+                elif event.finish_reason != "cancelled":
+                    choice = CompletionChoice(text="", finish_reason=event.finish_reason)  # type: ignore[arg-type]
+                    yield self._chunk(self._completion([choice]))
+                    if include_usage:
+                        yield self._chunk(self._completion([], total_usage([event])))
+        except Exception as e:  # after the headers went out: an error event, as OpenAI sends
+            yield f"data: {json.dumps(as_openai_error(e).body())}\n\n"
+        yield "data: [DONE]\n\n"

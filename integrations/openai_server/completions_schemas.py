@@ -13,14 +13,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .schemas import PromptTokensDetails, StreamOptions
+from .schemas import StopRequest, StreamOptions, Usage
 
 _LENIENT = ConfigDict(extra="ignore")
 
 MAX_LOGPROBS = 5  # OpenAI's bound on the legacy `logprobs` integer
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(StopRequest):
     """POST /v1/completions. `prompt`: a string, a list of one string, a list of token ids or a
     list of one such list. `max_tokens` defaults to 16, as OpenAI's does; 0 with `echo` returns
     the prompt alone."""
@@ -46,12 +46,6 @@ class CompletionRequest(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     user: str | None = Field(default=None, max_length=256)  # scopes prefix reuse (with the API key)
 
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
-
 
 def completion_id() -> str:
     return f"cmpl-{uuid.uuid4().hex}"
@@ -75,11 +69,7 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
 
 
-class CompletionUsage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+CompletionUsage = Usage  # the same counts, in the same shape, as a chat completion's
 
 
 class Completion(BaseModel):

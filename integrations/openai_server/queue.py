@@ -18,7 +18,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import AsyncIterator, Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,14 @@ class Job:
     @property
     def cancelled(self) -> bool:
         return self._cancel.is_set()
+
+    async def results(self) -> AsyncIterator[Any]:
+        """The job's events as they reach `events`, up to its `JobEnd`; the error that ended the
+        job, if any, raised after them."""
+        while not isinstance(event := await self.events.get(), JobEnd):
+            yield event
+        if event.error is not None:
+            raise event.error
 
     def emit(self, event: Any) -> None:
         """Hand `event` to the job's loop (from the worker thread)."""

@@ -1,10 +1,12 @@
-"""The HTTP plumbing the legacy completions and the Responses routes share: the API key, the
+"""The HTTP plumbing every POST route shares (chat completions in `app.py`, the legacy
+completions in `completions_api.py`, the Responses API in `responses_api.py`): the API key, the
 body (under its byte limit and time limits), its JSON parsed into the route's pydantic request,
-the tenant that scopes prefix reuse, a job submitted to the engine worker (429 when the queue is
-full) and watched for a client that leaves.
+the tenant that scopes prefix reuse, a chat request checked and its grammars compiled, a job
+submitted to the engine worker (429 when the queue is full) and watched for a client that leaves,
+and the reply sent as one JSON body or as a stream.
 
-These routes are registered by `app.create_app`; they reach the app's state through the narrow
-`ServerHost` protocol, never by importing `app.py` (the package has no import circle).
+The routes reach the app's state through the narrow `ServerHost` protocol, never by importing
+`app.py` (`app.py` imports this module and the route modules: the package has no import circle).
 """
 
 from __future__ import annotations
@@ -14,16 +16,20 @@ import hashlib
 import hmac
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, TypeVar
 
+import anyio
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from ..prefix_cache import PrefixCache
 from .errors import OpenAIError, bad_request, from_validation_error, internal_error
+from .prepare import check, compile_grammars
 from .queue import EngineWorker, Job, JobEnd, QueueFull
+from .schemas import ChatCompletionRequest
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +60,14 @@ class ServerHost(Protocol):
     def job(self, checked: Any, tenant: str, loop: asyncio.AbstractEventLoop) -> Job: ...
 
 
+class Reply(Protocol):
+    """A route's reply: a job's events as one JSON body, or as server-sent text."""
+
+    async def collect(self, job: Job) -> dict[str, Any]: ...
+
+    def stream(self, job: Job) -> AsyncIterator[str]: ...
+
+
 def authorize(request: Request, api_key: str | Sequence[str] | None) -> str | None:
     """The key the request carries, if it is one of `api_key`'s (401 otherwise); None when the
     server needs no key. Every key is compared in constant time."""
@@ -62,7 +76,7 @@ def authorize(request: Request, api_key: str | Sequence[str] | None) -> str | No
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key)
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     sent = token.strip().encode()
-    matched = [key for key in keys if hmac.compare_digest(sent, key.encode())]
+    matched = [key for key in keys if hmac.compare_digest(sent, key.encode())]  # every key compared
     if scheme.lower() != "bearer" or not matched:
         raise OpenAIError(
             401,
@@ -73,21 +87,22 @@ def authorize(request: Request, api_key: str | Sequence[str] | None) -> str | No
 
 
 def tenant(key: str | None, user: str | None) -> str:
-    """Whose prompts a request may reuse: one tenant per (API key, `user`) pair, as for chat."""
+    """Whose prompts a request may reuse: one tenant per (API key, `user`) pair."""
     key_id = hashlib.sha256(key.encode()).hexdigest()[:16] if key is not None else "-"
     return f"{key_id}/{user or ''}"
 
 
 async def read_body(request: Request, config: HostConfig) -> bytes:
     """The body, refused with a 413 as soon as it (or its declared Content-Length) passes the
-    limit, and with a 408 when no byte came for `body_idle_s` or it was not whole after
-    `body_timeout_s` (uvicorn has no read timeout of its own)."""
+    limit, and with a 408 when it stalls: no byte for `body_idle_s`, or not whole after
+    `body_timeout_s` (uvicorn has no read timeout: a client that sends its head and then stops would
+    hold its connection and handler forever, and enough of them every slot)."""
     limit = config.max_request_bytes
     too_large = OpenAIError(
         413,
         f"the request body is larger than the server's limit of {limit} bytes",
         code="request_too_large",
-        headers={"Connection": "close"},
+        headers={"Connection": "close"},  # the rest of the body is never read
     )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -108,7 +123,7 @@ async def read_body(request: Request, config: HostConfig) -> bytes:
                 f"the request body did not arrive in time ({size} bytes read; the server waits "
                 f"{config.body_idle_s:g} s for each part and {config.body_timeout_s:g} s in all)",
                 code="request_timeout",
-                headers={"Connection": "close"},
+                headers={"Connection": "close"},  # the rest of the body is never read
             ) from None
         size += len(chunk)
         if size > limit:
@@ -126,8 +141,9 @@ async def parse_body(
     raw = await read_body(request, config)
     try:
         payload = json.loads(raw)
-        json.dumps(payload, ensure_ascii=False).encode("utf-8")  # a lone surrogate: not text
-    except RecursionError:
+        # a lone surrogate (\\ud800) cannot be encoded for the tokenizer: refuse it here
+        json.dumps(payload, ensure_ascii=False).encode("utf-8")
+    except RecursionError:  # deeply nested JSON: a client error, not a 500
         raise bad_request("the JSON body of your request is nested too deeply") from None
     except UnicodeEncodeError:
         raise bad_request("the request contains a lone UTF-16 surrogate, which is not valid text") from None
@@ -140,6 +156,16 @@ async def parse_body(
     except ValidationError as e:
         problems = [{**p, "loc": tuple(x for x in p["loc"] if x not in tags)} for p in e.errors()]
         raise from_validation_error(RequestValidationError(problems)) from None
+
+
+async def read_request(
+    request: Request, config: HostConfig, schema: type[M], *, tags: frozenset[str] = frozenset()
+) -> tuple[M, str]:
+    """The request's key checked first (`authorize`: 401), then its body as `schema`
+    (`parse_body`); returns the body and its tenant (`tenant`: the key and the body's `user`)."""
+    key = authorize(request, config.api_key)
+    body = await parse_body(request, config, schema, tags=tags)
+    return body, tenant(key, body.user)  # type: ignore[attr-defined]
 
 
 async def start(request: Request, host: ServerHost, job: Job) -> tuple[Any, asyncio.Task]:
@@ -164,12 +190,64 @@ async def start(request: Request, host: ServerHost, job: Job) -> tuple[Any, asyn
         watcher.cancel()
         job.cancel()
         raise
-    if isinstance(first, JobEnd):
+    if isinstance(first, JobEnd):  # refused while prepared (a 400), or cancelled before it ran
         watcher.cancel()
         if first.error is not None:
-            raise first.error
+            raise first.error  # OpenAIError: its status; anything else: the 500 handler
         raise cancelled()
     return first, watcher
+
+
+async def start_chat(
+    request: Request, host: ServerHost, body: ChatCompletionRequest, who: str
+) -> tuple[Job, asyncio.Task]:
+    """`body` checked (`prepare.check`, time linear in the body) and its grammars compiled
+    (`prepare.compile_grammars`: on the grammar-compile thread, never on the engine worker), then
+    its chat job for tenant `who` started (`start`): the job and the task watching its client."""
+    config = host.config
+    checked = await anyio.to_thread.run_sync(
+        lambda: compile_grammars(
+            check(body, host.backend, model_name=config.model_name),
+            host.backend,
+            timeout=config.grammar_timeout_s,
+        )
+    )
+    job = host.job(checked, who, asyncio.get_running_loop())
+    _, watcher = await start(request, host, job)
+    return job, watcher
+
+
+async def respond(
+    reply: Reply, job: Job, watcher: asyncio.Task, worker: EngineWorker, *, stream: bool
+) -> JSONResponse | StreamingResponse:
+    """`reply` as server-sent events (`stream`; the stream cancels `watcher` when it ends) or as
+    one JSON body, once the job is over."""
+    if stream:
+        return StreamingResponse(
+            _to_the_end(reply.stream(job), job, watcher, worker),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        return JSONResponse(await reply.collect(job))
+    finally:
+        watcher.cancel()
+
+
+async def _to_the_end(
+    chunks: AsyncIterator[str], job: Job, watcher: asyncio.Task, worker: EngineWorker
+) -> AsyncIterator[str]:
+    """`chunks`, then `watcher` cancelled; the job cancelled too when the stream did not end (the
+    client left mid-stream)."""
+    ended = False
+    try:
+        async for chunk in chunks:
+            yield chunk
+        ended = True
+    finally:
+        watcher.cancel()
+        if not ended:  # the client left mid-stream
+            worker.client_left(job)
 
 
 async def watch_disconnect(request: Request, job: Job, worker: EngineWorker) -> None:

@@ -14,21 +14,18 @@ max_output_tokens cut the reply). Errors name the Responses request's fields
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .completion import Event, Finished
+from .completion import Finished
 from .errors import OpenAIError
-from .prepare import check, compile_grammars
-from .queue import Job, JobEnd
-from .request_io import ServerHost, as_openai_error, authorize, cancelled, parse_body, start, tenant
+from .queue import Job
+from .request_io import ServerHost, as_openai_error, cancelled, read_request, respond, start_chat
 from .responses_input import ParamNames, chat_request, refuse_unsupported
 from .responses_output import OutputBuilder
 from .responses_schemas import (
@@ -50,33 +47,15 @@ def add_response_routes(app: FastAPI, host: ServerHost) -> None:
 
     @app.post("/v1/responses", response_model=None)
     async def responses(request: Request) -> JSONResponse | StreamingResponse:
-        key = authorize(request, config.api_key)
-        body = await parse_body(request, config, ResponsesRequest, tags=ITEM_TYPES)
+        body, who = await read_request(request, config, ResponsesRequest, tags=ITEM_TYPES)
         refuse_unsupported(body)
         chat, names = chat_request(body)
         try:
-            checked = await anyio.to_thread.run_sync(
-                lambda: compile_grammars(
-                    check(chat, host.backend, model_name=config.model_name),
-                    host.backend,
-                    timeout=config.grammar_timeout_s,
-                )
-            )
-            job = host.job(checked, tenant(key, body.user), asyncio.get_running_loop())
-            _, watcher = await start(request, host, job)
+            job, watcher = await start_chat(request, host, chat, who)
         except OpenAIError as e:
             raise names.rename(e) from None
         reply = _Reply(body, config.model_name, names)
-        if body.stream:
-            return StreamingResponse(
-                reply.stream(job, watcher, host),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        try:
-            return JSONResponse(await reply.collect(job))
-        finally:
-            watcher.cancel()
+        return await respond(reply, job, watcher, host.worker, stream=body.stream)
 
 
 class _Reply:
@@ -86,12 +65,6 @@ class _Reply:
         self.body, self.model, self.names = body, model, names
         self.id, self.created = new_id("resp"), int(time.time())
         self.builder = OutputBuilder()
-
-    async def _events(self, job: Job) -> AsyncIterator[Event]:
-        while not isinstance(event := await job.events.get(), JobEnd):
-            yield event
-        if event.error is not None:
-            raise event.error
 
     def response(self, status: str, *, error: OpenAIError | None = None) -> dict[str, Any]:
         body, done = self.body, self.builder.finished
@@ -131,7 +104,7 @@ class _Reply:
 
     async def collect(self, job: Job) -> dict[str, Any]:
         try:
-            async for event in self._events(job):
+            async for event in job.results():
                 self.builder.feed(event)
         except OpenAIError as e:
             raise self.names.rename(e) from None
@@ -140,7 +113,7 @@ class _Reply:
             raise cancelled()
         return self.response("incomplete" if self.builder.incomplete else "completed")
 
-    async def stream(self, job: Job, watcher: asyncio.Task, host: ServerHost) -> AsyncIterator[str]:
+    async def stream(self, job: Job) -> AsyncIterator[str]:
         sequence = 0
 
         def sse(event: dict[str, Any]) -> str:
@@ -149,26 +122,19 @@ class _Reply:
             sequence += 1
             return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
-        ended = False
+        yield sse({"type": "response.created", "response": self.response("in_progress")})
+        yield sse({"type": "response.in_progress", "response": self.response("in_progress")})
         try:
-            yield sse({"type": "response.created", "response": self.response("in_progress")})
-            yield sse({"type": "response.in_progress", "response": self.response("in_progress")})
-            try:
-                async for event in self._events(job):
-                    if isinstance(event, Finished) and event.finish_reason == "cancelled":
-                        break  # the client left: nobody reads the rest
-                    for out in self.builder.feed(event):
-                        yield sse(out)
-                if self.builder.finished is not None and self.builder.finished.finish_reason != "cancelled":
-                    status = "incomplete" if self.builder.incomplete else "completed"
-                    yield sse({"type": f"response.{status}", "response": self.response(status)})
-            except Exception as e:  # after the headers went out: an error event, then response.failed
-                error = self.names.rename(as_openai_error(e))
-                code = error.code or error.type
-                yield sse({"type": "error", "code": code, "message": error.message, "param": error.param})
-                yield sse({"type": "response.failed", "response": self.response("failed", error=error)})
-            ended = True
-        finally:
-            watcher.cancel()
-            if not ended:  # the client left mid-stream
-                host.worker.client_left(job)
+            async for event in job.results():
+                if isinstance(event, Finished) and event.finish_reason == "cancelled":
+                    break  # the client left: nobody reads the rest
+                for out in self.builder.feed(event):
+                    yield sse(out)
+            if self.builder.finished is not None and self.builder.finished.finish_reason != "cancelled":
+                status = "incomplete" if self.builder.incomplete else "completed"
+                yield sse({"type": f"response.{status}", "response": self.response(status)})
+        except Exception as e:  # after the headers went out: an error event, then response.failed
+            error = self.names.rename(as_openai_error(e))
+            code = error.code or error.type
+            yield sse({"type": "error", "code": code, "message": error.message, "param": error.param})
+            yield sse({"type": "response.failed", "response": self.response("failed", error=error)})

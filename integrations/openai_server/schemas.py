@@ -121,7 +121,20 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
+class StopRequest(BaseModel):
+    """A request with a `stop` field (a string, a list of them, or null), which each subclass
+    declares where its own fields put it (the first field a 400 names follows their order)."""
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """`stop` as the tuple of its non-empty strings (a lone string is kept as it is)."""
+        stop = self.stop  # type: ignore[attr-defined]
+        if stop is None:
+            return ()
+        return (stop,) if isinstance(stop, str) else tuple(s for s in stop if s)
+
+
+class ChatCompletionRequest(StopRequest):
     """POST /v1/chat/completions. `max_completion_tokens` wins over `max_tokens` when both are
     given; absent, a reply may run to the end of the context. `model` may be left out (or null):
     the server serves one model, as llama-server and vLLM do. Fields no model here declares are
@@ -153,12 +166,6 @@ class ChatCompletionRequest(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # vLLM's
     repetition_penalty: float | None = Field(default=None, gt=0.0)  # vLLM's; 1: off
     user: str | None = Field(default=None, max_length=256)  # scopes prefix reuse (with the API key)
-
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
 
 
 # ---- response -----------------------------------------------------------------------------------
