@@ -299,7 +299,7 @@ class ChatFreeToken(BaseChatModel):
             max_call_tokens=call_budget,
             temperature=kwargs.get("temperature", self.temperature),
             seed=kwargs.get("seed", self.seed),
-            **{name: kwargs.get(name, getattr(self, name)) for name in SAMPLING_FIELDS},
+            sampling={name: kwargs.get(name, getattr(self, name)) for name in SAMPLING_FIELDS},
             reuse=self.prefix_cache,
             argument_sources=tuple(conversation_sources(chat)) if self._grounds(handle) else None,
             call_sources=tuple(user_sources(chat)) if self._gates_calls(handle) else None,

@@ -54,12 +54,7 @@ class TurnOptions:
     max_call_tokens: int = 192
     temperature: float = 0.0
     seed: int | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    sampling: dict[str, Any] = field(default_factory=dict)  # ChatTurnRequest's sampling fields
     reuse: bool = True
     argument_sources: tuple[str, ...] | None = None
     call_sources: tuple[str, ...] | None = None
@@ -97,12 +92,7 @@ def run_turn(
         json_limit="max_call_tokens",  # the SDK's constrained decoder, as for forced calls
         temperature=opts.temperature,
         seed=opts.seed,
-        top_p=opts.top_p,
-        top_k=opts.top_k,
-        min_p=opts.min_p,
-        repetition_penalty=opts.repetition_penalty,
-        presence_penalty=opts.presence_penalty,
-        frequency_penalty=opts.frequency_penalty,
+        **opts.sampling,
         argument_sources=opts.argument_sources,
         **calls,
     )
