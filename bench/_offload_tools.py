@@ -247,7 +247,7 @@ Trace = list[list[tuple[int, list[int]]]]  # per forward: (layer, experts used) 
 def record_routing(engine: Any, prompt: list[int], n: int) -> Trace:
     """Greedy-decode `n` tokens after `prompt` (the prefill is forward 0); the experts each
     forward routed to, per layer."""
-    from freetoken_agents.engine.experts import DelegatingStore, run_experts
+    from freetoken_agents.engine.model.experts import DelegatingStore, run_experts
 
     inner, trace = engine.experts, []
 

@@ -20,7 +20,7 @@ Contenders (`Engine.from_pretrained` options):
   fp32 (baseline tree)       with --baseline-tree DIR: the engine of another checkout (e.g.
                              `git worktree add DIR <commit>`), the "before" of a change
 Int8 weights run decode through torch._weight_int8pack_mm (bf16 activations) and prefill by
-dequantizing per row block (engine/int8.py). llama.cpp runs with an f32 KV cache (the same
+dequantizing per row block (engine/kernels/int8.py). llama.cpp runs with an f32 KV cache (the same
 bytes as FreeToken's) and the same threads.
 
 It also prints, per contender, the weight bytes one decode token reads and the bound that puts
@@ -48,7 +48,7 @@ import transformers
 from _decode_peers import llama_cpp_peer, llama_logits, load_engine_module, write_llama_tokenizer
 
 from freetoken_agents.engine import Engine
-from freetoken_agents.engine.moe import MoEBlock
+from freetoken_agents.engine.model.moe import MoEBlock
 from freetoken_agents.recipes.tiny.train import cache_argument
 
 SIZES = {

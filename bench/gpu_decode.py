@@ -25,7 +25,7 @@ Contenders, all from the same 16-token prompt, --tokens teacher-forced decode to
                              expert_quant="compact", so the same budget holds ~3.8x the experts)
   engine resident mxfp4 compact (eager)    --compact: the experts stored as MXFP4 and held in
                              that form on the GPU (expert_quant="compact"), decode steps through
-                             the MXFP4 GEMV kernel (engine/mxfp4.py), against the bf16 resident
+                             the MXFP4 GEMV kernel (engine/kernels/mxfp4.py), against the bf16 resident
                              engine (eager); its "of HBM bound" column is against bf16's bytes
 Bounds:
   HBM: bytes one decode token reads (top-8 routed experts, attention, norms, one embedding row,
@@ -269,8 +269,8 @@ def compact_resident(
     """Resident experts stored as MXFP4 and held 4-bit on the GPU (expert_quant="compact") vs the
     bf16 resident engine, both eager (compact experts are not stacked, so not graph-captured)."""
     from freetoken_agents.engine import Engine
+    from freetoken_agents.engine.kernels.mxfp4 import kernel_ok
     from freetoken_agents.engine.loading.convert import convert_checkpoint
-    from freetoken_agents.engine.mxfp4 import kernel_ok
 
     if "engine resident (eager)" not in rates:
         eager = Engine.from_pretrained(

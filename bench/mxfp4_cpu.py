@@ -38,7 +38,7 @@ SHAPES = {
 
 
 def run_shape(n: int, k: int, tokens: int, reps: int) -> dict[str, Any]:
-    from freetoken_agents.engine.mxfp4 import decode_weight, mxfp4_linear
+    from freetoken_agents.engine.kernels.mxfp4 import decode_weight, mxfp4_linear
     from freetoken_agents.engine.simulate.measure import median_seconds
 
     g = torch.Generator().manual_seed(0)

@@ -23,7 +23,7 @@ import numpy as np
 
 from freetoken_agents import default_model
 from freetoken_agents.engine import Engine
-from freetoken_agents.engine.routing_trace import RoutingRecord, read_trace
+from freetoken_agents.engine.memory.routing_trace import RoutingRecord, read_trace
 from freetoken_agents.engine.simulate.stats import trace_stats
 from freetoken_agents.recipes.tiny.world import SYSTEM_PROMPT, tool_question
 

@@ -70,7 +70,7 @@ class TimedStore:
     engine import stays inside functions."""
 
     def __new__(cls, inner: Any) -> Any:
-        from freetoken_agents.engine.experts import DelegatingStore
+        from freetoken_agents.engine.model.experts import DelegatingStore
 
         class _Timed(DelegatingStore):
             def __init__(self, inner: Any) -> None:
@@ -166,7 +166,7 @@ def run_format(quant: str, folder: Path, tmp: Path, args: argparse.Namespace, pr
     from freetoken_agents.engine import Engine, TieringOptions
     from freetoken_agents.engine.loading.convert import convert_checkpoint
     from freetoken_agents.engine.memory import MemoryBudget
-    from freetoken_agents.engine.routing_trace import read_trace
+    from freetoken_agents.engine.memory.routing_trace import read_trace
     from freetoken_agents.engine.simulate.machine import ExpertCosts
     from freetoken_agents.engine.simulate.shapes import shape_from_spec
     from freetoken_agents.engine.simulate.simulator import simulate

@@ -19,9 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what the names are, for type checkers and import-linter
     from .adapters import SUPPORTED_MODEL_TYPES
     from .anchors import ANCHOR_KINDS, Anchor, AnchorStore
-    from .chat import DEFAULT_CHAT_TEMPLATE, render_chat
     from .choices import EXPERT_QUANTS, PLACEMENTS, Placement
-    from .detokenize import IncrementalDetokenizer
     from .engine import Engine
     from .errors import (
         AnchorError,
@@ -40,23 +38,25 @@ if TYPE_CHECKING:  # what the names are, for type checkers and import-linter
         ModelNotFoundError,
         UnsupportedModelError,
     )
-    from .experts import ExpertStore, ExpertWeights, InMemoryExpertProvider
-    from .generate import GenerationResult, SamplingParams, TokenEvent
     from .loading.hub import HubId, is_hub_id, parse_hub_id, resolve_model
     from .loading.placement import check_device
     from .memory import MemoryBudget
+    from .model.experts import ExpertStore, ExpertWeights, InMemoryExpertProvider
     from .options import EngineOptions, TieringOptions
-    from .session import Session
+    from .runtime.generate import GenerationResult, SamplingParams, TokenEvent
+    from .runtime.session import Session
     from .spec import ModelSpec
-    from .stop_text import held_back_for_stops
-    from .tokenize import encode_plain
+    from .text.chat import DEFAULT_CHAT_TEMPLATE, render_chat
+    from .text.detokenize import IncrementalDetokenizer
+    from .text.stop_text import held_back_for_stops
+    from .text.tokenize import encode_plain
 
 _MODULES: dict[str, tuple[str, ...]] = {
     ".adapters": ("SUPPORTED_MODEL_TYPES",),
     ".anchors": ("ANCHOR_KINDS", "Anchor", "AnchorStore"),
-    ".chat": ("DEFAULT_CHAT_TEMPLATE", "render_chat"),
+    ".text.chat": ("DEFAULT_CHAT_TEMPLATE", "render_chat"),
     ".choices": ("EXPERT_QUANTS", "PLACEMENTS", "Placement"),
-    ".detokenize": ("IncrementalDetokenizer",),
+    ".text.detokenize": ("IncrementalDetokenizer",),
     ".engine": ("Engine",),
     ".errors": (
         "AnchorError",
@@ -75,16 +75,16 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "ModelNotFoundError",
         "UnsupportedModelError",
     ),
-    ".experts": ("ExpertStore", "ExpertWeights", "InMemoryExpertProvider"),
-    ".generate": ("GenerationResult", "SamplingParams", "TokenEvent"),
+    ".model.experts": ("ExpertStore", "ExpertWeights", "InMemoryExpertProvider"),
+    ".runtime.generate": ("GenerationResult", "SamplingParams", "TokenEvent"),
     ".loading.hub": ("HubId", "is_hub_id", "parse_hub_id", "resolve_model"),
     ".loading.placement": ("check_device",),
     ".memory": ("MemoryBudget",),
     ".options": ("EngineOptions", "TieringOptions"),
-    ".session": ("Session",),
+    ".runtime.session": ("Session",),
     ".spec": ("ModelSpec",),
-    ".stop_text": ("held_back_for_stops",),
-    ".tokenize": ("encode_plain",),
+    ".text.stop_text": ("held_back_for_stops",),
+    ".text.tokenize": ("encode_plain",),
 }
 """Submodule -> the public names it provides (the `TYPE_CHECKING` imports above, as data)."""
 _EXPORTS: dict[str, str] = {name: module for module, names in _MODULES.items() for name in names}

@@ -19,24 +19,24 @@ from .anchors.anchor import snapshot_expert_state
 from .anchors.digest import model_fingerprint
 from .anchors.host import AnchorHost
 from .anchors.store import AnchorStore
-from .chat import render_chat_spans
-from .decode_runner import DecodeRunner
 from .errors import ContextOverflowError, EngineError
-from .experts import ExpertStore
-from .generate import GenerationResult, SamplingParams, TokenEvent, stream_tokens
-from .int8 import DenseQuantPart, ExpertQuant
-from .kv import DEFAULT_BLOCK_SIZE, BlockPool, bytes_per_block
+from .kernels.int8 import DenseQuantPart, ExpertQuant
 from .loading.assemble import assemble
 from .loading.hub import resolve_model
 from .loading.placement import PlacementChoice, expert_bytes
 from .memory import MemoryBudget
+from .model.experts import ExpertStore
+from .model.kv import DEFAULT_BLOCK_SIZE, BlockPool, bytes_per_block
+from .model.transformer import MoETransformer
 from .options import EngineOptions, Placement, TieringOptions
-from .session import Session
+from .runtime.decode_runner import DecodeRunner
+from .runtime.generate import GenerationResult, SamplingParams, TokenEvent, stream_tokens
+from .runtime.session import Session
 from .spec import ModelSpec
-from .stop_tokens import stop_token_ids
-from .tokenize import encode as encode_text
-from .tokenize import encode_segments, longest_token_chars
-from .transformer import MoETransformer
+from .text.chat import render_chat_spans
+from .text.stop_tokens import stop_token_ids
+from .text.tokenize import encode as encode_text
+from .text.tokenize import encode_segments, longest_token_chars
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .choices import Placement
 from .errors import EngineError
-from .int8 import DenseQuantPart, ExpertQuant, check_dense_quant, check_expert_quant
+from .kernels.int8 import DenseQuantPart, ExpertQuant, check_dense_quant, check_expert_quant
 from .memory import ROUTING_DECAY, MemoryBudget
 
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")

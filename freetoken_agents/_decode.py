@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import torch
 
 from freetoken_agents.engine import MemoryBudgetError, held_back_for_stops
-from freetoken_agents.engine.sampling import Sampler
-from freetoken_agents.engine.stop_text import first_stop
+from freetoken_agents.engine.runtime.sampling import Sampler
+from freetoken_agents.engine.text.stop_text import first_stop
 
 from ._fences import FenceDetector
 from ._turn_output import RecordingStepper, TurnOutput

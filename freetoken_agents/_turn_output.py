@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from freetoken_agents.engine.sampling import Sampler, TokenLogprob, token_logprob
+from freetoken_agents.engine.runtime.sampling import Sampler, TokenLogprob, token_logprob
 
 from .backend import GenEvent
 

@@ -26,7 +26,7 @@ from .parsers import ToolCallParser
 from .trace import AnchorKind
 
 if TYPE_CHECKING:  # the engine (and torch) load with a backend that samples, not with this module
-    from freetoken_agents.engine.sampling import SamplingParams, TokenLogprob
+    from freetoken_agents.engine.runtime.sampling import SamplingParams, TokenLogprob
 
 
 class Usage(BaseModel):
@@ -97,7 +97,7 @@ class GenerateRequest(BaseModel):
 
     def sampling(self) -> SamplingParams:
         """The request's sampling settings as the engine takes them."""
-        from freetoken_agents.engine.sampling import SamplingParams
+        from freetoken_agents.engine.runtime.sampling import SamplingParams
 
         return SamplingParams(
             temperature=self.temperature,

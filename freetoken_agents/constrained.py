@@ -32,7 +32,7 @@ from typing import Any, Literal, Protocol
 import torch
 from pydantic import BaseModel
 
-from freetoken_agents.engine.generate import Sampler
+from freetoken_agents.engine.runtime.generate import Sampler
 
 from ._body_formats import JsonLexer, XmlParamsLexer, xml_structural_tag
 from .detokenize import IncrementalDetokenizer

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from freetoken_agents.engine import MemoryBudgetError, SamplingParams, encode_plain
-from freetoken_agents.engine.sampling import Sampler
+from freetoken_agents.engine.runtime.sampling import Sampler
 
 from ._decode import TurnDecoder
 from ._turn_output import RecordingStepper, TurnOutput

@@ -25,7 +25,7 @@ from typing import Any
 
 from .anchors import AnchorBook, AnchorHandle, RollbackOutcome
 from .backend import BackendBase, GenerateRequest, GenEvent, Usage, common_prefix_length
-from .engine.stop_text import first_stop
+from .engine.text.stop_text import first_stop
 from .errors import UnexpectedModelBehavior
 from .parsers import ToolCallParser, parser_for
 from .trace import AnchorKind

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from freetoken_agents.engine.sampling import TokenLogprob
+    from freetoken_agents.engine.runtime.sampling import TokenLogprob
     from freetoken_agents.model import FreeTokenModel
 
 __all__ = ["LOGPROB_FLOOR", "TokenLogprobs", "TokenTexts", "TopLogprob"]

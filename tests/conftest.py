@@ -64,7 +64,7 @@ def one_thread() -> Iterator[None]:
 def kernel_calls(monkeypatch) -> list[tuple[int, ...]]:
     """Weight shapes of the calls of the fused int8 kernel (torch._weight_int8pack_mm) made
     during the test (its one-time self-check runs before counting starts)."""
-    from freetoken_agents.engine.int8 import kernel_available
+    from freetoken_agents.engine.kernels.int8 import kernel_available
 
     kernel_available()
     calls: list[tuple[int, ...]] = []

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from freetoken_agents.engine.codecs import encode
-from freetoken_agents.engine.experts import ExpertWeights, InMemoryExpertProvider
 from freetoken_agents.engine.ftw import FTWWriter
+from freetoken_agents.engine.ftw.codecs import encode
 from freetoken_agents.engine.memory import FastTier, MemoryBudget, TieredExpertProvider
 from freetoken_agents.engine.memory.routing import RoutingFrequency
-from freetoken_agents.engine.moe import Router
+from freetoken_agents.engine.model.experts import ExpertWeights, InMemoryExpertProvider
+from freetoken_agents.engine.model.moe import Router
 from freetoken_agents.engine.simulate.all_hit import all_hit_overhead_us
 from freetoken_agents.engine.spec import MoESpec
 

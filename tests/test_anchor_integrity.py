@@ -28,7 +28,7 @@ from freetoken_agents.engine.anchors.digest import rehash_kv
 from freetoken_agents.engine.anchors.persist import _key_id, _mac
 from freetoken_agents.engine.loading import fingerprint as weights_module
 from freetoken_agents.engine.loading.convert import convert_checkpoint
-from freetoken_agents.engine.session import Session
+from freetoken_agents.engine.runtime.session import Session
 
 pytestmark = pytest.mark.usefixtures("one_thread", "anchor_key")
 
@@ -68,8 +68,9 @@ def test_default_validation_catches_every_single_element_kv_corruption(engine):
     assert DEFAULT_VALIDATION == "blocks" and set(VALIDATIONS) == {"blocks", "signature", "full"}
     default = inspect.signature(Session.rollback).parameters["validate"].default
     assert default in (None, DEFAULT_VALIDATION), (
-        f"engine/session.py: Session.rollback's validate defaults to {default!r}; it must be None (the "
-        f"engine's default, {DEFAULT_VALIDATION!r}) so that a plain rollback rehashes the anchor's KV"
+        f"engine/runtime/session.py: Session.rollback's validate defaults to {default!r}; it "
+        f"must be None (the engine's default, {DEFAULT_VALIDATION!r}) so that a plain rollback "
+        "rehashes the anchor's KV"
     )
     anchor = _closed_anchor(engine, _ids(102, 40))
     signature_caught = 0

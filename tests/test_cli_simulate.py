@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from freetoken_agents.cli import main
-from freetoken_agents.engine.routing_trace import write_trace
+from freetoken_agents.engine.memory.routing_trace import write_trace
 from freetoken_agents.engine.simulate import measure
 from freetoken_agents.engine.simulate.profiles import load_profile
 from freetoken_agents.engine.simulate.simulator import POLICIES

@@ -11,7 +11,7 @@ import pytest
 from freetoken_agents.cli import main
 from freetoken_agents.cli import simulate as cli_simulate
 from freetoken_agents.engine.ftw.writer import FTWWriter
-from freetoken_agents.engine.routing_trace import write_trace
+from freetoken_agents.engine.memory.routing_trace import write_trace
 from freetoken_agents.engine.simulate.shapes import BUILTIN_CONFIGS
 from freetoken_agents.engine.simulate.synthetic import MIXTRAL_8X7B, preset_trace
 

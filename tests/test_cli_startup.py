@@ -18,7 +18,8 @@ LIGHT_ENGINE_MODULES = {
     "freetoken_agents.engine.choices",
     "freetoken_agents.engine.errors",
     "freetoken_agents.engine.flags",
-    "freetoken_agents.engine.tokenizer_files",
+    "freetoken_agents.engine.text",
+    "freetoken_agents.engine.text.tokenizer_files",
 }
 """The engine modules a parser may load: the package top (lazy) and constants, nothing of torch."""
 
@@ -97,7 +98,9 @@ def test_from_import_gives_the_same_objects_as_the_modules() -> None:
 
 def test_the_light_choices_match_the_modules_that_use_them() -> None:
     from freetoken_agents.cli.serve import TOOL_FORMATS
-    from freetoken_agents.engine import choices, codecs, int8, options
+    from freetoken_agents.engine import choices, options
+    from freetoken_agents.engine.ftw import codecs
+    from freetoken_agents.engine.kernels import int8
     from freetoken_agents.engine.loading import convert, gguf
     from freetoken_agents.parsers import PARSERS
 

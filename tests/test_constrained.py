@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 from freetoken_agents.constrained import ConstrainedDecode  # noqa: E402
 from freetoken_agents.engine import SamplingParams  # noqa: E402
-from freetoken_agents.engine.generate import Sampler  # noqa: E402
+from freetoken_agents.engine.runtime.generate import Sampler  # noqa: E402
 
 VOCAB = 512  # the tiny models' vocabulary: 480 tokenizer tokens + padding the grammar must mask
 

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from freetoken_agents.cli import main
-from freetoken_agents.engine.tokenizer_files import TOKENIZER_FILES
+from freetoken_agents.engine.text.tokenizer_files import TOKENIZER_FILES
 
 
 def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:

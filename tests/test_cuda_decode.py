@@ -1,4 +1,4 @@
-"""The static (CUDA-graph) decode step (engine/cuda_graph.py) against the eager one.
+"""The static (CUDA-graph) decode step (engine/runtime/cuda_graph.py) against the eager one.
 
 On CPU: the static step uncaptured, its attention through the Triton kernel in Triton's
 interpreter (a fresh interpreter per check: TRITON_INTERPRET=1 must precede triton's import),
@@ -24,7 +24,7 @@ _STATIC_VS_EAGER = textwrap.dedent(
     """
     import sys, torch
     from freetoken_agents.engine import Engine
-    from freetoken_agents.engine.cuda_graph import DecodeGraphs, StaticDecode
+    from freetoken_agents.engine.runtime.cuda_graph import DecodeGraphs, StaticDecode
 
     path = sys.argv[1]
     eager, static = Engine.from_pretrained(path), Engine.from_pretrained(path)
@@ -186,11 +186,11 @@ def test_the_runner_switches_between_graph_and_eager_mid_session(tiny_checkpoint
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_device_pieces_run():
     """The Triton kernel, the slot pool and the grouped GEMM on the device, vs the eager code."""
-    from freetoken_agents.engine.experts import ExpertWeights, dispatch_experts, expert_forward
-    from freetoken_agents.engine.grouped_experts import grouped_mm_available
-    from freetoken_agents.engine.paged_attention import decode_gqa, heads_first_views, position_chunks
-    from freetoken_agents.engine.paged_triton import paged_decode
-    from freetoken_agents.engine.slots import ExpertSlots
+    from freetoken_agents.engine.kernels.paged_attention import decode_gqa, heads_first_views, position_chunks
+    from freetoken_agents.engine.kernels.paged_triton import paged_decode
+    from freetoken_agents.engine.memory.slots import ExpertSlots
+    from freetoken_agents.engine.model.experts import ExpertWeights, dispatch_experts, expert_forward
+    from freetoken_agents.engine.model.grouped_experts import grouped_mm_available
     from freetoken_agents.engine.spec import MoESpec
 
     dev = torch.device("cuda")

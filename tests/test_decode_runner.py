@@ -1,4 +1,4 @@
-"""The decode runner (engine/decode_runner.py): it, not the model, chooses eager vs CUDA-graph
+"""The decode runner (engine/runtime/decode_runner.py): it, not the model, chooses eager vs CUDA-graph
 decode, under the option `EngineOptions.cuda_graphs` (no environment variable). On CPU every
 step is eager; the graph path's dispatch is checked with a stand-in for the captured step (the
 captured graph itself: tests/test_cuda_decode.py, on a GPU)."""
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from freetoken_agents.engine import Engine
-from freetoken_agents.engine.cuda_graph import graph_unsupported
-from freetoken_agents.engine.experts import DelegatingStore
 from freetoken_agents.engine.flags import add_engine_arguments, engine_options
+from freetoken_agents.engine.model.experts import DelegatingStore
 from freetoken_agents.engine.options import EngineOptions
+from freetoken_agents.engine.runtime.cuda_graph import graph_unsupported
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-RUNNER_LOG = "freetoken_agents.engine.decode_runner"
+RUNNER_LOG = "freetoken_agents.engine.runtime.decode_runner"
 PROMPT = [3, 17, 5, 42, 9, 11]
 
 
@@ -162,7 +162,7 @@ def test_a_replay_found_wrong_is_recomputed_eagerly_and_an_unwanted_one_is_not_r
 def test_a_capture_that_fails_leaves_decode_eager_and_correct(path, caplog):
     """A capture that raises (a kernel this driver or torch cannot capture) is logged once and
     decode goes on eagerly, with the eager logits; no capture is tried again."""
-    from freetoken_agents.engine.cuda_graph import DecodeGraphs, StaticDecode
+    from freetoken_agents.engine.runtime.cuda_graph import DecodeGraphs, StaticDecode
 
     class UncapturableStep(StaticDecode):
         tries = 0
@@ -176,7 +176,7 @@ def test_a_capture_that_fails_leaves_decode_eager_and_correct(path, caplog):
     graphs = DecodeGraphs(engine.model, UncapturableStep)
     engine.decode_runner.use_graphs(graphs)
     with (
-        caplog.at_level(logging.WARNING, logger="freetoken_agents.engine.cuda_graph"),
+        caplog.at_level(logging.WARNING, logger="freetoken_agents.engine.runtime.cuda_graph"),
         engine.new_session() as s,
     ):
         s.prefill(PROMPT)

@@ -1,4 +1,4 @@
-"""Int8 weight-only compute (engine/int8.py): accuracy against the fp32 engine, the fused kernel
+"""Int8 weight-only compute (engine/kernels/int8.py): accuracy against the fp32 engine, the fused kernel
 against the dequantize path, fallbacks, and bad options.
 
 Stated tolerances (logit error = max |diff| / max |logit| of the reference at one position):
@@ -17,11 +17,10 @@ import torch
 from tiny_models import build_tiny_model
 
 from freetoken_agents.engine import Engine, EngineError
-from freetoken_agents.engine import int8 as int8_mod
-from freetoken_agents.engine.codecs import decode, encode
 from freetoken_agents.engine.errors import FTWFormatError
-from freetoken_agents.engine.expert_tensors import canonical_expert
-from freetoken_agents.engine.int8 import (
+from freetoken_agents.engine.ftw.codecs import decode, encode
+from freetoken_agents.engine.kernels import int8 as int8_mod
+from freetoken_agents.engine.kernels.int8 import (
     Int8Linear,
     dequant_linear,
     int8_linear,
@@ -30,6 +29,7 @@ from freetoken_agents.engine.int8 import (
 )
 from freetoken_agents.engine.loading.convert import convert_checkpoint
 from freetoken_agents.engine.loading.ftw_load import load_ftw
+from freetoken_agents.engine.model.expert_tensors import canonical_expert
 
 ARCHS = ("mixtral", "qwen3_moe")
 IDS = torch.randint(5, 400, (20,), generator=torch.Generator().manual_seed(3)).tolist()

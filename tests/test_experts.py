@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken_agents.engine.experts import dispatch_experts
 from freetoken_agents.engine.memory.routing import RoutingFrequency
+from freetoken_agents.engine.model.experts import dispatch_experts
 
 
 def test_dispatch_runs_each_expert_once_on_its_tokens_in_ascending_id():

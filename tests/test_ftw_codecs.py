@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from freetoken_agents.engine import codecs as C
-from freetoken_agents.engine.codecs import CODECS, EncodedTensor, decode, encode, get_codec
+from freetoken_agents.engine.ftw import codecs as C
+from freetoken_agents.engine.ftw.codecs import CODECS, EncodedTensor, decode, encode, get_codec
 
 # ---------------------------------------------------------------------------------------------
 # Reference decoders written straight from the specs, with plain Python loops (small tensors only).

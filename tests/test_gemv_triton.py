@@ -1,4 +1,4 @@
-"""The Triton GEMVs over compact weights (engine/gemv_triton.py) against the decode paths, on CPU
+"""The Triton GEMVs over compact weights (engine/kernels/gemv_triton.py) against the decode paths, on CPU
 through Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is imported, so the
 check runs in a fresh interpreter). Their launch on a GPU is covered by `-m cuda` tests
 (tests/test_mxfp4.py, and the engines' self-checks)."""
@@ -19,12 +19,12 @@ _CHECK = textwrap.dedent(
     """
     import torch
     import torch.nn.functional as F
-    from freetoken_agents.engine.codecs import get_codec
-    from freetoken_agents.engine.gemv_triton import (
+    from freetoken_agents.engine.ftw.codecs import get_codec
+    from freetoken_agents.engine.kernels.gemv_triton import (
         int8_gemv, int8_grouped_gemv, mxfp4_gemv, mxfp4_grouped_gemv,
     )
-    from freetoken_agents.engine.int8 import dequant_linear, quantize
-    from freetoken_agents.engine.mxfp4 import decode_weight
+    from freetoken_agents.engine.kernels.int8 import dequant_linear, quantize
+    from freetoken_agents.engine.kernels.mxfp4 import decode_weight
 
     def rel(got, want):
         return float(((got - want).abs() / want.abs().amax(dim=1, keepdim=True)).max())
@@ -96,8 +96,8 @@ def test_the_kernels_pass_their_self_checks_and_serve_decode_on_the_gpu():
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from freetoken_agents.engine.int8 import dequant_linear, gpu_kernel_ok, int8_linear, quantize
-    from freetoken_agents.engine.mxfp4 import kernel_ok
+    from freetoken_agents.engine.kernels.int8 import dequant_linear, gpu_kernel_ok, int8_linear, quantize
+    from freetoken_agents.engine.kernels.mxfp4 import kernel_ok
 
     device = torch.device("cuda", torch.cuda.current_device())
     assert gpu_kernel_ok(device) and kernel_ok(device)
@@ -114,7 +114,7 @@ def test_weights_with_strided_rows_are_refused_with_a_named_error():
     contiguous is a ValueError before any launch (no wrong values read through strides)."""
     import torch
 
-    from freetoken_agents.engine.gemv_triton import int8_grouped_gemv, mxfp4_grouped_gemv
+    from freetoken_agents.engine.kernels.gemv_triton import int8_grouped_gemv, mxfp4_grouped_gemv
 
     x, slots = torch.randn(1, 8), torch.zeros(1, dtype=torch.long)
     q = torch.zeros(2, 4, 16, dtype=torch.int8)[:, :, ::2]  # every other input: stride 2

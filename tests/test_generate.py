@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from freetoken_agents.engine import Engine, SamplingParams
-from freetoken_agents.engine.generate import Sampler
+from freetoken_agents.engine.runtime.generate import Sampler
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_generation_stops_at_context_limit(engine):
 
 
 def test_session_keeps_the_last_generated_token_pending(engine):
-    from freetoken_agents.engine.generate import stream_tokens
+    from freetoken_agents.engine.runtime.generate import stream_tokens
 
     with engine.new_session() as s:
         events = list(stream_tokens(s, [5, 6, 7], SamplingParams(max_new_tokens=4), None))

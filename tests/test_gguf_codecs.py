@@ -15,8 +15,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_models import _raw_k_blocks
 
-from freetoken_agents.engine.codecs import decode, encode, get_codec
 from freetoken_agents.engine.ftw import FTWFile, FTWWriter
+from freetoken_agents.engine.ftw.codecs import decode, encode, get_codec
 from freetoken_agents.engine.loading.gguf.quants import encoded_weight
 from freetoken_agents.engine.loading.gguf.reader import GGUFTensor
 

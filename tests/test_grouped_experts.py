@@ -1,4 +1,4 @@
-"""Stacked experts and the grouped-GEMM dispatch (engine/grouped_experts.py) against the
+"""Stacked experts and the grouped-GEMM dispatch (engine/model/grouped_experts.py) against the
 expert-by-expert dispatch every other provider uses: the same bits."""
 
 from __future__ import annotations
@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken_agents.engine import grouped_experts
-from freetoken_agents.engine.experts import (
+from freetoken_agents.engine.model import grouped_experts
+from freetoken_agents.engine.model.experts import (
     ExpertWeights,
     InMemoryExpertProvider,
     dispatch_experts,
     expert_forward,
 )
-from freetoken_agents.engine.grouped_experts import ExpertStack, run_grouped
-from freetoken_agents.engine.routed import use_grouped
+from freetoken_agents.engine.model.grouped_experts import ExpertStack, run_grouped
+from freetoken_agents.engine.model.routed import use_grouped
 from freetoken_agents.engine.spec import MoESpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,15 +14,15 @@ from transformers import AutoConfig
 from freetoken_agents.engine import Engine, MemoryBudget, TieringOptions, checkpoint
 from freetoken_agents.engine.anchors.host import AnchorHost
 from freetoken_agents.engine.errors import FTWFormatError
-from freetoken_agents.engine.experts import ExpertStore
 from freetoken_agents.engine.ftw.reader import FTWFile
 from freetoken_agents.engine.loading import ftw_load as load
 from freetoken_agents.engine.loading import hub
 from freetoken_agents.engine.loading.calibrate import RoutingCounter
 from freetoken_agents.engine.loading.convert import EMBEDDED_FILES, convert_checkpoint
 from freetoken_agents.engine.memory import BlockReader
-from freetoken_agents.engine.stop_tokens import GENERATION_CONFIG
-from freetoken_agents.engine.tokenizer_files import TOKENIZER_FILES, TOKENIZER_MARKERS
+from freetoken_agents.engine.model.experts import ExpertStore
+from freetoken_agents.engine.text.stop_tokens import GENERATION_CONFIG
+from freetoken_agents.engine.text.tokenizer_files import TOKENIZER_FILES, TOKENIZER_MARKERS
 
 
 def test_one_list_of_tokenizer_files():

@@ -13,8 +13,8 @@ from tiny_models import make_tiny_tokenizer
 
 from freetoken_agents import default_model
 from freetoken_agents.engine import Engine, IncrementalDetokenizer, SamplingParams, held_back_for_stops
-from freetoken_agents.engine.generate import stream_tokens
-from freetoken_agents.engine.stop_text import first_stop
+from freetoken_agents.engine.runtime.generate import stream_tokens
+from freetoken_agents.engine.text.stop_text import first_stop
 
 TEXT = 'Unicode: 你好啊集团, café 🙂 <tool_call>\n{"name": "f", "arguments": {"x": "é"}}\n</tool_call> done.'
 

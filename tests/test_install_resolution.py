@@ -129,7 +129,7 @@ import json, torch
 from tiny_models import make_tiny_tokenizer
 from freetoken_agents.constrained import ConstrainedDecode, GrammarFactory
 from freetoken_agents.engine import SamplingParams
-from freetoken_agents.engine.generate import Sampler
+from freetoken_agents.engine.runtime.generate import Sampler
 
 class Prefers:  # next-token scores fixed on the specials and "a": the mask decides the rest
     def __init__(self, scores): self.scores, self.appended = scores, []

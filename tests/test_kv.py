@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from freetoken_agents.engine import MemoryBudgetError
-from freetoken_agents.engine.kv import BlockPool, BlockTable, StreamSpec
+from freetoken_agents.engine.model.kv import BlockPool, BlockTable, StreamSpec
 
 
 def _pool(**kw) -> BlockPool:

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from freetoken_agents.engine import Engine
-from freetoken_agents.engine.kv import BlockPool, BlockTable, StreamSpec
 from freetoken_agents.engine.loading.convert import convert_checkpoint
 from freetoken_agents.engine.memory import LayerLRUTier, MemoryBudget, TieredExpertProvider
 from freetoken_agents.engine.memory.budget import free_host_bytes
+from freetoken_agents.engine.model.kv import BlockPool, BlockTable, StreamSpec
 from freetoken_agents.engine.options import TieringOptions
 
 GB = 10**9

@@ -167,7 +167,7 @@ def test_cuda_host_placement_computes_mxfp4_blocks_from_their_4_bit_bytes_under_
     """expert_quant "auto" on CUDA: tier 1 holds MXFP4 experts decoded, but one q* runs on the CPU
     (HOST) goes through the CPU's block decode (`mxfp4.cpu_linear`) from its pinned 4-bit bytes,
     never decoded whole first; the logits are the CPU engine's within device tolerance."""
-    from freetoken_agents.engine import mxfp4
+    from freetoken_agents.engine.kernels import mxfp4
 
     ftw = compact_ftws["mxfp4"]
     cpu, eng = _cpu_and_host_preferring_cuda_engines(ftw)
@@ -385,7 +385,7 @@ def test_cuda_warm_start_fills_tier_1_and_pregates_in_one_pass(mixtral_ftw, tmp_
     (device tensors, exclusive tiers), the tokens the resident engine's; pre-gating batched over
     the routers' one buffer on the device, equal to each router's own choice."""
     from freetoken_agents.engine.memory.pregate import pregate
-    from freetoken_agents.engine.routing_trace import RoutingRecord, write_trace
+    from freetoken_agents.engine.memory.routing_trace import RoutingRecord, write_trace
 
     folder, ftw = mixtral_ftw
     ref = Engine.from_pretrained(folder, device="cuda")

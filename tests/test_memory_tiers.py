@@ -17,11 +17,11 @@ from pydantic import ValidationError
 
 from freetoken_agents.engine import Engine
 from freetoken_agents.engine.errors import FTWFormatError, MemoryBudgetError
-from freetoken_agents.engine.experts import DelegatingStore, ExpertKey, run_experts
 from freetoken_agents.engine.ftw import FTWFile
 from freetoken_agents.engine.loading.convert import convert_checkpoint
 from freetoken_agents.engine.memory import BlockReader, FastTier, HostTier, MemoryBudget, TieredExpertProvider
 from freetoken_agents.engine.memory.routing import RoutingFrequency
+from freetoken_agents.engine.model.experts import DelegatingStore, ExpertKey, run_experts
 from freetoken_agents.engine.options import TieringOptions
 
 

@@ -1,4 +1,4 @@
-"""MXFP4 experts held in their 4-bit form (`expert_quant="compact"`, engine/mxfp4.py): the decode
+"""MXFP4 experts held in their 4-bit form (`expert_quant="compact"`, engine/kernels/mxfp4.py): the decode
 path bit-equal to decoding at load, the engine resident and tiered on CPU, placement counting
 compact bytes, and on a GPU (`-m cuda`) the GEMV kernel resident and in tier 1. The kernel's
 arithmetic on CPU: tests/test_gemv_triton.py."""
@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_agents.engine import Engine, EngineError
-from freetoken_agents.engine.codecs import get_codec, mxfp4_scaled_pairs
+from freetoken_agents.engine.ftw.codecs import get_codec, mxfp4_scaled_pairs
+from freetoken_agents.engine.kernels.mxfp4 import decode_weight, mxfp4_linear
 from freetoken_agents.engine.loading.convert import convert_checkpoint
 from freetoken_agents.engine.loading.placement import expert_bytes
 from freetoken_agents.engine.memory import MemoryBudget, TieredExpertProvider
 from freetoken_agents.engine.memory.moves import shares_memory
-from freetoken_agents.engine.mxfp4 import decode_weight, mxfp4_linear
 from freetoken_agents.engine.options import TieringOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,7 +55,7 @@ def test_the_scaled_pair_table_holds_the_codecs_decode_of_every_byte_at_every_sc
 def test_the_cpu_path_decodes_a_row_block_at_a_time_with_the_codecs_values(monkeypatch, dtype, shape):
     """No float copy of the whole weight (it was decoded whole: 8 fp32 bytes written per stored
     byte, 5x slower at a Mixtral projection): each block of rows is the codec's decode."""
-    from freetoken_agents.engine import mxfp4
+    from freetoken_agents.engine.kernels import mxfp4
 
     blocks, scales = _encoded(10, 96)
     w = decode_weight(blocks, scales, dtype)
@@ -158,7 +158,7 @@ def test_compact_is_a_known_option_and_unknown_ones_are_refused(mxfp4_ftw):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compact_experts_on_the_gpu_decode_through_the_kernel(mxfp4_ftw):
-    from freetoken_agents.engine.mxfp4 import kernel_ok
+    from freetoken_agents.engine.kernels.mxfp4 import kernel_ok
 
     cpu = Engine.from_pretrained(mxfp4_ftw, expert_quant="compact")
     gpu = Engine.from_pretrained(mxfp4_ftw, device="cuda", expert_quant="compact", placement="resident")

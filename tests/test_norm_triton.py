@@ -1,4 +1,4 @@
-"""The fused RMSNorm kernel (engine/norm_triton.py) against `layers.RMSNorm`'s PyTorch ops, on CPU
+"""The fused RMSNorm kernel (engine/kernels/norm_triton.py) against `layers.RMSNorm`'s PyTorch ops, on CPU
 through Triton's interpreter (TRITON_INTERPRET=1 must precede triton's import: a fresh
 interpreter). On a GPU (-m cuda) RMSNorm serves through it after its self-check."""
 
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 _CHECK = textwrap.dedent(
     """
     import torch
-    from freetoken_agents.engine.layers import RMSNorm
-    from freetoken_agents.engine.norm_triton import add_rms_norm, rms_norm
+    from freetoken_agents.engine.model.layers import RMSNorm
+    from freetoken_agents.engine.kernels.norm_triton import add_rms_norm, rms_norm
 
     g = torch.Generator().manual_seed(0)
     # Hidden sizes that are and are not powers of two (gpt-oss 2880), one and several rows,
@@ -75,8 +75,8 @@ def test_the_fused_rms_norm_equals_the_pytorch_ops_under_the_interpreter():
 def test_rms_norm_runs_the_fused_kernel_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from freetoken_agents.engine import norm_triton
-    from freetoken_agents.engine.layers import RMSNorm
+    from freetoken_agents.engine.kernels import norm_triton
+    from freetoken_agents.engine.model.layers import RMSNorm
 
     device = torch.device("cuda", torch.cuda.current_device())
     assert norm_triton.kernel_ok(device)

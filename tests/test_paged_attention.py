@@ -1,13 +1,13 @@
-"""Decode attention reads the paged KV cache in place (engine/paged_attention.py)."""
+"""Decode attention reads the paged KV cache in place (engine/kernels/paged_attention.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from freetoken_agents.engine import Engine, paged_attention
-from freetoken_agents.engine.kv import BlockPool, BlockTable, StreamSpec
-from freetoken_agents.engine.paged_attention import (
+from freetoken_agents.engine import Engine
+from freetoken_agents.engine.kernels import paged_attention
+from freetoken_agents.engine.kernels.paged_attention import (
     chunk_views,
     decode_gqa,
     decode_mla,
@@ -15,6 +15,7 @@ from freetoken_agents.engine.paged_attention import (
     position_chunks,
     slot_runs,
 )
+from freetoken_agents.engine.model.kv import BlockPool, BlockTable, StreamSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

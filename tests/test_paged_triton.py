@@ -1,4 +1,4 @@
-"""The Triton paged-decode kernel (engine/paged_triton.py) against the eager paged attention, on
+"""The Triton paged-decode kernel (engine/kernels/paged_triton.py) against the eager paged attention, on
 CPU through Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is imported, so
 each check runs in a fresh interpreter). The GPU launch itself is tested by -m cuda tests."""
 
@@ -17,9 +17,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 _CHECK = textwrap.dedent(
     """
     import torch
-    from freetoken_agents.engine.paged_attention import (
+    from freetoken_agents.engine.kernels.paged_attention import (
         chunk_views, decode_gqa, decode_mla, heads_first_views, position_chunks)
-    from freetoken_agents.engine.paged_triton import paged_decode
+    from freetoken_agents.engine.kernels.paged_triton import paged_decode
 
     g = torch.Generator().manual_seed(0)
     bs, blocks = 4, [9, 3, 4, 5, 0, 1, 7, 8, 2, 6]  # scattered: several runs

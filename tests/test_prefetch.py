@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from freetoken_agents.engine import Engine
-from freetoken_agents.engine.experts import ExpertKey
 from freetoken_agents.engine.loading.convert import convert_checkpoint
 from freetoken_agents.engine.memory import MemoryBudget, Prefetcher
 from freetoken_agents.engine.memory.prefetch import SKIPPED
+from freetoken_agents.engine.model.experts import ExpertKey
 from freetoken_agents.engine.options import TieringOptions
 
 
@@ -193,7 +193,7 @@ def _plant_router_bias(eng: Engine, hot: tuple[int, ...], scale: float) -> None:
 def test_a_routers_choice_is_the_experts_its_forward_routes_to(routing, norm):
     """Pre-gating asks `Router.choose` for the ids alone (no weights): the same experts, in the
     same order, as the router's forward, for every routing kind."""
-    from freetoken_agents.engine.moe import Router
+    from freetoken_agents.engine.model.moe import Router
     from freetoken_agents.engine.spec import MoESpec
 
     spec = MoESpec(
@@ -213,7 +213,7 @@ def test_a_routers_choice_is_the_experts_its_forward_routes_to(routing, norm):
 def test_one_tokens_pregate_is_its_routed_experts_in_expert_order():
     """Decode takes the ids in one read (one sync on a GPU); prefill ranks by votes."""
     from freetoken_agents.engine.memory.prefetch import pregate
-    from freetoken_agents.engine.moe import Router
+    from freetoken_agents.engine.model.moe import Router
     from freetoken_agents.engine.spec import MoESpec
 
     spec = MoESpec(num_experts=16, top_k=4, intermediate_size=8, routing="softmax_topk")
@@ -357,7 +357,7 @@ def test_a_pregated_step_does_not_scan_every_expert(tiny_checkpoint, tmp_path):
 
 
 def _routers(n: int, *, bias: bool = False, routing: str = "softmax_topk", seed: int = 0) -> dict:
-    from freetoken_agents.engine.moe import Router
+    from freetoken_agents.engine.model.moe import Router
     from freetoken_agents.engine.spec import MoESpec
 
     g = torch.Generator().manual_seed(seed)
@@ -438,7 +438,7 @@ def test_a_decode_step_pregates_its_coming_layers_in_one_router_pass(tiny_checkp
     """Each coming layer's router ran on its own: per MoE layer `prefetch_depth` matmuls, top-ks
     and reads of the ids (each a launch or a device sync on a GPU). Now one of each."""
     from freetoken_agents.engine.memory.pregate import AheadRouters
-    from freetoken_agents.engine.moe import Router
+    from freetoken_agents.engine.model.moe import Router
 
     ftw, expert_bytes = _fp32_ftw(tiny_checkpoint, tmp_path)
     tiering = TieringOptions(prefetch_thread=False)

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken_agents.engine.codecs import get_codec
-from freetoken_agents.engine.experts import ExpertWeights
+from freetoken_agents.engine.ftw.codecs import get_codec
 from freetoken_agents.engine.memory import (
     ExpertCase,
     QStarPolicy,
 )
-from freetoken_agents.engine.routed import expert_forward, expert_forward_split, split_rows
-from freetoken_agents.engine.routing_trace import group_steps
+from freetoken_agents.engine.memory.routing_trace import group_steps
+from freetoken_agents.engine.model.experts import ExpertWeights
+from freetoken_agents.engine.model.routed import expert_forward, expert_forward_split, split_rows
 from freetoken_agents.engine.simulate.profiles import load_profile
 from freetoken_agents.engine.simulate.replay import TieredReplay
 from freetoken_agents.engine.simulate.shapes import shape_for

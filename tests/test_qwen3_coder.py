@@ -21,7 +21,7 @@ from tiny_models import make_tiny_tokenizer
 from freetoken_agents import Agent, FreeTokenModel, GenerateRequest, default_model
 from freetoken_agents.constrained import ConstrainedDecode, GrammarFactory
 from freetoken_agents.engine import Engine, SamplingParams
-from freetoken_agents.engine.generate import Sampler
+from freetoken_agents.engine.runtime.generate import Sampler
 from freetoken_agents.parsers import HermesParser, Qwen3CoderParser, parser_for
 from freetoken_agents.recipes.tiny.world import multiply
 from freetoken_agents.testing import ScriptedModel, ToolCall

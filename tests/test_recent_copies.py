@@ -10,7 +10,7 @@ import pytest
 from freetoken_agents.engine.memory import FastTier
 from freetoken_agents.engine.memory.recent import GROW_MARGIN, RecentCopies
 from freetoken_agents.engine.memory.routing import RoutingFrequency
-from freetoken_agents.engine.routing_trace import group_steps
+from freetoken_agents.engine.memory.routing_trace import group_steps
 from freetoken_agents.engine.simulate.profiles import load_profile
 from freetoken_agents.engine.simulate.replay import TieredReplay
 from freetoken_agents.engine.simulate.shapes import shape_for

@@ -1,4 +1,4 @@
-"""One entry point computes a routed batch (engine/routed.py): the resident, FTW-lazy and tiered
+"""One entry point computes a routed batch (engine/model/routed.py): the resident, FTW-lazy and tiered
 stores all call `routed.run_routed`, and give the same bits for the same experts, whichever path
 it chooses (grouped GEMM, top-2 pair, per-expert loop)."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken_agents.engine import routed
-from freetoken_agents.engine.experts import InMemoryExpertProvider
 from freetoken_agents.engine.ftw import FTWFile
 from freetoken_agents.engine.loading.convert import convert_checkpoint
 from freetoken_agents.engine.loading.ftw_provider import FTWExpertProvider
 from freetoken_agents.engine.memory import MemoryBudget, TieredExpertProvider
+from freetoken_agents.engine.model import routed
+from freetoken_agents.engine.model.experts import InMemoryExpertProvider
 from freetoken_agents.engine.spec import MoESpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,13 +10,13 @@ import torch
 
 from freetoken_agents.cli import main
 from freetoken_agents.engine import Engine, EngineError, MemoryBudget, TieringOptions
-from freetoken_agents.engine.experts import DelegatingStore, ExpertStore
 from freetoken_agents.engine.flags import add_engine_arguments, engine_options
 from freetoken_agents.engine.loading.calibrate import RoutingCounter
 from freetoken_agents.engine.loading.convert import convert_checkpoint
-from freetoken_agents.engine.moe import MoEBlock
-from freetoken_agents.engine.routing_record import RoutingRecorder
-from freetoken_agents.engine.routing_trace import RoutingRecord, read_trace
+from freetoken_agents.engine.memory.routing_record import RoutingRecorder
+from freetoken_agents.engine.memory.routing_trace import RoutingRecord, read_trace
+from freetoken_agents.engine.model.experts import DelegatingStore, ExpertStore
+from freetoken_agents.engine.model.moe import MoEBlock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -178,7 +178,7 @@ def test_wrapping_the_store_keeps_recording_and_close_closes_it(tiny_checkpoint,
 
 
 def test_recorder_owns_its_store_and_buffers_whole_lines(tmp_path, monkeypatch):
-    import freetoken_agents.engine.routing_record as rr
+    import freetoken_agents.engine.memory.routing_record as rr
 
     monkeypatch.setattr(rr, "FLUSH_LINES", 3)
     closed: list[bool] = []

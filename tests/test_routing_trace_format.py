@@ -9,7 +9,7 @@ import json
 import pytest
 
 from freetoken_agents.engine import EngineError
-from freetoken_agents.engine.routing_trace import (
+from freetoken_agents.engine.memory.routing_trace import (
     RoutingRecord,
     RoutingTraceError,
     format_record,

@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from freetoken_agents.engine import Engine, SamplingParams
-from freetoken_agents.engine.sampling import Sampler, token_logprob, warp
+from freetoken_agents.engine.runtime.sampling import Sampler, token_logprob, warp
 
 V = 1000
 PROMPT = [3, 17, 17, 250, 999, 4]

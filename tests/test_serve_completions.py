@@ -12,7 +12,7 @@ import openai
 import pytest
 from serve_harness import MODEL, running_server
 
-from freetoken_agents.engine.sampling import Sampler, SamplingParams
+from freetoken_agents.engine.runtime.sampling import Sampler, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

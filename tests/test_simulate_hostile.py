@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from freetoken_agents.cli import main
-from freetoken_agents.engine import routing_trace
-from freetoken_agents.engine.routing_trace import RoutingRecord, RoutingTraceError, write_trace
+from freetoken_agents.engine.memory import routing_trace
+from freetoken_agents.engine.memory.routing_trace import RoutingRecord, RoutingTraceError, write_trace
 from freetoken_agents.engine.simulate.builtin_models import BUILTIN_CONFIGS
 from freetoken_agents.engine.simulate.profiles import BUILTIN_PROFILES, load_profile
 from freetoken_agents.engine.simulate.replay import TieredReplay

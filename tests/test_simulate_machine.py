@@ -117,7 +117,7 @@ def test_toml_without_optional_keys(tmp_path: Path) -> None:
 
 def test_a_tiered_replay_charges_each_tier1_miss_its_overhead() -> None:
     """miss_overhead_us: q*'s decision and the tier moves around each expert outside tier 1."""
-    from freetoken_agents.engine.routing_trace import group_steps
+    from freetoken_agents.engine.memory.routing_trace import group_steps
     from freetoken_agents.engine.simulate.replay import TieredReplay
     from freetoken_agents.engine.simulate.shapes import shape_for
     from freetoken_agents.engine.simulate.synthetic import MIXTRAL_8X7B, preset_trace
@@ -141,7 +141,7 @@ def test_a_tiered_replay_charges_the_tier_moves_to_streams_only() -> None:
     """stream_overhead_us: what a STREAM's promotion, eviction and demotion add to a miss. The
     per-layer LRU streams every miss, so each pays it; q* computes most misses where their weights
     are, so the same cost per STREAM slows it less than the same cost on every miss."""
-    from freetoken_agents.engine.routing_trace import group_steps
+    from freetoken_agents.engine.memory.routing_trace import group_steps
     from freetoken_agents.engine.simulate.replay import TieredReplay
     from freetoken_agents.engine.simulate.shapes import shape_for
     from freetoken_agents.engine.simulate.synthetic import MIXTRAL_8X7B, preset_trace
@@ -171,7 +171,7 @@ def test_a_demand_copy_starts_after_the_decision_that_asked_for_it() -> None:
     """A STREAM's copy is issued once q* has decided and the tier moves are booked, as the live
     engine issues it: the CPU's bookkeeping does not hide behind a copy that started at the
     layer's start (before, 1 ms of it per miss left the per-layer LRU's PCIe 4 replay unchanged)."""
-    from freetoken_agents.engine.routing_trace import group_steps
+    from freetoken_agents.engine.memory.routing_trace import group_steps
     from freetoken_agents.engine.simulate.replay import TieredReplay
     from freetoken_agents.engine.simulate.shapes import shape_for
     from freetoken_agents.engine.simulate.synthetic import MIXTRAL_8X7B, preset_trace

@@ -21,7 +21,7 @@ from freetoken_agents.engine.memory import (
     QStarPolicy,
     TieredExpertProvider,
 )
-from freetoken_agents.engine.routing_trace import RoutingRecord, RoutingTraceError, group_steps
+from freetoken_agents.engine.memory.routing_trace import RoutingRecord, RoutingTraceError, group_steps
 from freetoken_agents.engine.simulate.baselines import layer_steps
 from freetoken_agents.engine.simulate.machine import ExpertCosts
 from freetoken_agents.engine.simulate.profiles import load_profile

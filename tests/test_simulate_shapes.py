@@ -11,9 +11,9 @@ from tiny_models import ARCHS, build_tiny_model, safetensors_layout, saved_confi
 
 from freetoken_agents.engine.adapters import adapter_for
 from freetoken_agents.engine.checkpoint import config_from_dict
-from freetoken_agents.engine.codecs import encode
 from freetoken_agents.engine.errors import EngineError
-from freetoken_agents.engine.routing_trace import RoutingRecord, RoutingTraceError
+from freetoken_agents.engine.ftw.codecs import encode
+from freetoken_agents.engine.memory.routing_trace import RoutingRecord, RoutingTraceError
 from freetoken_agents.engine.simulate import profiles as profiles_module
 from freetoken_agents.engine.simulate.profiles import (
     BUILTIN_PROFILES,

@@ -13,7 +13,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from freetoken_agents.engine.routing_trace import RoutingRecord, RoutingTraceError
+from freetoken_agents.engine.memory.routing_trace import RoutingRecord, RoutingTraceError
 from freetoken_agents.engine.simulate.stats import (
     belady_misses,
     belady_missing,

@@ -1,4 +1,4 @@
-"""Expert slots (engine/slots.py): a device buffer of packed experts, a device-side table
+"""Expert slots (engine/memory/slots.py): a device buffer of packed experts, a device-side table
 expert -> slot, and one grouped GEMM per projection over the slots. Run on CPU here; the same
 code runs on a GPU."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from freetoken_agents.engine.experts import ExpertWeights, dispatch_experts, expert_forward
-from freetoken_agents.engine.grouped_experts import compact_weight
-from freetoken_agents.engine.slots import ExpertSlots, SlotsFullError
+from freetoken_agents.engine.memory.slots import ExpertSlots, SlotsFullError
+from freetoken_agents.engine.model.experts import ExpertWeights, dispatch_experts, expert_forward
+from freetoken_agents.engine.model.grouped_experts import compact_weight
 from freetoken_agents.engine.spec import MoESpec
 
 H, INTER = 32, 24
@@ -119,7 +119,7 @@ def _compact(seed: int, codec: str, bias: bool = False) -> ExpertWeights:
 def _dequantized(w: ExpertWeights) -> ExpertWeights:
     """A compact expert's values as fp32 (the CPU's int8 kernel rounds activations to bf16, so the
     per-expert loop is no exact reference for the interpreter's fp32 GEMVs)."""
-    from freetoken_agents.engine.mxfp4 import decode_weight
+    from freetoken_agents.engine.kernels.mxfp4 import decode_weight
 
     t = w.tensors()
     for name in ("gate_up", "down"):
@@ -160,8 +160,8 @@ _COMPACT_RUN = textwrap.dedent(
     """
     import torch
     from test_slots import H, _compact, _dequantized
-    from freetoken_agents.engine.experts import dispatch_experts, expert_forward
-    from freetoken_agents.engine.slots import ExpertSlots
+    from freetoken_agents.engine.model.experts import dispatch_experts, expert_forward
+    from freetoken_agents.engine.memory.slots import ExpertSlots
     from freetoken_agents.engine.spec import MoESpec
 
     for codec in ("int8", "mxfp4"):

@@ -11,7 +11,7 @@ from tiny_models import build_tiny_model, make_tiny_tokenizer
 
 from freetoken_agents import Agent, FreeTokenModel, GenerateRequest, RetryPolicy, tool
 from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, Engine
-from freetoken_agents.engine.tokenize import encode_plain
+from freetoken_agents.engine.text.tokenize import encode_plain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,7 +62,7 @@ def test_text_without_special_strings_keeps_transformers_ids(engine: Engine, con
         add_generation_prompt=True,
     )
     expected = expected if isinstance(expected, list) else expected["input_ids"]
-    if len(content) <= 1024:  # longer runs are sliced (engine/tokenize.py), equal only as text
+    if len(content) <= 1024:  # longer runs are sliced (engine/text/tokenize.py), equal only as text
         assert engine.apply_chat_template(messages) == list(expected)
     assert tok.decode(engine.apply_chat_template(messages)) == tok.decode(expected)
 
@@ -178,8 +178,8 @@ def test_server_user_message_cannot_forge_a_system_turn(monkeypatch: pytest.Monk
 
 def test_a_template_that_transforms_content_fails_closed() -> None:
     """`content[1:]` cuts the sentinel and the verbatim text: the special strings are escaped."""
-    from freetoken_agents.engine.chat import render_chat_spans
-    from freetoken_agents.engine.tokenize import encode_segments
+    from freetoken_agents.engine.text.chat import render_chat_spans
+    from freetoken_agents.engine.text.tokenize import encode_segments
 
     tok = make_tiny_tokenizer()
     tok.chat_template = (

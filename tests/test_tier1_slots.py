@@ -201,7 +201,7 @@ _STATIC_TIERED = textwrap.dedent(
     """
     import sys, torch
     from freetoken_agents.engine import Engine, int8
-    from freetoken_agents.engine.cuda_graph import DecodeGraphs, StaticDecode
+    from freetoken_agents.engine.runtime.cuda_graph import DecodeGraphs, StaticDecode
     from freetoken_agents.engine.memory import MemoryBudget, TieredExpertProvider
     from freetoken_agents.engine.options import TieringOptions
 
@@ -274,8 +274,8 @@ def test_the_static_tiered_step_decodes_the_resident_engines_tokens(
 def test_the_pool_has_a_slot_for_every_expert_tier_1_counts_in_its_room():
     """A slot row is padded for alignment, so it is larger than what tier 1 counts per expert; the
     pool is sized by tier 1's count (3 experts' bytes: 3 slots), never turning one away."""
-    from freetoken_agents.engine.experts import ExpertWeights
     from freetoken_agents.engine.memory.slot_pool import TierSlots
+    from freetoken_agents.engine.model.experts import ExpertWeights
 
     g = torch.Generator().manual_seed(0)
     expert = ExpertWeights.packed(

@@ -9,7 +9,7 @@ import re
 from freetoken_agents import default_model
 from freetoken_agents.engine.ftw import FTWFile
 from freetoken_agents.engine.loading.ftw_load import load_embedded_tokenizer
-from freetoken_agents.engine.tokenize import MAX_RUN, encode, split_long_runs
+from freetoken_agents.engine.text.tokenize import MAX_RUN, encode, split_long_runs
 
 
 class Recording:

@@ -18,8 +18,8 @@ from tokenizers import AddedToken, normalizers
 
 import freetoken_agents.engine.engine as engine_module
 from freetoken_agents.engine import ContextOverflowError, Engine, EngineError
-from freetoken_agents.engine.chat import render_chat_spans
-from freetoken_agents.engine.tokenize import MAX_RUN, encode, encode_plain, encode_segments
+from freetoken_agents.engine.text.chat import render_chat_spans
+from freetoken_agents.engine.text.tokenize import MAX_RUN, encode, encode_plain, encode_segments
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -137,7 +137,7 @@ def test_the_added_token_regex_is_a_trie_that_finds_the_longest_token() -> None:
     """A flat alternation of 1000 control tokens tried each at every "<" (300 kB took 14 s): at each
     point the regex must choose among distinct next characters only, and still find the same
     (longest, leftmost) tokens as the flat alternation."""
-    from freetoken_agents.engine.tokenize import added_pattern
+    from freetoken_agents.engine.text.tokenize import added_pattern
 
     tok = make_tiny_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": [f"<SPECIAL_{i}>" for i in range(1000)]})
@@ -211,7 +211,7 @@ def test_many_reworked_contents_are_escaped_not_searched() -> None:
     """A template that reworks contents (`trim`) sends them to a verbatim search of the whole
     rendering, one search each: past MAX_LOCATED distinct ones they are escaped instead, list
     content's text included."""
-    from freetoken_agents.engine.chat import MAX_LOCATED
+    from freetoken_agents.engine.text.chat import MAX_LOCATED
 
     tok = make_tiny_tokenizer()
     tok.chat_template = (

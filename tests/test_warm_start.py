@@ -15,7 +15,12 @@ from freetoken_agents.engine import Engine, EngineError, MemoryBudget, TieringOp
 from freetoken_agents.engine.flags import add_engine_arguments, engine_options
 from freetoken_agents.engine.loading.convert import convert_checkpoint
 from freetoken_agents.engine.memory.routing import RoutingFrequency
-from freetoken_agents.engine.routing_trace import RoutingRecord, RoutingTraceError, group_steps, write_trace
+from freetoken_agents.engine.memory.routing_trace import (
+    RoutingRecord,
+    RoutingTraceError,
+    group_steps,
+    write_trace,
+)
 from freetoken_agents.engine.simulate.profiles import load_profile
 from freetoken_agents.engine.simulate.replay import SimulationError, TieredReplay
 from freetoken_agents.engine.simulate.shapes import shape_for

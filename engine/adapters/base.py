@@ -20,8 +20,8 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..checkpoint import SafetensorsCheckpoint
-from ..codecs import EncodedTensor, decode, encode, wrap_fp8_block
 from ..errors import CheckpointError, UnsupportedModelError
+from ..ftw.codecs import EncodedTensor, decode, encode, wrap_fp8_block
 from ..spec import AttentionSpec, ModelSpec, RopeSpec
 from ..spec_checks import check_config, check_spec
 

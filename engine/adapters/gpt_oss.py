@@ -14,8 +14,8 @@ import torch
 from transformers import PretrainedConfig
 
 from ..checkpoint import SafetensorsCheckpoint
-from ..codecs import EncodedTensor, decode, wrap_mxfp4
 from ..errors import CheckpointError
+from ..ftw.codecs import EncodedTensor, decode, wrap_mxfp4
 from ..spec import LayerSpec, ModelSpec, MoESpec
 from .base import Adapter, _check_experts, common_spec_fields, gqa, head_dim_of, plain_encoded, rope_spec
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from ..errors import AnchorError, AnchorFingerprintError, AnchorValidationError
-from ..experts import ExpertKey, ExpertStore
-from ..kv import BlockTable
+from ..model.experts import ExpertKey, ExpertStore
+from ..model.kv import BlockTable
 from .digest import (
     FORMAT_VERSION,
     SIGNATURE_SPAN,

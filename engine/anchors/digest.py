@@ -32,12 +32,12 @@ import numpy as np
 import torch
 import xxhash
 
-from ..kv import CHAIN_SEED, BlockPool, BlockTable, tensor_bytes
 from ..loading.fingerprint import weights_digest
-from ..tokenizer_files import TOKENIZER_FILES
+from ..model.kv import CHAIN_SEED, BlockPool, BlockTable, tensor_bytes
+from ..text.tokenizer_files import TOKENIZER_FILES
 
 if TYPE_CHECKING:
-    from ..experts import ExpertStore
+    from ..model.experts import ExpertStore
     from ..spec import ModelSpec
 
 FORMAT_VERSION = 2  # engine anchor format: fingerprint, id and save-file layout (2: full-weight

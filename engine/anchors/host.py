@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from ..kv import BlockPool
+from ..model.kv import BlockPool
 from .anchor import ExpertState
 
 

@@ -46,7 +46,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from ..errors import AnchorFileError, AnchorFingerprintError
-from ..kv import BlockTable
+from ..model.kv import BlockTable
 from .anchor import Anchor, AnchorKind, AnchorSignature, verify_anchor
 from .digest import FORMAT_VERSION, kv_digest
 from .keys import key_path, load_key

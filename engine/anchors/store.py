@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from ..errors import AnchorNotFoundError
-from ..kv import BlockTable
+from ..model.kv import BlockTable
 from .anchor import Anchor, ExpertState, check_kind, identify, make_anchor
 from .host import AnchorHost
 

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from ..codecs import (
+from .codecs import (
     CODECS,
     Codec,
     EncodedTensor,

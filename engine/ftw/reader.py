@@ -26,8 +26,8 @@ import torch
 import xxhash
 import zstandard
 
-from ..codecs import EncodedTensor, get_codec
 from ..errors import FTWFormatError
+from .codecs import EncodedTensor, get_codec
 from .layout import (
     ALIGNMENT,
     BLOCK_HEADER_SIZE,

@@ -14,7 +14,7 @@ import torch
 import xxhash
 import zstandard
 
-from ..codecs import EncodedTensor, get_codec
+from .codecs import EncodedTensor, get_codec
 from .layout import (
     ALIGNMENT,
     BLOCK_HEADER_SIZE,

@@ -29,17 +29,17 @@ import torch
 from transformers import PretrainedConfig
 
 from ..errors import CheckpointError, EngineError
-from ..experts import ExpertStore, InMemoryExpertProvider
-from ..int8 import DenseQuantPart, ExpertQuant, quantize_dense
+from ..kernels.int8 import DenseQuantPart, ExpertQuant, quantize_dense
 from ..memory import MemoryBudget, TieredExpertProvider
 from ..memory.budget import free_host_bytes
-from ..moe import MoEBlock
+from ..memory.routing_record import RoutingRecorder, check_trace_path
+from ..memory.routing_trace import RoutingTraceError, iter_steps, read_trace
+from ..model.experts import ExpertStore, InMemoryExpertProvider
+from ..model.moe import MoEBlock
+from ..model.transformer import MoETransformer
 from ..options import EngineOptions
-from ..routing_record import RoutingRecorder, check_trace_path
-from ..routing_trace import RoutingTraceError, iter_steps, read_trace
 from ..spec import ModelSpec
-from ..stop_tokens import read_generation_eos
-from ..transformer import MoETransformer
+from ..text.stop_tokens import read_generation_eos
 from .cache import cached_ftw, lossless_quant
 from .calibrate import OpenForCalibration
 from .ftw_load import load_ftw

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..codecs import CODECS
-from ..experts import DelegatingStore, ExpertKey, ExpertStore
+from ..ftw.codecs import CODECS
+from ..model.experts import DelegatingStore, ExpertKey, ExpertStore
 from ..spec import ModelSpec, MoESpec
 
 logger = logging.getLogger(__name__)

@@ -46,15 +46,15 @@ from tqdm import tqdm
 from ..adapters.base import FP8_SCALE_SUFFIX, Adapter, fp8_encoded
 from ..checkpoint import SafetensorsCheckpoint
 from ..choices import QUANT_CODECS, QUANTS
-from ..codecs import EncodedTensor, decode, encode, get_codec
 from ..errors import CheckpointError
-from ..expert_tensors import WEIGHT_NAMES
+from ..ftw.codecs import EncodedTensor, decode, encode, get_codec
 from ..ftw.reader import FTWFile
 from ..ftw.writer import FTWWriter
+from ..model.expert_tensors import WEIGHT_NAMES
+from ..model.transformer import MoETransformer
 from ..spec import ModelSpec, MoESpec
-from ..stop_tokens import GENERATION_CONFIG
-from ..tokenizer_files import TOKENIZER_FILES
-from ..transformer import MoETransformer
+from ..text.stop_tokens import GENERATION_CONFIG
+from ..text.tokenizer_files import TOKENIZER_FILES
 from .calibrate import AutoPolicy, CalibrationModel, OpenForCalibration, hot_experts, measure_routing
 from .hf_folder import open_hf_checkpoint
 

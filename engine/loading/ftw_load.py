@@ -26,13 +26,13 @@ from transformers import PretrainedConfig
 from ..adapters import adapter_for
 from ..adapters.base import dequantized
 from ..checkpoint import config_from_dict
-from ..dense import load_dense_weights
 from ..errors import CheckpointError, FTWFormatError
 from ..ftw.reader import FTWFile
-from ..int8 import ExpertQuant, check_expert_quant
+from ..kernels.int8 import ExpertQuant, check_expert_quant
+from ..model.dense import load_dense_weights
+from ..model.transformer import MoETransformer
 from ..spec import ModelSpec
-from ..tokenizer_files import TOKENIZER_MARKERS
-from ..transformer import MoETransformer
+from ..text.tokenizer_files import TOKENIZER_MARKERS
 from .ftw_provider import FTWExpertProvider
 
 logger = logging.getLogger(__name__)

@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .. import routed
-from ..expert_tensors import expert_tensors, kept_bytes
-from ..experts import SCALES, ExpertKey, ExpertStore, ExpertWeights
 from ..ftw.reader import FTWFile
-from ..int8 import ExpertQuant
+from ..kernels.int8 import ExpertQuant
+from ..model import routed
+from ..model.expert_tensors import expert_tensors, kept_bytes
+from ..model.experts import SCALES, ExpertKey, ExpertStore, ExpertWeights
 from ..spec import MoESpec
 
 logger = logging.getLogger(__name__)

@@ -18,13 +18,13 @@ from transformers import PretrainedConfig
 from ..adapters import adapter_for
 from ..adapters.base import Adapter
 from ..checkpoint import SafetensorsCheckpoint, config_from_dict, read_config
-from ..dense import load_dense_weights
 from ..errors import CheckpointError
-from ..experts import ExpertKey, ExpertWeights
+from ..model.dense import load_dense_weights
+from ..model.experts import ExpertKey, ExpertWeights
+from ..model.transformer import MoETransformer
 from ..spec import ModelSpec
 from ..spec_checks import check_layer_count
-from ..tokenizer_files import TOKENIZER_MARKERS
-from ..transformer import MoETransformer
+from ..text.tokenizer_files import TOKENIZER_MARKERS
 
 logger = logging.getLogger(__name__)
 

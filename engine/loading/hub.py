@@ -50,8 +50,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ..errors import ModelNotFoundError
-from ..stop_tokens import GENERATION_CONFIG
-from ..tokenizer_files import TOKENIZER_FILES
+from ..text.stop_tokens import GENERATION_CONFIG
+from ..text.tokenizer_files import TOKENIZER_FILES
 from .hub_ids import LOCAL_SUFFIXES, HubId, HubSettings, is_hub_id, parse_hub_id
 from .hub_safety import (
     UnsafeHubAnswer,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..experts import ExpertWeights
+from ..model.experts import ExpertWeights
 from .oracle import BandwidthOracle, cuda_timed_copy
 from .policy import ComputeCostModel
 from .weights import rebase

@@ -8,7 +8,7 @@ from itertools import repeat
 from operator import itemgetter
 from typing import Any, TypeVar
 
-from ..experts import ExpertKey
+from ..model.experts import ExpertKey
 from .tiers import LRUTier
 
 V = TypeVar("V")

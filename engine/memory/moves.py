@@ -29,11 +29,11 @@ from typing import Any, cast
 
 import torch
 
-from ..expert_tensors import WEIGHT_NAMES, kept_forms
-from ..experts import ExpertKey, ExpertWeights
 from ..ftw import FTWFile
-from ..grouped_experts import StackCodec
-from ..int8 import ExpertQuant
+from ..kernels.int8 import ExpertQuant
+from ..model.expert_tensors import WEIGHT_NAMES, kept_forms
+from ..model.experts import ExpertKey, ExpertWeights
+from ..model.grouped_experts import StackCodec
 from .fast_tier import FastTier, LayerLRUTier
 from .oracle import BandwidthOracle
 from .prefetch import SKIPPED

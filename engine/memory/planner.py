@@ -31,13 +31,13 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from ..experts import ExpertKey
-from ..routing_trace import RoutingTraceError, Step
+from ..model.experts import ExpertKey
 from .fast_tier import FastTier
 from .oracle import Clock
 from .policy import DOWN_SHARE, ExpertCase, Placement, QStarPolicy
 from .recent import RecentCopies
 from .routing import RoutingFrequency
+from .routing_trace import RoutingTraceError, Step
 from .tiers import HostTier
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..experts import ExpertKey
+from ..model.experts import ExpertKey
 from .pregate import pregate
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..moe import Router
+from ..model.moe import Router
 
 TOPK_OF_LOGITS = ("softmax_topk", "topk_softmax")
 """Routings whose experts are the top k of the router's logits (a softmax keeps the order)."""

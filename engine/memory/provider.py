@@ -62,15 +62,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .. import routed
 from ..errors import EngineError, MemoryBudgetError
-from ..expert_tensors import kept_bytes
-from ..experts import ExpertKey, ExpertStore, ExpertWeights
 from ..ftw import FTWFile
-from ..grouped_experts import stack_capturable
-from ..int8 import ExpertQuant, check_expert_quant
-from ..routed import expert_forward
-from ..routing_trace import Step
+from ..kernels.int8 import ExpertQuant, check_expert_quant
+from ..model import routed
+from ..model.expert_tensors import kept_bytes
+from ..model.experts import ExpertKey, ExpertStore, ExpertWeights
+from ..model.grouped_experts import stack_capturable
+from ..model.routed import expert_forward
 from ..spec import MoESpec
 from .budget import MemoryBudget, format_size
 from .graph_steps import GraphSteps
@@ -82,6 +81,7 @@ from .prefetch import Prefetcher
 from .pregate import AheadRouters
 from .recent import RecentCopies
 from .routing import ROUTING_DECAY, RoutingFrequency
+from .routing_trace import Step
 from .stats import PhaseTimer
 from .storage import BlockReader
 from .weights import codec_name

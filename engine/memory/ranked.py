@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
-from ..experts import ExpertKey
+from ..model.experts import ExpertKey
 
 Entry = tuple[float, int, ExpertKey]  # (undecayed count, recency, key)
 

@@ -41,7 +41,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from ..experts import ExpertKey
+from ..model.experts import ExpertKey
 from .fast_tier import FastTier
 from .ranked import RankedOrder
 from .routing import RoutingFrequency

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from itertools import repeat
 
-from ..experts import ExpertKey
+from ..model.experts import ExpertKey
 
 ROUTING_DECAY = 0.99
 """The engine's per-step decay: a horizon of ~100 steps. Residency of an expert in a cache of a

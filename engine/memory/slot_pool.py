@@ -18,8 +18,8 @@ import logging
 
 import torch
 
-from ..experts import ExpertKey, ExpertWeights
-from ..slots import ExpertSlots, slot_compatible
+from ..model.experts import ExpertKey, ExpertWeights
+from .slots import ExpertSlots, slot_compatible
 
 logger = logging.getLogger(__name__)
 

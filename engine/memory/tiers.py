@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
 
-from ..experts import ExpertKey
+from ..model.experts import ExpertKey
 from .ranked import LayeredRank, RankedKeys, RankedOrder
 
 K = TypeVar("K", bound=Hashable)

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from ..expert_tensors import expert_tensors
-from ..experts import PROJECTIONS, ExpertKey, ExpertWeights
 from ..ftw import FTWFile
-from ..int8 import ExpertQuant
+from ..kernels.int8 import ExpertQuant
+from ..model.expert_tensors import expert_tensors
+from ..model.experts import PROJECTIONS, ExpertKey, ExpertWeights
 
 
 def codec_name(ftw: FTWFile, key: ExpertKey) -> str:

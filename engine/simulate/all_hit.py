@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from ..codecs import encode
-from ..experts import ExpertWeights, InMemoryExpertProvider
 from ..ftw import FTWWriter
+from ..ftw.codecs import encode
+from ..model.experts import ExpertWeights, InMemoryExpertProvider
 from .measure import median_seconds
 
 
@@ -43,7 +43,7 @@ def all_hit_overhead_us(
     layer, medians over `rounds` alternating rounds of `reps` decode steps each (module doc).
     ValueError for top_k outside 1..experts or a non-positive size."""
     from ..memory import MemoryBudget, TieredExpertProvider
-    from ..moe import Router
+    from ..model.moe import Router
     from ..spec import MoESpec
 
     if not 1 <= top_k <= experts or min(layers, hidden, intermediate, reps, rounds) < 1:

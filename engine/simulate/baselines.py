@@ -26,8 +26,8 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 
+from ..memory.routing_trace import Step
 from ..memory.tiers import HostTier
-from ..routing_trace import Step
 from .caches import BeladyCache, LoadFill
 from .machine import ExpertCosts, Timeline
 from .mover import Tally, warm

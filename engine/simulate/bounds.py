@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..routing_trace import Step
+from ..memory.routing_trace import Step
 from .caches import BeladyCache, LoadFill, LRUCache, NextUses
 from .machine import ExpertCosts
 from .replay import SimulationError

@@ -89,8 +89,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..codecs import encode
 from ..ftw import FTWFile, FTWWriter
+from ..ftw.codecs import encode
 from ..memory.oracle import BandwidthOracle, cuda_timed_copy
 from ..memory.storage import BlockReader
 from .profiles import HardwareProfile
@@ -266,8 +266,8 @@ def _codec_read_gbps(sz: _Sizes, k: int) -> tuple[float, float]:
     the CPU, each weight shaped as an expert's gate/up projection of hidden `k`: [4k, k] (a kernel's
     fixed cost per call counts as it does in an expert), cycled over `read_weights` x `read_bytes`
     of int8 (MXFP4: a quarter of that) to read past the caches."""
-    from ..int8 import int8_linear
-    from ..mxfp4 import mxfp4_linear
+    from ..kernels.int8 import int8_linear
+    from ..kernels.mxfp4 import mxfp4_linear
 
     g = torch.Generator().manual_seed(0)
     k = max(32, k // 32 * 32)
@@ -310,7 +310,7 @@ def _overheads_us(
     of `hidden` x `intermediate` through `expert_forward` and its accumulate, and the engine's own
     decode step of a random Mixtral of that hidden size and those experts, each less its weights'
     bytes at `host_gbps`."""
-    from ..routed import expert_forward
+    from ..model.routed import expert_forward
     from ..spec import MoESpec
 
     h, n_exp, inter = hidden, 8, intermediate
@@ -412,7 +412,7 @@ def _tiered_overheads_us(
     the 2-core Xeon, one thread, 8 experts top-2, 7 layers: a miss 27 us at 64 x 64, 83 at
     512 x 1024)."""
     from ..memory import MemoryBudget, Placement, TieredExpertProvider
-    from ..moe import Router
+    from ..model.moe import Router
     from ..spec import MoESpec
 
     _check_tiered_shape(experts, top_k, hidden, intermediate, layers)

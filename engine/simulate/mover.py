@@ -10,10 +10,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..experts import ExpertKey
 from ..memory.fast_tier import FastTier
 from ..memory.oracle import BandwidthOracle, ManualClock
 from ..memory.tiers import HostTier
+from ..model.experts import ExpertKey
 from .machine import ExpertCosts, Timeline
 
 

@@ -212,7 +212,7 @@ def published_trace(model: str, tokens: int, seed: int = 0) -> list:
     """A synthetic decode trace of `model` (`synthetic`'s calibrated presets for Mixtral-8x7B and
     Qwen3-30B-A3B; others with Qwen3's assumptions: Mixtral's stickiness on their own chance,
     Zipf 0.5), its layers numbered as the model's MoE layers."""
-    from ..routing_trace import RoutingRecord
+    from ..memory.routing_trace import RoutingRecord
     from .shapes import shape_for
     from .synthetic import MIXTRAL_8X7B, QWEN3_30B_A3B, preset_trace, synthetic_trace
 

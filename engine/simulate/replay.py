@@ -30,7 +30,6 @@ from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from ..errors import EngineError
-from ..experts import ExpertKey
 from ..memory.fast_tier import FastTier, LayerLRUTier
 from ..memory.oracle import BandwidthOracle, ManualClock
 from ..memory.planner import ExpertPlanner
@@ -38,8 +37,9 @@ from ..memory.policy import DOWN_SHARE, AlwaysStreamPolicy, ComputeCostModel, Pl
 from ..memory.prefetch import Prefetcher
 from ..memory.recent import RecentCopies
 from ..memory.routing import ROUTING_DECAY, RoutingFrequency
+from ..memory.routing_trace import Step
 from ..memory.tiers import HostTier
-from ..routing_trace import Step
+from ..model.experts import ExpertKey
 from .machine import ExpertCosts, Timeline, moves_whole
 from .mover import Tally, VirtualMover, warm
 from .profiles import HardwareProfile

@@ -5,7 +5,7 @@ A `ModelShape` is built from a Hugging Face config.json through the engine's own
 layers, experts and attention the engine would run. Built-in names (`BUILTIN_CONFIGS`) hold the
 public config.json values of real checkpoints and go through the same path.
 
-Byte counts are exact for the FTW codecs (`engine/codecs.py`): each weight's parts as the codec's
+Byte counts are exact for the FTW codecs (`engine/ftw/codecs.py`): each weight's parts as the codec's
 `part_specs` lays them out (payload plus scales), e.g. ``"mxfp4"`` stores 16 bytes of E2M1 codes and
 one E8M0 byte per 32 weights (0.53125 bytes per weight), ``"fp8_e4m3"`` one fp32 ``scale_inv`` per
 128x128 block, ``"int8"`` one fp32 scale per output row. As `freetoken convert` does, a weight the
@@ -37,11 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..codecs import CODECS, get_codec
 from ..errors import EngineError
+from ..ftw.codecs import CODECS, get_codec
 from ..ftw.layout import ALIGNMENT, BLOCK_HEADER_SIZE, PART_ALIGN
 from ..loading.convert import QUANT_CODECS
-from ..routing_trace import RoutingRecord, RoutingTraceError
+from ..memory.routing_trace import RoutingRecord, RoutingTraceError
 from ..spec import AttentionSpec, ModelSpec, MoESpec
 from .builtin_models import BUILTIN_CONFIGS
 

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..routing_trace import Step
+from ..memory.routing_trace import Step
 from .baselines import PROFILE_FRACTION, profiling_steps, replay_static, replay_streaming
 from .bounds import Bound, BoundTally, LayerChain, bound, bound_tally
 from .fit import FitError, check_fits

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
-from ..routing_trace import RoutingRecord, RoutingTraceError, Step, iter_steps, read_trace
+from ..memory.routing_trace import RoutingRecord, RoutingTraceError, Step, iter_steps, read_trace
 from .caches import NextUses
 from .shapes import TraceFootprint, trace_footprint
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from ..routing_trace import RoutingRecord, RoutingTraceError
+from ..memory.routing_trace import RoutingRecord, RoutingTraceError
 from . import caches
 
 # The statistic's decay, not the engine's (`memory.routing.ROUTING_DECAY`): the trace statistic of

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..routing_trace import RoutingRecord
+from ..memory.routing_trace import RoutingRecord
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from ..engine.choices import CODECS, QUANTS
 from ..engine.choices import GGUF_SOURCE as SOURCE
-from ..engine.tokenizer_files import TOKENIZER_MARKERS
+from ..engine.text.tokenizer_files import TOKENIZER_MARKERS
 from .common import CLIError
 
 if TYPE_CHECKING:

@@ -77,7 +77,7 @@ def _generate(engine: Engine, args: argparse.Namespace) -> int:
 def _stream_long(
     engine: Engine, ids: list[int], sampling: SamplingParams, progress: bool
 ) -> Iterator[TokenEvent]:
-    from ..engine.generate import stream_tokens
+    from ..engine.runtime.generate import stream_tokens
 
     with engine.new_session() as session:
         prefill_session(session, ids[:-1], progress=progress)

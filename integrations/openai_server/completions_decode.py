@@ -25,8 +25,8 @@ from freetoken_agents.engine import (
     SamplingParams,
     held_back_for_stops,
 )
-from freetoken_agents.engine.sampling import Sampler, token_logprob
-from freetoken_agents.engine.stop_text import first_stop
+from freetoken_agents.engine.runtime.sampling import Sampler, token_logprob
+from freetoken_agents.engine.text.stop_text import first_stop
 
 from ..prefix_cache import PrefixCache, prepare_context, record_context
 from ..token_logprobs import TokenTexts

@@ -4,7 +4,7 @@ is queued: a malformed one is a 400 naming the field) and what the server answer
 Fields OpenAI defines that change nothing here are accepted and ignored (`store`,
 `metadata`, `parallel_tool_calls`, ...); a field whose effect the server cannot give is refused
 rather than silently ignored. Sampling fields (OpenAI's and vLLM's `top_k`, `min_p`,
-`repetition_penalty`) go to the engine's sampler unchanged (`engine/sampling.py`).
+`repetition_penalty`) go to the engine's sampler unchanged (`engine/runtime/sampling.py`).
 """
 
 from __future__ import annotations

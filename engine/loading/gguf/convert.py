@@ -29,10 +29,10 @@ from tqdm import tqdm
 from ...adapters import adapter_for
 from ...checkpoint import config_from_dict
 from ...errors import CheckpointError
-from ...expert_tensors import WEIGHT_NAMES
 from ...ftw.writer import FTWWriter
+from ...model.expert_tensors import WEIGHT_NAMES
+from ...model.transformer import MoETransformer
 from ...spec import ModelSpec, MoESpec
-from ...transformer import MoETransformer
 from ..convert import QUANT_CODECS, ConvertReport, _encode_weight, _report
 from .config import hf_config
 from .reader import GGUFSource

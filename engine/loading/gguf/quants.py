@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...codecs import QBLOCK, EncodedTensor, encode, pack_nibbles
+from ...ftw.codecs import QBLOCK, EncodedTensor, encode, pack_nibbles
 from .reader import GGUFTensor, dequantize, raw_rows
 
 #: GGUF type name -> the FTW codec its weights are kept in (anything else: fp32, or bf16 for BF16)

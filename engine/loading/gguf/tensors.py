@@ -23,8 +23,8 @@ from collections.abc import Iterator
 import torch
 
 from ...adapters.base import Adapter
-from ...codecs import EncodedTensor, decode, encode
 from ...errors import CheckpointError
+from ...ftw.codecs import EncodedTensor, decode, encode
 from . import deepseek2
 from .quants import encoded_weight
 from .reader import GGUFSource, _gguf, dequantize

@@ -35,8 +35,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ..ftw.codecs import MXFP4_BLOCK, EncodedTensor, get_codec, mxfp4_scaled_pairs
 from . import gemv_triton
-from .codecs import MXFP4_BLOCK, EncodedTensor, get_codec, mxfp4_scaled_pairs
 from .scratch import thread_buffer
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .transformer import MoETransformer
 
 

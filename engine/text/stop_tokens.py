@@ -15,10 +15,10 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 if TYPE_CHECKING:
-    from .ftw.reader import FTWFile
+    from ..ftw.reader import FTWFile
 
 logger = logging.getLogger(__name__)
 

@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
+from ..kernels.int8 import quantize
+from ..spec import MoESpec
 from . import routed
 from .grouped_experts import ExpertStack, stack_capturable, stack_codec
-from .int8 import quantize
 from .routed import dispatch_experts as dispatch_experts  # re-exported: importers use these names
 from .routed import expert_forward as expert_forward
 from .routed import run_experts as run_experts
-from .spec import MoESpec
 
 ExpertKey = tuple[int, int]  # (layer, expert)
 PROJECTIONS = ("gate_up", "down", "gate_up_bias", "down_bias")

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.paged_attention import chunk_views, decode_gqa, decode_mla, heads_first_views
+from ..spec import AttentionSpec
 from .kv import StreamSpec
 from .layers import RMSNorm, StepContext, apply_rope, apply_rope_half, linear
-from .paged_attention import chunk_views, decode_gqa, decode_mla, heads_first_views
-from .spec import AttentionSpec
 
 
 def _linear(in_f: int, out_f: int, bias: bool) -> nn.Linear:
@@ -252,7 +252,7 @@ def static_decode(
     **key2: torch.Tensor,
 ) -> torch.Tensor:
     """Decode attention of a static step through the Triton kernel (`paged_triton`)."""
-    from .paged_triton import paged_decode  # triton is only needed (and imported) here
+    from ..kernels.paged_triton import paged_decode  # triton is only needed (and imported) here
 
     static = ctx.static
     assert static is not None

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import norm_triton
+from ..kernels import norm_triton
+from ..kernels.paged_attention import Chunk, position_chunks
+from ..spec import RopeSpec
 from .kv import BlockTable
-from .paged_attention import Chunk, position_chunks
-from .spec import RopeSpec
 
 
 class RMSNorm(nn.Module):

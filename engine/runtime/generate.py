@@ -7,10 +7,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from .detokenize import IncrementalDetokenizer
-from .errors import MemoryBudgetError
+from ..errors import MemoryBudgetError
+from ..text.detokenize import IncrementalDetokenizer
+from ..text.stop_text import first_stop, held_back_for_stops
 from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
-from .stop_text import first_stop, held_back_for_stops
 
 if TYPE_CHECKING:
     from .session import Session

@@ -18,13 +18,13 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from .anchors.anchor import Anchor, Validation, check_fingerprint, restore_expert_state, verify_anchor
-from .anchors.store import AnchorStore
-from .errors import ContextOverflowError, EngineError, InvalidTokenError
-from .experts import ExpertStore
-from .kv import BlockPool, BlockTable
-from .layers import StepContext, rope_cos_sin
-from .spec import ModelSpec
+from ..anchors.anchor import Anchor, Validation, check_fingerprint, restore_expert_state, verify_anchor
+from ..anchors.store import AnchorStore
+from ..errors import ContextOverflowError, EngineError, InvalidTokenError
+from ..model.experts import ExpertStore
+from ..model.kv import BlockPool, BlockTable
+from ..model.layers import StepContext, rope_cos_sin
+from ..spec import ModelSpec
 
 
 class ForwardPass(Protocol):

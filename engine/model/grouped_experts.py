@@ -42,11 +42,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from . import gemv_triton
-from .codecs import get_codec
-from .int8 import quantize
-from .mxfp4 import decode_weight
-from .spec import MoESpec
+from ..ftw.codecs import get_codec
+from ..kernels import gemv_triton
+from ..kernels.int8 import quantize
+from ..kernels.mxfp4 import decode_weight
+from ..spec import MoESpec
 
 logger = logging.getLogger(__name__)
 

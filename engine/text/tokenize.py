@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import EngineError
+from ..errors import EngineError
 
 logger = logging.getLogger(__name__)
 

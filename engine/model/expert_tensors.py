@@ -15,11 +15,11 @@ from collections.abc import Mapping
 
 import torch
 
-from .codecs import MXFP4_BLOCK, EncodedTensor, decode
-from .errors import FTWFormatError
+from ..errors import FTWFormatError
+from ..ftw.codecs import MXFP4_BLOCK, EncodedTensor, decode
+from ..ftw.layout import TensorInfo
+from ..kernels.int8 import ExpertQuant, quantize
 from .experts import ExpertKey
-from .ftw.layout import TensorInfo
-from .int8 import ExpertQuant, quantize
 
 WEIGHT_NAMES = ("gate_up", "gate", "up", "down")
 """The weight projections an expert block may store (the rest are biases and scales)."""

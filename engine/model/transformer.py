@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..spec import LayerSpec, ModelSpec
 from .attention import GQAAttention, MLAAttention
 from .experts import ExpertStore
 from .kv import StreamSpec
 from .layers import RMSNorm, StepContext, linear
 from .moe import DenseMLP, MoEBlock
-from .spec import LayerSpec, ModelSpec
 
 
 class DecoderLayer(nn.Module):

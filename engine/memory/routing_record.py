@@ -24,10 +24,10 @@ from typing import BinaryIO
 
 import torch
 
-from .errors import EngineError
-from .experts import DelegatingStore, ExpertStore
+from ..errors import EngineError
+from ..model.experts import DelegatingStore, ExpertStore
+from ..spec import MoESpec
 from .routing_trace import format_record
-from .spec import MoESpec
 
 logger = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .template.budget import TemplateBudget
-from .template.inputs import template_source, template_variables
-from .template.sandbox import render_template
+from ..template.budget import TemplateBudget
+from ..template.inputs import template_source, template_variables
+from ..template.sandbox import render_template
 from .tokenize import added_pattern, defuse
 
 logger = logging.getLogger(__name__)

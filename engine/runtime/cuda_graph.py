@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .layers import StaticAttention, StepContext, rope_cos_sin
+from ..model.layers import StaticAttention, StepContext, rope_cos_sin
 
 if TYPE_CHECKING:
-    from .kv import BlockTable
-    from .spec import ModelSpec
+    from ..model.kv import BlockTable
+    from ..spec import ModelSpec
 
 
 logger = logging.getLogger(__name__)
@@ -57,8 +57,8 @@ class DecodeModel(Protocol):
 def graph_unsupported(model: DecodeModel, device: torch.device, *, cuda_graphs: bool = True) -> str | None:
     """Why `model`'s decode step cannot be captured on `device` (None: it can); `cuda_graphs`:
     the option (`EngineOptions.cuda_graphs`), checked first."""
-    from .int8 import Int8Linear
-    from .moe import MoEBlock
+    from ..kernels.int8 import Int8Linear
+    from ..model.moe import MoEBlock
 
     if not cuda_graphs:
         return "cuda_graphs=False"
@@ -167,7 +167,7 @@ class CudaGraphDecode(StaticDecode):
 
 def expert_provider(model: DecodeModel) -> Any:
     """The expert provider of `model`'s MoE layers (None: no MoE layer)."""
-    from .moe import MoEBlock
+    from ..model.moe import MoEBlock
 
     return next((layer.mlp.provider for layer in model.layers if isinstance(layer.mlp, MoEBlock)), None)
 

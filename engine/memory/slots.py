@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from .experts import ExpertKey, ExpertWeights
-from .grouped_experts import ExpertStack, run_grouped, stack_codec
-from .spec import MoESpec
+from ..model.experts import ExpertKey, ExpertWeights
+from ..model.grouped_experts import ExpertStack, run_grouped, stack_codec
+from ..spec import MoESpec
 
 # Each tensor of a row, and each row, starts at a multiple of this many bytes: the grouped GEMM
 # on a GPU wants 16-byte aligned strides and data pointers, and a typed view of the byte buffer

@@ -45,6 +45,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ..kernels.int8 import int8_linear
+from ..kernels.mxfp4 import mxfp4_linear
+from ..spec import MoESpec
 from .grouped_experts import (
     GEMV_MAX_TOKENS,
     ExpertStack,
@@ -54,9 +57,6 @@ from .grouped_experts import (
     run_grouped,
     run_pair,
 )
-from .int8 import int8_linear
-from .mxfp4 import mxfp4_linear
-from .spec import MoESpec
 
 
 class ExpertProjections(Protocol):

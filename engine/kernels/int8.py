@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..choices import EXPERT_QUANTS, ExpertQuant
+from ..errors import EngineError
 from . import gemv_triton
-from .choices import EXPERT_QUANTS, ExpertQuant
-from .errors import EngineError
 from .scratch import thread_buffer
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def check_dense_quant(
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Float ``weight [N, K]`` -> (int8 [N, K], fp32 scale [N]) with FTW's int8 codec (same bits)."""
-    from .codecs import encode
+    from ..ftw.codecs import encode
 
     enc = encode(weight, "int8")
     return enc.parts["weight"].to(weight.device), enc.parts["scale"].to(weight.device)

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..model.layers import StepContext
 from .cuda_graph import DecodeGraphs, expert_provider, graph_unsupported
-from .layers import StepContext
 
 if TYPE_CHECKING:
-    from .transformer import MoETransformer
+    from ..model.transformer import MoETransformer
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from .errors import MemoryBudgetError
+from ..errors import MemoryBudgetError
 
 DEFAULT_BLOCK_SIZE = 16
 CHAIN_SEED = hashlib.sha256(b"freetoken-kv-chain-v1").digest()  # chain value before block 0

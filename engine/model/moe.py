@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..spec import MoESpec
 from .experts import ExpertStore
 from .layers import linear
-from .spec import MoESpec
 
 
 class DenseMLP(nn.Module):
