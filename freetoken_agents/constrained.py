@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import torch
@@ -66,6 +67,42 @@ _SIMULATION_LIMIT = 256  # steps a closing-cost simulation may take before it co
 
 class NamedToolChoice(BaseModel):
     name: str
+
+
+@dataclass(frozen=True)
+class TextGrammar:
+    """A grammar over a reply's whole text, not a JSON value's: `kind` "regex" (the text matches
+    `source`, xgrammar's regex dialect: no lookaround, no backreferences) or "ebnf" (xgrammar's
+    EBNF, which reads llama.cpp's GBNF: a `root` rule). `choice` builds the one for "exactly one
+    of these strings" (vLLM's guided_choice)."""
+
+    kind: Literal["regex", "ebnf"]
+    source: str
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> TextGrammar:
+        """Exactly one of `options`: an EBNF alternation of their literals."""
+        return cls("ebnf", "root ::= " + " | ".join(map(_ebnf_literal, options)))
+
+    @property
+    def key(self) -> str:
+        """Its grammar cache key (a JSON schema's key is its JSON text: no prefix collides)."""
+        return f"{self.kind}:{self.source}"
+
+
+def _ebnf_literal(text: str) -> str:
+    """`text` as an EBNF string literal: quote and backslash escaped, and every character that is
+    not printable written as a code-point escape (a raw newline or control byte would end or
+    break the literal)."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch.isprintable():
+            out.append(ch)
+        else:
+            out.append(f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}")
+    return '"' + "".join(out) + '"'
 
 
 def _xgrammar() -> Any:
@@ -147,6 +184,17 @@ class GrammarFactory:
             compiled, self.vocab, XmlParamsLexer(raw, required), string_limit=string_limit(schema)
         )
 
+    def text_grammar(self, grammar: TextGrammar) -> TextConstraint:
+        """The constraint for a reply's text under `grammar` (cached by its key); the compiler's
+        own error (RuntimeError, ValueError) when it refuses the regex or grammar."""
+        return TextConstraint(self._cache.get(*self._text_job(grammar)), self.vocab)
+
+    def precompile_text(self, grammar: TextGrammar, *, timeout: float) -> CompiledGrammar:
+        """`precompile` for a `TextGrammar`: compiled now on the compile thread, with the same
+        deadlines and errors (SchemaRejected when it did not compile in time)."""
+        key, compile = self._text_job(grammar)
+        return CompiledGrammar(key, self._cache.get(key, compile, timeout))
+
     def precompile(
         self, schema: dict[str, Any], *, body_format: str = "json", timeout: float
     ) -> CompiledGrammar:
@@ -172,6 +220,11 @@ class GrammarFactory:
         # the schema is neither sorted for compiling nor for the cache key.
         key = json.dumps(schema)
         return key, lambda: self.compiler.compile_json_schema(key, any_whitespace=False, strict_mode=True)
+
+    def _text_job(self, grammar: TextGrammar) -> tuple[str, Callable[[], Any]]:
+        if grammar.kind == "regex":
+            return grammar.key, lambda: self.compiler.compile_regex(grammar.source)
+        return grammar.key, lambda: self.compiler.compile_grammar(grammar.source)
 
     def _xml_job(self, schema: dict[str, Any], params: Any) -> tuple[str, Callable[[], Any]]:
         def compile() -> Any:
@@ -324,6 +377,22 @@ class JsonConstraint:
             if torch.isfinite(scores[0, best]):
                 return best
         return -1
+
+
+class TextConstraint(JsonConstraint):
+    """A reply's text under a `TextGrammar` (a regex, an EBNF/GBNF grammar, a choice). The JSON
+    closing policy (close the open string, then the brackets) means nothing here, and the shortest
+    way to a grammar's end is not known without searching it: so no closing guarantee. The text
+    ends where the model ends it and the grammar allows (or allows nothing more), else at its
+    budget, finish_reason "length" and possibly mid-pattern, as vLLM's and llama-server's
+    grammar outputs do."""
+
+    @property
+    def finished(self) -> bool:
+        return False  # only the stop token ends it: the grammar allows it once the text is complete
+
+    def closing_cost(self, after: int | None = None) -> int:
+        return 0  # nothing to steer towards: `ConstrainedDecode` never forces a closing token
 
 
 def _up_to_banned(tokens: list[int], banned: frozenset[int]) -> list[int]:

@@ -35,7 +35,7 @@ from ._decode import TurnDecoder
 from ._turn_output import RecordingStepper, TurnOutput
 from .anchors import AnchorBook, AnchorHandle, RollbackOutcome
 from .backend import GenerateRequest, GenEvent, ModelBackend, Usage, common_prefix_length
-from .constrained import ConstrainedDecode, GrammarFactory
+from .constrained import ConstrainedDecode, GrammarFactory, TextGrammar
 from .embedded import is_default_model
 from .errors import ContextConflict, TokenLimitTooSmall
 from .parsers import parser_for, reasoning_markers, with_template_call_ids
@@ -388,9 +388,28 @@ class FreeTokenModel:
             self._decode_json(schema, max_tokens, sampling or SamplingParams(), end_turn, limit_name)
         )
 
+    def decode_grammar(
+        self,
+        grammar: TextGrammar,
+        *,
+        max_tokens: int,
+        sampling: SamplingParams | None = None,
+        end_turn: bool = True,
+    ) -> Iterator[GenEvent]:
+        """Decode text under `grammar` (`constrained.TextGrammar`: a regex, an EBNF / GBNF grammar,
+        a choice of strings) after the context, with `decode_json`'s events, sampling and
+        `end_turn`. The text ends with "stop" where the model ends it and the grammar allows (or
+        allows nothing more), else at `max_tokens` sampled tokens with "length", perhaps short of
+        the grammar's end (`constrained.TextConstraint`: no closing guarantee) and then without
+        the end-of-turn token. The compiler's error (RuntimeError, ValueError) when it refuses
+        the grammar."""
+        return self._guarded(
+            self._decode_json(grammar, max_tokens, sampling or SamplingParams(), end_turn, "max_tokens")
+        )
+
     def _decode_json(
         self,
-        schema: dict[str, Any],
+        schema: dict[str, Any] | TextGrammar,
         max_tokens: int,
         sampling: SamplingParams,
         end_turn: bool,
@@ -400,7 +419,9 @@ class FreeTokenModel:
         output = TurnOutput(self, sampler, sampling.logprobs)
         call = ConstrainedDecode(
             RecordingStepper(self, output) if output.records else self,
-            self.grammars().json_schema(schema),
+            self.grammars().text_grammar(schema)
+            if isinstance(schema, TextGrammar)
+            else self.grammars().json_schema(schema),
             budget=max_tokens,
             room=self.max_context - self.position - (1 if end_turn else 0),
             sampler=sampler,
@@ -422,7 +443,10 @@ class FreeTokenModel:
             logger.warning("structured output stopped by the memory limit: %s", e)
             yield GenEvent("done", finish_reason="memory", logprobs=output.take())
             return
-        if end_turn and self.stop_ids:
+        # a grammar's text cut by its budget did not end: no end of turn (as free text), so its
+        # completion counts max_tokens tokens, not one more
+        ended = call.finish_reason == "stop" or not isinstance(schema, TextGrammar)
+        if end_turn and ended and self.stop_ids:
             self.append_pending(self.stop_ids[0])
         yield GenEvent("done", finish_reason=call.finish_reason, logprobs=output.take())
 

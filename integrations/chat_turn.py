@@ -1,7 +1,8 @@
 """One chat turn on the engine, for every front end (ChatFreeToken, `freetoken serve`, `freetoken
 chat`): prefix reuse, the SDK's turn decoder (tool calls decoded under their schemas' grammar,
-forced ones included, stop strings: `GenerateRequest.stop`) or its JSON decoder (structured
-output), the cut at the first tool-call marker, and the calls parsed by the model's own parser.
+forced ones included, stop strings: `GenerateRequest.stop`), its JSON decoder (structured
+output) or its grammar decoder (a regex, an EBNF grammar, a choice; stop strings cut it too), the
+cut at the first tool-call marker, and the calls parsed by the model's own parser.
 
 `run_chat_turn` is a generator of typed events: `ContentDelta`s as text is decoded (text that may
 begin a call marker is held back until it is known not to; the SDK holds back what may begin a
@@ -25,6 +26,7 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from freetoken_agents.constrained import TextGrammar
 from freetoken_agents.engine import SamplingParams, held_back_for_stops
 from freetoken_agents.model import GenerateRequest, GenEvent
 from freetoken_agents.parsers import new_call_id
@@ -71,7 +73,9 @@ class ChatTurnRequest:
     ids: the prompt's token ids. tools: the tools the reply may call (empty: it calls none).
     force: None (the model decides), '*' (some tool must be called) or the forced tool's name.
     json_schema: the whole reply decodes under this schema (structured output; no tool calls, no
-    stop strings). stop: stop strings for the free text. max_tokens: the bound on free text;
+    stop strings). grammar: the whole reply decodes under this regex / EBNF grammar / choice (no
+    tool calls; stop strings cut it, as vLLM's do). stop: stop strings for the free text (and a
+    grammar reply). max_tokens: the bound on free text and a grammar reply;
     max_call_tokens: on each tool call's sampled tokens. json_limit: which of the two bounds a JSON
     reply (and is named when it cannot fit). argument_sources: ground tool-call string arguments in
     these texts (`GenerateRequest.argument_sources`; None: the grammar alone). call_sources: with
@@ -84,6 +88,7 @@ class ChatTurnRequest:
     tools: list[dict[str, Any]] = field(default_factory=list)
     force: str | None = None
     json_schema: dict[str, Any] | None = None
+    grammar: TextGrammar | None = None
     stop: tuple[str, ...] = ()
     max_tokens: int = 256
     max_call_tokens: int = 192
@@ -240,7 +245,7 @@ def _reply(
     the last `Finished` of a reply that was not cancelled."""
     ids = request.ids
     parser = backend.parser
-    tools_on = bool(request.tools) and request.json_schema is None
+    tools_on = bool(request.tools) and request.json_schema is None and request.grammar is None
     markers = (parser.start,) if tools_on and parser.start else ()
     full, emitted, finish, reason = "", 0, "length", None
     calls = _CallTracker(parser, request.tools if tools_on else [])
@@ -326,6 +331,11 @@ def _events(backend: FreeTokenModel, request: ChatTurnRequest, tools_on: bool) -
         seed=request.seed,
         logprobs=request.logprobs,
     )
+    if request.grammar is not None:
+        events = backend.decode_grammar(
+            request.grammar, max_tokens=request.max_tokens, sampling=SamplingParams(**sampling)
+        )
+        return _until_stop(events, request.stop) if request.stop else events
     if request.json_schema is not None:
         limit = request.json_limit
         return backend.decode_json(
@@ -347,6 +357,33 @@ def _events(backend: FreeTokenModel, request: ChatTurnRequest, tools_on: bool) -
             **sampling,
         )
     )
+
+
+def _until_stop(events: Iterator[GenEvent], stops: tuple[str, ...]) -> Iterator[GenEvent]:
+    """A grammar reply's events cut at its first stop string: text that may begin one is held
+    back, the text before it delivered, then "done" with "stop" (the stop string and what the
+    grammar decoder had written past it are dropped; their tokens stay in the context, as the SDK
+    leaves a free turn's)."""
+    text, sent = "", 0
+    try:
+        for event in events:
+            if event.kind != "text":
+                if event.kind == "done" and sent < len(text):  # the held-back tail was text
+                    yield GenEvent("text", text[sent:])
+                yield event
+                continue
+            text += event.text
+            # text[:sent] holds no stop, nor the start of one (that would have been held back)
+            found = [i for i in (text.find(stop, sent) for stop in stops) if i != -1]
+            if found:
+                yield GenEvent("text", text[sent : min(found)], logprobs=event.logprobs)
+                yield GenEvent("done", finish_reason="stop")
+                return
+            visible = len(text) - held_back_for_stops(text, stops)
+            yield GenEvent("text", text[sent:visible], logprobs=event.logprobs)
+            sent = visible
+    finally:
+        events.close()
 
 
 class _CallTracker:

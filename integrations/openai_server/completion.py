@@ -55,13 +55,14 @@ __all__ = [
 
 
 def turn_request(req: PreparedRequest) -> ChatTurnRequest:
-    """The chat turn a prepared request asks for: max_tokens bounds the free text, each tool call
-    and a JSON reply alike."""
+    """The chat turn a prepared request asks for: max_tokens bounds the free text, each tool call,
+    a JSON reply and a grammar reply alike."""
     return ChatTurnRequest(
         ids=req.ids,
         tools=req.tools if req.tools_on else [],
         force=req.force if req.tools_on else None,
         json_schema=req.json_schema,
+        grammar=req.grammar,
         stop=req.stop,
         max_tokens=req.max_tokens,
         max_call_tokens=req.max_tokens,

@@ -19,20 +19,24 @@ import dataclasses
 import json
 import math
 import re
+import secrets
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from freetoken_agents import SchemaRejected, user_sources
-from freetoken_agents.engine import ChatTemplateError, encode_plain
+from freetoken_agents.constrained import TextGrammar
+from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, ChatTemplateError, encode_plain, render_chat
 from freetoken_agents.errors import GrammarCompilerBusy
 from freetoken_agents.grammar_cache import CompiledGrammar
+from freetoken_agents.parsers import with_template_call_ids
 from freetoken_agents.schema_check import check_schema
 
 from ..chat_turn import MAX_CHOICES, no_calls
 from .errors import OpenAIError, bad_request
-from .extensions import check_extensions, extension_schema, generation_prompt
+from .extensions import check_extensions, continue_final_message, generation_prompt, output_constraint
 from .extensions import max_tokens as extension_max_tokens
 from .schemas import ChatCompletionRequest, Content, NamedToolChoice
 
@@ -49,6 +53,8 @@ class PreparedRequest:
         tool_choice "none": `chat_turn.no_calls`, under which the decoder lets no call start).
     force: None (the model decides), '*' (some tool must be called) or the forced tool's name.
     json_schema: the whole reply decodes under this schema (response_format), else None.
+    grammar: the whole reply decodes under this regex / EBNF grammar / choice (the peers'
+        guided_regex, grammar, guided_choice...), else None.
     max_tokens: the bound on sampled tokens, for the free text and for each tool call (text the
         grammar forces, keys and punctuation, is not sampled and not counted).
     call_sources: relevant calls, the model's default (`FreeTokenModel.relevant_calls`): the user's
@@ -62,6 +68,7 @@ class PreparedRequest:
     tools_on: bool = False
     force: str | None = None
     json_schema: dict[str, Any] | None = None
+    grammar: TextGrammar | None = None
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float | None = None
@@ -196,6 +203,8 @@ class CheckedRequest:
     json_schema: dict[str, Any] | None
     schemas: dict[str, dict[str, Any]]  # param -> schema the reply may be decoded under
     grammars: tuple[CompiledGrammar, ...] = ()  # their grammars (`compile_grammars`)
+    grammar: TextGrammar | None = None  # the reply's regex / EBNF / choice constraint
+    grammar_param: str = ""  # the field that asked for it
 
 
 def check(request: ChatCompletionRequest, backend: FreeTokenModel, *, model_name: str) -> CheckedRequest:
@@ -209,7 +218,8 @@ def check(request: ChatCompletionRequest, backend: FreeTokenModel, *, model_name
             code="model_not_found",
         )
     _refuse_unsupported(request)
-    check_extensions(request)  # llama-server / vLLM fields: honoured or a 400 naming them
+    template = getattr(backend.tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+    check_extensions(request, template)  # llama-server / vLLM fields: honoured or a 400 naming them
     extension_max_tokens(request)
     tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
     names = [t["function"]["name"] for t in tools]
@@ -217,13 +227,16 @@ def check(request: ChatCompletionRequest, backend: FreeTokenModel, *, model_name
     force = _force(choice, names)
     tools_on = bool(tools) and choice != "none"
     json_schema = _response_schema(request, tools_on and force is None)
-    guided = extension_schema(request)  # vLLM's guided_json: as response_format json_schema
-    if guided is not None:
-        if tools_on and force is None:
+    constraint = output_constraint(request)  # vLLM's guided_* / structured_outputs, llama-server's
+    grammar = None
+    if constraint is not None:
+        if tools_on:  # vLLM refuses guided decoding with a named tool_choice; `auto` would end it
             raise bad_request(
-                "guided_json with tools and tool_choice 'auto' is not supported", param="guided_json"
+                f"{constraint.param} with tools is supported under tool_choice 'none' only (the "
+                "tools stay in the prompt, the reply follows the constraint)",
+                param=constraint.param,
             )
-        json_schema = guided
+        json_schema, grammar = constraint.schema, constraint.grammar
     if json_schema is not None and force is not None:
         json_schema = None  # a forced call is the whole reply; response_format applies to text
     schemas: dict[str, dict[str, Any]] = {}
@@ -236,33 +249,56 @@ def check(request: ChatCompletionRequest, backend: FreeTokenModel, *, model_name
             chosen = tools if force in (None, "*") else [t for t in tools if t["function"]["name"] == force]
             schemas["tools"] = backend.parser.body_schema(chosen)  # what a call decodes under
     if json_schema is not None:
-        schemas["guided_json" if guided is not None else "response_format.json_schema.schema"] = json_schema
+        param = constraint.param if constraint is not None else "response_format.json_schema.schema"
+        schemas[param] = json_schema
     for param, schema in schemas.items():
         try:
             check_schema(schema)
         except SchemaRejected as e:
             raise bad_request(f"{param}: {e}", param=param) from None
-    return CheckedRequest(request, chat_messages(request), tools, tools_on, force, json_schema, schemas)
+    return CheckedRequest(
+        request,
+        chat_messages(request),
+        tools,
+        tools_on,
+        force,
+        json_schema,
+        schemas,
+        grammar=grammar,
+        grammar_param=constraint.param if constraint is not None and grammar is not None else "",
+    )
 
 
 COMPILE_TIMEOUT_S = 10.0  # default deadline of a request's grammar compile (ServerConfig)
 
 
 def compile_grammars(checked: CheckedRequest, backend: FreeTokenModel, *, timeout: float) -> CheckedRequest:
-    """`checked` with the grammars of its schemas, compiled on the grammar factory's compile
+    """`checked` with the grammars of its schemas and its regex or grammar, compiled on the compile
     thread before the request queues for the engine (`GrammarFactory.precompile`), each waiting
     at most `timeout` s for that thread and `timeout` s for its compile: a costly compile delays
     its own request only. OpenAIError: 400 naming the param for a schema the compiler refuses or
     that did not compile in time, 503 when other requests' compiles held the thread."""
-    grammars = backend.grammars()
+    grammars = backend.grammars()  # xgrammar is there: the server does not start without it
     named = backend.parser.needs_name_in_prefix()  # a call's body is its tool's parameters alone
-    compiled = []
+    jobs: list[tuple[str, str, Callable[[], CompiledGrammar]]] = []  # param, what it holds, compile
     for param, schema in checked.schemas.items():
         body = backend.parser.body_format if named and param.startswith("tools.") else "json"
+        jobs.append(
+            (param, "JSON schema", partial(grammars.precompile, schema, body_format=body, timeout=timeout))
+        )
+    if checked.grammar is not None:
+        what = "regex" if checked.grammar.kind == "regex" else "grammar"
+        jobs.append(
+            (checked.grammar_param, what, partial(grammars.precompile_text, checked.grammar, timeout=timeout))
+        )
+    compiled = []
+    for param, what, job in jobs:
         try:
-            compiled.append(grammars.precompile(schema, body_format=body, timeout=timeout))
+            compiled.append(job())
         except SchemaRejected as e:
-            raise bad_request(f"{param}: {e}", param=param) from None
+            # the cache's deadline message speaks of JSON schemas; a regex or grammar has no other
+            why = str(e) if what == "JSON schema" else f"the {what} did not compile within {timeout:g} s"
+            raise bad_request(f"{param}: {why}", param=param) from None
         except GrammarCompilerBusy as e:
             raise OpenAIError(
                 503,
@@ -273,7 +309,7 @@ def compile_grammars(checked: CheckedRequest, backend: FreeTokenModel, *, timeou
                 headers={"Retry-After": str(max(1, math.ceil(timeout)))},
             ) from None
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with the compiler's message
-            raise _not_compiled(e, param) from None
+            raise _not_compiled(e, param, what) from None
     return dataclasses.replace(checked, grammars=tuple(compiled))
 
 
@@ -290,8 +326,11 @@ def prepare(
     if not _bound_prompt(checked, backend, limit, cancelled):
         return None
     try:
-        prompt_header = generation_prompt(request)  # vLLM's add_generation_prompt (default true)
-        ids = backend.render(checked.messages, checked.tools or None, generation_prompt=prompt_header)
+        if continue_final_message(request):  # vLLM's: the reply continues the last assistant message
+            ids = _open_final_message(checked, backend)
+        else:
+            prompt_header = generation_prompt(request)  # vLLM's add_generation_prompt (default true)
+            ids = backend.render(checked.messages, checked.tools or None, generation_prompt=prompt_header)
     except ChatTemplateError as e:  # e.g. a message order or role the model's template refuses
         raise bad_request(str(e), param="messages") from None
     prompt = len(ids)
@@ -313,13 +352,19 @@ def prepare(
         "call_sources": tuple(user_sources(checked.messages)) if backend.relevant_calls else None,
         "logit_bias": _logit_bias(request.logit_bias, backend.vocab_size),
     }
-    if checked.tools and request.tool_choice == "none" and checked.json_schema is None:
+    if (
+        checked.tools
+        and request.tool_choice == "none"
+        and checked.json_schema is None
+        and checked.grammar is None
+    ):
         # the prompt shows the tools; the decoder lets no call start
         calls = {**no_calls(backend, calls["logit_bias"]), "tools_on": True}
     return PreparedRequest(
         ids=ids,
         force=checked.force,
         json_schema=checked.json_schema,
+        grammar=checked.grammar,
         max_tokens=requested if requested is not None else limit - prompt,
         temperature=request.temperature if request.temperature is not None else 1.0,
         top_p=request.top_p,
@@ -333,6 +378,45 @@ def prepare(
         n=request.n or 1,
         stop=request.stop_strings,
         **calls,
+    )
+
+
+SUFFIX_TOKENS = 64  # tokens searched from the prompt's end for the end of turn to remove
+
+
+def _open_final_message(checked: CheckedRequest, backend: FreeTokenModel) -> list[int]:
+    """The prompt of vLLM's continue_final_message, as transformers builds it: the messages
+    rendered, ending right after the last (assistant) message's text, without what the template
+    writes after it (the end-of-turn token and the like), so the reply continues that text. The
+    template is rendered once as text with a unique tag after that text (what follows the tag is
+    the suffix), and the engine's own ids of the messages (its untrusted spans kept) lose the
+    trailing tokens that decode to the suffix; text of a token that straddles the cut is
+    tokenized again. A 400 when the template drops the text or the suffix cannot be found."""
+    messages, tools = checked.messages, checked.tools or None
+    tag = f"FTCONTINUE{secrets.token_hex(8)}"
+    tagged = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + tag}]
+    # the call ids `backend.render` writes (a Mistral template refuses others)
+    text = render_chat(backend.tokenizer, with_template_call_ids(tagged), tools, add_generation_prompt=False)
+    at = text.rfind(tag)
+    if at == -1:
+        raise bad_request(
+            "continue_final_message: the chat template does not write the last message's text",
+            param="continue_final_message",
+        )
+    suffix = text[at + len(tag) :]
+    ids = backend.render(messages, tools, generation_prompt=False)
+    if not suffix:
+        return ids
+    tokenizer = backend.tokenizer
+    for k in range(len(ids) - 1, max(-1, len(ids) - 1 - SUFFIX_TOKENS), -1):
+        tail = tokenizer.decode(ids[k:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if tail.endswith(suffix):
+            head = tail[: len(tail) - len(suffix)]  # the message's end, in a token shared with it
+            if "\ufffd" not in head:  # not a cut inside a character's bytes
+                return ids[:k] + (encode_plain(tokenizer, head) if head else [])
+    raise bad_request(
+        "continue_final_message: the end of turn after the last message was not found in the prompt",
+        param="continue_final_message",
     )
 
 
@@ -452,10 +536,10 @@ def _response_schema(request: ChatCompletionRequest, auto_tools: bool) -> dict[s
 _SOURCE_PREFIX = re.compile(r"^\[[\d:.]+\]\s+\S+:\d+:\s*")
 
 
-def _not_compiled(error: Exception, param: str) -> OpenAIError:
+def _not_compiled(error: Exception, param: str, what: str) -> OpenAIError:
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     first = _SOURCE_PREFIX.sub("", first)  # "[14:15:41] /project/cpp/x.cc:5082: " is noise here
-    return bad_request(f"{param}: the JSON schema cannot be compiled: {first}", param=param)
+    return bad_request(f"{param}: the {what} cannot be compiled: {first}", param=param)
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
