@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -290,8 +290,10 @@ class Engine:
         tools: Sequence[dict] | None = None,
         *,
         add_generation_prompt: bool = True,
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of `messages` rendered with the checkpoint's chat template (or the default).
+        """Token ids of `messages` rendered with the checkpoint's chat template (or the default);
+        `variables`: more template variables (chat-template kwargs, e.g. `enable_thinking`).
 
         Only the template's own markup and the trusted roles' contents (system prompt, the
         assistant's past turns: `chat.TRUSTED_ROLES`) can yield control tokens; a special-token
@@ -299,7 +301,7 @@ class Engine:
         turn. Text without such strings gets exactly the tokenizer's own ids. ContextOverflowError,
         before tokenizing, for a rendering too long to fit in the context however it tokenizes."""
         rendered, untrusted = render_chat_spans(
-            self.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt
+            self.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt, variables=variables
         )
         bound = self.max_context * longest_token_chars(self.tokenizer) * NORMALIZER_FOLD
         if len(rendered) > bound:  # certainly over the context: not worth tokenizing

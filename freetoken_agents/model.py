@@ -21,7 +21,7 @@ import copy
 import functools
 import logging
 import threading
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -227,11 +227,18 @@ class FreeTokenModel:
         return self.engine.spec.vocab_size
 
     def render(
-        self, messages: Sequence[dict], tools: Sequence[dict] | None, *, generation_prompt: bool = True
+        self,
+        messages: Sequence[dict],
+        tools: Sequence[dict] | None,
+        *,
+        generation_prompt: bool = True,
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         # call ids in the form every template accepts (Mistral's raise on any other): `call_ids`
         messages = with_template_call_ids(messages)
-        return self.engine.apply_chat_template(messages, tools, add_generation_prompt=generation_prompt)
+        return self.engine.apply_chat_template(
+            messages, tools, add_generation_prompt=generation_prompt, variables=variables
+        )
 
     @_context_step
     def sync(self, ids: Sequence[int]) -> None:

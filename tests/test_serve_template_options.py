@@ -1,9 +1,9 @@
 """vLLM's chat-template options through `freetoken serve` (issue 63, item 6): `continue_final_message`
 (the reply continues the last assistant message: the prompt ends after its text, without the
 template's end of turn, exactly as transformers' `apply_chat_template(continue_final_message=True)`
-renders it) and `chat_template_kwargs` (a key the template does not read changes nothing, as in
-vLLM, which drops it; a key it reads is a 400 naming it, since the engine's render takes no extra
-variables yet)."""
+renders it) and `chat_template_kwargs` (variables for the chat template, as transformers'
+`apply_chat_template(**kwargs)` passes them: Qwen3's `enable_thinking`; a key the template does not
+read changes nothing, as in vLLM)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 from real_templates import model_with_template
 from serve_harness import MODEL
 
-from freetoken_agents.integrations.openai_server.errors import OpenAIError
 from freetoken_agents.integrations.openai_server.prepare import check, prepare
 from freetoken_agents.integrations.openai_server.schemas import ChatCompletionRequest
 
@@ -105,10 +104,16 @@ def test_malformed_template_kwargs_are_a_400_naming_them(client, kwargs, param):
     refused(client, param, chat_template_kwargs=kwargs)
 
 
-def test_a_template_kwarg_the_template_reads_is_refused_not_ignored():
-    model = model_with_template("Qwen-Qwen3-0.6B")  # reads enable_thinking
-    body = {"messages": HI, "chat_template_kwargs": {"enable_thinking": False}}
-    with pytest.raises(OpenAIError) as info:
-        check(ChatCompletionRequest.model_validate(body), model, model_name=MODEL)
-    assert info.value.status == 400 and info.value.param == "chat_template_kwargs.enable_thinking"
-    assert "reads enable_thinking" in info.value.message
+@pytest.mark.parametrize("thinking", [False, True])
+def test_a_template_kwarg_reaches_the_template_as_transformers_passes_it(thinking):
+    """Qwen3's template reads `enable_thinking`: false writes an empty think block after the
+    assistant header. The prompt is the tokens of transformers' own rendering with the kwarg."""
+    model = model_with_template("Qwen-Qwen3-0.6B")
+    body = {"messages": HI, "chat_template_kwargs": {"enable_thinking": thinking}}
+    prepared = prepare(check(ChatCompletionRequest.model_validate(body), model, model_name=MODEL), model)
+    assert prepared is not None
+    text = model.tokenizer.apply_chat_template(
+        HI, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+    )
+    assert prepared.ids == model.tokenizer.encode(text, add_special_tokens=False)
+    assert text.endswith("<think>\n\n</think>\n\n") != thinking

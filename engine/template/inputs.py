@@ -43,9 +43,16 @@ def template_source(tokenizer: Any, tools: Sequence[Any] | None, default: str) -
 
 
 def template_variables(
-    tokenizer: Any, messages: Sequence[Any], tools: Sequence[Any] | None, add_generation_prompt: bool
+    tokenizer: Any,
+    messages: Sequence[Any],
+    tools: Sequence[Any] | None,
+    add_generation_prompt: bool,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The variables the template renders with."""
+    """The variables the template renders with. `extra`: more of them (vLLM's and transformers'
+    chat-template kwargs, such as Qwen3's `enable_thinking`); as in transformers they override the
+    tokenizer's special tokens but not what the render itself sets (messages, tools, documents,
+    add_generation_prompt)."""
     if not messages:
         raise ChatTemplateError("there are no messages to render")
     chat = []
@@ -57,6 +64,7 @@ def template_variables(
     specials = getattr(tokenizer, "special_tokens_map", None) or {}
     return {
         **_plain(dict(specials)),
+        **_plain(dict(extra or {})),
         "messages": chat,
         "tools": _plain([_schema(tool) for tool in tools]) if tools else None,
         "documents": None,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import re
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..template.budget import TemplateBudget
@@ -82,6 +82,7 @@ def render_chat(
     *,
     add_generation_prompt: bool = True,
     budget: TemplateBudget | None = None,
+    variables: Mapping[str, Any] | None = None,
 ) -> str:
     """`messages` as text in the tokenizer's chat template (DEFAULT_CHAT_TEMPLATE when it has none).
 
@@ -90,11 +91,13 @@ def render_chat(
     The template is untrusted code: it renders in the engine's budgeted sandbox
     (`template.sandbox`: transformers' environment, so the text is the same as
     `apply_chat_template(..., tokenize=False)`), within `budget` (default `TemplateBudget()`:
-    TEMPLATE_RENDER_SECONDS, TEMPLATE_MAX_CHARS...). ChatTemplateError, one line, when the
-    template refuses the messages, breaks the budget or fails."""
+    TEMPLATE_RENDER_SECONDS, TEMPLATE_MAX_CHARS...). `variables`: more template variables
+    (chat-template kwargs such as `enable_thinking`; `template.inputs.template_variables`).
+    ChatTemplateError, one line, when the template refuses the messages, breaks the budget or
+    fails."""
     source = template_source(tokenizer, tools, DEFAULT_CHAT_TEMPLATE)
-    variables = template_variables(tokenizer, messages, tools, add_generation_prompt)
-    return render_template(source, variables, budget)
+    values = template_variables(tokenizer, messages, tools, add_generation_prompt, variables)
+    return render_template(source, values, budget)
 
 
 def render_chat_spans(
@@ -103,6 +106,7 @@ def render_chat_spans(
     tools: Sequence[dict] | None = None,
     *,
     add_generation_prompt: bool = True,
+    variables: Mapping[str, Any] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """`render_chat`'s text and the [start, end) spans of it that came from untrusted contents.
 
@@ -119,14 +123,15 @@ def render_chat_spans(
     marker = f"FTUNTRUSTED{secrets.token_hex(8)}"
     contents: list[str] = []
     marked = [_mark(message, marker, contents) for message in messages]
-    plain = render_chat(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt)
+    gen = add_generation_prompt
+    plain = render_chat(tokenizer, messages, tools, add_generation_prompt=gen, variables=variables)
     if not contents:
         return plain, []
-    text = render_chat(tokenizer, marked, tools, add_generation_prompt=add_generation_prompt)
+    text = render_chat(tokenizer, marked, tools, add_generation_prompt=gen, variables=variables)
     found = _unmark(text, marker)
     if found is not None and found[0] == plain:
         return found
-    return _fallback(tokenizer, messages, plain, tools, add_generation_prompt, contents)
+    return _fallback(tokenizer, messages, plain, tools, gen, contents, variables)
 
 
 MAX_LOCATED = 64
@@ -197,6 +202,7 @@ def _fallback(
     tools: Sequence[dict] | None,
     gen: bool,
     contents: list[str],
+    variables: Mapping[str, Any] | None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """Spans of the plain rendering `text` by verbatim search of the untrusted contents, for a
     template that reworked them (the bracketed rendering was not `text`)."""
@@ -218,4 +224,4 @@ def _fallback(
         return "\u200b".join(defuse(pattern, content))
 
     escaped = [_map_texts(m, escape) if _untrusted(m) else m for m in messages]
-    return render_chat(tokenizer, escaped, tools, add_generation_prompt=gen), []
+    return render_chat(tokenizer, escaped, tools, add_generation_prompt=gen, variables=variables), []

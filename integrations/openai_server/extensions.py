@@ -8,18 +8,15 @@ differs from max_tokens is a 400); the reply's constraint (`output_constraint`):
 newer spelling of them), llama-server's `grammar` (GBNF) and `json_schema`, one at a time, decoded
 through xgrammar as response_format is; `add_generation_prompt` (vLLM: false renders the messages
 without the assistant header) and `continue_final_message` (vLLM: the reply continues the last
-assistant message); `chat_template_kwargs` whose keys the chat template does not read (they
-change nothing, as in vLLM). Refused (REFUSED, and `chat_template_kwargs` keys the template reads:
-the engine's render takes no extra variables yet): the other sampling and output options the peers
-define that this server does not implement. A field no peer defines keeps OpenAI's behaviour:
+assistant message); `chat_template_kwargs` (variables for the chat template, such as Qwen3's
+`enable_thinking`: `template_kwargs`). Refused (REFUSED): the other sampling and output options
+the peers define that this server does not implement. A field no peer defines keeps OpenAI's behaviour:
 ignored.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,15 +60,14 @@ REFUSED: dict[str, str] = {
 }
 
 
-def check_extensions(request: ChatCompletionRequest, template: str | Mapping[str, str]) -> None:
-    """A 400 naming the first peer field `request` holds that this server does not honour;
-    `template`: the model's chat template (its source, or its named sources), which
-    `chat_template_kwargs` is checked against."""
+def check_extensions(request: ChatCompletionRequest) -> None:
+    """A 400 naming the first peer field `request` holds that this server does not honour, or
+    holds malformed."""
     extra = request.model_extra or {}
     for name, why in REFUSED.items():
         if name in extra and extra[name] not in (None, False):
             raise bad_request(f"{name} is not supported by this server: {why}", param=name)
-    _check_template_kwargs(extra.get("chat_template_kwargs"), template)
+    _check_template_kwargs(extra.get("chat_template_kwargs"))
     continue_final_message(request)
 
 
@@ -79,28 +75,23 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_
 """What the render itself sets (with the tokenizer's special tokens): never a chat_template_kwargs key."""
 
 
-def _check_template_kwargs(kwargs: Any, template: str | Mapping[str, str]) -> None:
-    """vLLM's `chat_template_kwargs`: variables for the chat template. The engine's render takes
-    none yet, so a key is accepted only where the template cannot read it (no identifier of its
-    name in any of its sources): there it changes nothing, exactly as in vLLM, which drops such
-    keys. A key the template may read (Qwen3's `enable_thinking`) is a 400 naming it: rendering
-    without it would silently ignore it."""
+def _check_template_kwargs(kwargs: Any) -> None:
+    """vLLM's `chat_template_kwargs`: a JSON object of variables for the chat template; a 400
+    naming a key the render sets itself. A key the template never reads changes nothing, as in
+    vLLM and transformers."""
     if kwargs is None:
         return
     if not isinstance(kwargs, dict):
         raise bad_request("chat_template_kwargs must be a JSON object", param="chat_template_kwargs")
-    sources = list(template.values()) if isinstance(template, Mapping) else [template]
     for key in kwargs:
         param = f"chat_template_kwargs.{key}"
         if key in RESERVED_TEMPLATE_VARIABLES:
             raise bad_request(f"{param}: the server sets {key} itself", param=param)
-        word = re.compile(rf"(?<![\w.]){re.escape(key)}(?!\w)")
-        if any(word.search(source) for source in sources if isinstance(source, str)):
-            raise bad_request(
-                f"{param}: this model's chat template reads {key}, and this server cannot pass "
-                "chat template variables yet",
-                param=param,
-            )
+
+
+def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The request's `chat_template_kwargs` (checked by `check_extensions`), for the render."""
+    return (request.model_extra or {}).get("chat_template_kwargs")
 
 
 def continue_final_message(request: ChatCompletionRequest) -> bool:

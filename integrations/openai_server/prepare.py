@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from freetoken_agents import SchemaRejected, user_sources
 from freetoken_agents.constrained import TextGrammar
-from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, ChatTemplateError, encode_plain, render_chat
+from freetoken_agents.engine import ChatTemplateError, encode_plain, render_chat
 from freetoken_agents.errors import GrammarCompilerBusy
 from freetoken_agents.grammar_cache import CompiledGrammar
 from freetoken_agents.parsers import with_template_call_ids
@@ -36,7 +36,13 @@ from freetoken_agents.schema_check import check_schema
 
 from ..chat_turn import MAX_CHOICES, no_calls
 from .errors import OpenAIError, bad_request
-from .extensions import check_extensions, continue_final_message, generation_prompt, output_constraint
+from .extensions import (
+    check_extensions,
+    continue_final_message,
+    generation_prompt,
+    output_constraint,
+    template_kwargs,
+)
 from .extensions import max_tokens as extension_max_tokens
 from .schemas import ChatCompletionRequest, Content, NamedToolChoice
 
@@ -218,8 +224,7 @@ def check(request: ChatCompletionRequest, backend: FreeTokenModel, *, model_name
             code="model_not_found",
         )
     _refuse_unsupported(request)
-    template = getattr(backend.tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
-    check_extensions(request, template)  # llama-server / vLLM fields: honoured or a 400 naming them
+    check_extensions(request)  # llama-server / vLLM fields: honoured or a 400 naming them
     extension_max_tokens(request)
     tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
     names = [t["function"]["name"] for t in tools]
@@ -330,7 +335,12 @@ def prepare(
             ids = _open_final_message(checked, backend)
         else:
             prompt_header = generation_prompt(request)  # vLLM's add_generation_prompt (default true)
-            ids = backend.render(checked.messages, checked.tools or None, generation_prompt=prompt_header)
+            ids = backend.render(
+                checked.messages,
+                checked.tools or None,
+                generation_prompt=prompt_header,
+                variables=template_kwargs(request),  # vLLM's chat_template_kwargs
+            )
     except ChatTemplateError as e:  # e.g. a message order or role the model's template refuses
         raise bad_request(str(e), param="messages") from None
     prompt = len(ids)
@@ -393,10 +403,17 @@ def _open_final_message(checked: CheckedRequest, backend: FreeTokenModel) -> lis
     trailing tokens that decode to the suffix; text of a token that straddles the cut is
     tokenized again. A 400 when the template drops the text or the suffix cannot be found."""
     messages, tools = checked.messages, checked.tools or None
+    variables = template_kwargs(checked.request)
     tag = f"FTCONTINUE{secrets.token_hex(8)}"
     tagged = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + tag}]
     # the call ids `backend.render` writes (a Mistral template refuses others)
-    text = render_chat(backend.tokenizer, with_template_call_ids(tagged), tools, add_generation_prompt=False)
+    text = render_chat(
+        backend.tokenizer,
+        with_template_call_ids(tagged),
+        tools,
+        add_generation_prompt=False,
+        variables=variables,
+    )
     at = text.rfind(tag)
     if at == -1:
         raise bad_request(
@@ -404,7 +421,7 @@ def _open_final_message(checked: CheckedRequest, backend: FreeTokenModel) -> lis
             param="continue_final_message",
         )
     suffix = text[at + len(tag) :]
-    ids = backend.render(messages, tools, generation_prompt=False)
+    ids = backend.render(messages, tools, generation_prompt=False, variables=variables)
     if not suffix:
         return ids
     tokenizer = backend.tokenizer
