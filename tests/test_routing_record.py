@@ -278,7 +278,7 @@ def test_the_langchain_model_passes_the_option(tmp_path):
 _FULL_DISK = """
 import resource, signal, sys
 from freetoken_agents.engine import Engine
-from freetoken_agents.engine import routing_record
+from freetoken_agents.engine.memory import routing_record
 folder, trace, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
 routing_record.FLUSH_LINES = 40  # write often, so some writes succeed before the disk is full
 with Engine.from_pretrained(folder) as plain:

@@ -200,7 +200,8 @@ def test_slots_are_off_on_a_cpu_unless_asked_for(mixtral_ftw):
 _STATIC_TIERED = textwrap.dedent(
     """
     import sys, torch
-    from freetoken_agents.engine import Engine, int8
+    from freetoken_agents.engine import Engine
+    from freetoken_agents.engine.kernels import int8
     from freetoken_agents.engine.runtime.cuda_graph import DecodeGraphs, StaticDecode
     from freetoken_agents.engine.memory import MemoryBudget, TieredExpertProvider
     from freetoken_agents.engine.options import TieringOptions
@@ -291,3 +292,30 @@ def test_the_pool_has_a_slot_for_every_expert_tier_1_counts_in_its_room():
     slots.release((0, 0))
     slots.fit(2 * unit)  # cannot shrink below what it holds (tier 1 evicts first)
     assert slots.pool.capacity == 3 and len(slots.pool) == 3
+
+
+def test_a_cpu_top2_all_hit_step_runs_both_slots_as_one_pair(mixtral_ftw, monkeypatch):
+    """Issue 61: a CPU decode step whose two routed experts are both in tier 1's slot pool runs
+    them as one batched GEMV per projection (`grouped_experts.run_pair` over the slots, as the
+    resident engine runs its stack), not a loop of separate matmuls, with the resident engine's
+    bits also when a pair's slots are in the opposite order of its expert ids (the outputs are
+    added in ascending expert id)."""
+    from freetoken_agents.engine.memory import provider
+
+    pairs: list[tuple[list[int], list[int]]] = []
+    real = provider.run_pair
+
+    def spy(stack, hidden, slots, weights, spec, keys=None):
+        pairs.append((list(slots), list(keys)))
+        return real(stack, hidden, slots, weights, spec, keys)
+
+    monkeypatch.setattr(provider, "run_pair", spy)
+    working_set, kv_block = _expert_bytes(mixtral_ftw)
+    # room for a few layers' pairs: evictions reuse slots, so a pair's slots come in any order
+    ref, eng = Engine.from_pretrained(mixtral_ftw), _slotted(mixtral_ftw, 3 * working_set + 8 * kv_block)
+    tp = _tiered(eng)
+    _decode_alike(ref, eng, 48)
+    assert pairs, "no all-hit decode step ran as a pair"
+    reversed_pairs = [p for p in pairs if (p[0][0] < p[0][1]) != (p[1][0] < p[1][1])]
+    assert reversed_pairs, "every pair's slots were in expert order: the test proves no ordering"
+    tp.close()

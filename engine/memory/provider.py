@@ -68,7 +68,7 @@ from ..kernels.int8 import ExpertQuant, check_expert_quant
 from ..model import routed
 from ..model.expert_tensors import kept_bytes
 from ..model.experts import ExpertKey, ExpertStore, ExpertWeights
-from ..model.grouped_experts import stack_capturable
+from ..model.grouped_experts import run_pair, stack_capturable
 from ..model.routed import expert_forward
 from ..spec import MoESpec
 from .budget import MemoryBudget, format_size
@@ -413,18 +413,27 @@ class TieredExpertProvider(ExpertStore):
         """A decode step whose routed experts are all in tier 1: counted as RESIDENT in bulk and
         timed once (each expert credited an equal share for q*'s compute model). All in the slot
         pool where the grouped GEMM is the faster kernel (`routed.use_grouped`: a GPU): one
-        grouped GEMM per projection over the slots; else the loop over the experts' weights."""
+        grouped GEMM per projection over the slots; a CPU top-2 step of float slots: both experts
+        as one batched GEMV per projection (`routed.run_routed`'s top-2 pair, as the resident
+        engine runs them); else the loop over the experts' weights."""
         self.policy.count_resident(len(experts), 1)
         pool = self.moves.slots.pool if self.moves.slots is not None else None
         if (
             pool is not None
-            and routed.use_grouped(pool.stack, hidden.shape[0])
+            and (
+                routed.use_grouped(pool.stack, hidden.shape[0])
+                or (len(experts) == 2 and expert_ids.shape == (1, 2) and pool.stack.gate_up_scale is None)
+            )
             and all((layer, e) in pool for e in experts)
         ):
             slot_ids, _ = pool.lookup(layer, expert_ids)
-            run = lambda: routed.run_routed(  # noqa: E731
-                hidden, slot_ids, weights, spec, stack=pool.stack, get=pool.weights
-            )
+            if routed.use_grouped(pool.stack, hidden.shape[0]):
+                run = lambda: routed.run_routed(  # noqa: E731
+                    hidden, slot_ids, weights, spec, stack=pool.stack, get=pool.weights
+                )
+            else:  # CPU top-2 pair of float slots, added in ascending expert id as the loop does
+                slots, keys = slot_ids.tolist()[0], expert_ids.tolist()[0]
+                run = lambda: run_pair(pool.stack, hidden, slots, weights, spec, keys)  # noqa: E731
         else:
             run = lambda: routed.run_routed(hidden, expert_ids, weights, spec, get=experts.__getitem__)  # noqa: E731
         if self._timer is not None:

@@ -324,7 +324,12 @@ def stack_capturable(codec: StackCodec, device: torch.device, dtype: torch.dtype
 
 
 def run_pair(
-    stack: ExpertStack, hidden: torch.Tensor, expert_ids: list[int], weights: torch.Tensor, spec: MoESpec
+    stack: ExpertStack,
+    hidden: torch.Tensor,
+    expert_ids: list[int],
+    weights: torch.Tensor,
+    spec: MoESpec,
+    keys: list[int] | None = None,
 ) -> torch.Tensor:
     """One token routed to two experts (top-2, CPU decode) as batched GEMVs instead of a loop.
 
@@ -332,14 +337,18 @@ def run_pair(
     experts run as one batched GEMV per projection, no copy of the weights. The same bits as
     the expert-by-expert loop of `routed.dispatch_experts` (bmm of a row equals F.linear here,
     checked in tests/test_grouped_experts.py; the weighted outputs are added in ascending id with
-    the loop's add_(alpha=)). hidden [1, H], expert_ids the two ids (host ints), weights [1, 2]
-    in the same order -> [1, H].
+    the loop's add_(alpha=)). hidden [1, H], expert_ids the two slots (host ints), weights [1, 2]
+    in the same order -> [1, H]. `keys`: the two experts' ids when the slots are not them (tier 1's
+    slot pool), which set the order the outputs are added in (with a fused multiply-add the order
+    changes the bits); by default the slots.
     """
     ws = weights.tolist()[0]
     e0, e1 = expert_ids
+    order = list(expert_ids if keys is None else keys)
     if e1 < e0:
         e0, e1 = e1, e0
         ws.reverse()
+        order.reverse()
     pick = slice(e0, e1 + 1, e1 - e0)
     x = hidden.expand(2, *hidden.shape)  # [2, 1, H]
     gate_up = torch.bmm(x, stack.gate_up[pick].transpose(1, 2))  # [2, 1, 2I]
@@ -351,6 +360,7 @@ def run_pair(
     y = torch.bmm(act, stack.down[pick].transpose(1, 2))  # [2, 1, H]
     if stack.down_bias is not None:
         y = y + stack.down_bias[pick][:, None]
+    first = 0 if order[0] < order[1] else 1
     acc = torch.zeros_like(hidden)
-    acc.add_(y[0], alpha=ws[0])
-    return acc.add_(y[1], alpha=ws[1])
+    acc.add_(y[first], alpha=ws[first])
+    return acc.add_(y[1 - first], alpha=ws[1 - first])
