@@ -217,7 +217,7 @@ def time_engine(
 def time_hf(model: Any, prompt: list[int], n: int, evict: Evictor) -> dict[str, Any]:
     from transformers import DynamicCache
 
-    from freetoken_agents.recipes.tiny.train import cache_argument
+    from freetoken_agents.recipes.tiny.forward import cache_argument
 
     kv = {cache_argument(model): DynamicCache()}  # `cache`, or `past_key_values` before 5.2x
 

@@ -49,7 +49,7 @@ from _decode_peers import llama_cpp_peer, llama_logits, load_engine_module, writ
 
 from freetoken_agents.engine import Engine
 from freetoken_agents.engine.model.moe import MoEBlock
-from freetoken_agents.recipes.tiny.train import cache_argument
+from freetoken_agents.recipes.tiny.forward import cache_argument
 
 SIZES = {
     "full": dict(

@@ -130,7 +130,7 @@ def time_hf(model: Any, prompt: list[int], forced: list[int], reps: int) -> floa
     """Median seconds per decode token of transformers with a DynamicCache."""
     from decode import crop_to  # bench/decode.py's version-proof cache crop
 
-    from freetoken_agents.recipes.tiny.train import cache_argument
+    from freetoken_agents.recipes.tiny.forward import cache_argument
 
     with torch.no_grad():
         out = model(torch.tensor([prompt], device="cuda"), use_cache=True)

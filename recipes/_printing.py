@@ -15,7 +15,7 @@ from ._common import Write
 if TYPE_CHECKING:
     from freetoken_agents import AgentEvent
 
-    from .coding_assistant import CodingEvent
+    from .coding_solver import CodingEvent
 
 
 class _Block:

@@ -164,10 +164,10 @@ def test_first_stop_searches_only_where_a_new_stop_can_end() -> None:
 def test_one_implementation_everywhere() -> None:
     # stop strings are held back once, in the SDK's turn decoder; the integrations' one chat turn
     # holds back a tool-call marker the same way
-    import freetoken_agents._decode as sdk_decode
+    import freetoken_agents._turn_text as sdk_turn_text
     import freetoken_agents.detokenize as sdk_detokenize
     import freetoken_agents.integrations.chat_turn as chat_turn
 
     assert sdk_detokenize.IncrementalDetokenizer is IncrementalDetokenizer
-    assert sdk_decode.held_back_for_stops is held_back_for_stops
+    assert sdk_turn_text.held_back_for_stops is held_back_for_stops
     assert chat_turn.held_back_for_stops is held_back_for_stops

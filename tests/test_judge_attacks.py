@@ -10,7 +10,7 @@ import pytest
 from test_sandbox import MODES
 
 from freetoken_agents.recipes import _code_judge
-from freetoken_agents.recipes.coding_assistant import check_code
+from freetoken_agents.recipes.coding_solver import check_code
 
 TESTS = ["assert inc(1) == 2", "assert inc(41) == 42"]
 RIGHT = "def inc(x):\n    return x + 1\n"

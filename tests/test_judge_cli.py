@@ -41,6 +41,7 @@ def inc(x):
 CLI = f"""
 import sys
 from freetoken_agents.recipes import coding_assistant as ca
+from freetoken_agents.recipes.coding_solver import check_code
 ATTACK = {ATTACK!r}
 class Result:
     def __init__(self, run):
@@ -48,12 +49,12 @@ class Result:
     def summary(self):
         return f"passed={{self.passed}} error={{self.error}}"
 ca.load_model = lambda args: None
-ca.solve = lambda model, prompt, tests, **kw: Result(ca.check_code(ATTACK, tests, isolation="process"))
+ca.solve = lambda model, prompt, tests, **kw: Result(check_code(ATTACK, tests, isolation="process"))
 sys.exit(ca.main(sys.argv[1:]))
 """
 ON_ARGV = f"""
 import sys
-from freetoken_agents.recipes.coding_assistant import check_code
+from freetoken_agents.recipes.coding_solver import check_code
 print(check_code({ATTACK!r}, sys.argv[1:], isolation="process").passed)
 """
 NEEDS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="the process level drops to another uid as root")

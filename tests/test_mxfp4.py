@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_agents.engine import Engine, EngineError
-from freetoken_agents.engine.ftw.codecs import get_codec, mxfp4_scaled_pairs
+from freetoken_agents.engine.ftw.codecs import get_codec
+from freetoken_agents.engine.ftw.codecs.mxfp4 import mxfp4_scaled_pairs
 from freetoken_agents.engine.kernels.mxfp4 import decode_weight, mxfp4_linear
 from freetoken_agents.engine.loading.convert import convert_checkpoint
 from freetoken_agents.engine.loading.placement import expert_bytes

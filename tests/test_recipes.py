@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from freetoken_agents import FreeTokenModel, default_model
-from freetoken_agents.recipes.coding_assistant import CodingEvent, CodingResult, solve
+from freetoken_agents.recipes._coding_format import CODING_SYSTEM_PROMPT, code_failure_note
+from freetoken_agents.recipes.coding_solver import CodingEvent, CodingResult, solve
 from freetoken_agents.recipes.langchain_agent import run_langchain_agent
-from freetoken_agents.recipes.tiny.coding import CODING_SYSTEM_PROMPT, code_failure_note, code_task
+from freetoken_agents.recipes.tiny.coding import code_task
 from freetoken_agents.recipes.tiny.world import weather_report
 from freetoken_agents.recipes.tool_loop import run_tool_loop
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from freetoken_agents.recipes.coding_assistant import check_code
+from freetoken_agents.recipes.coding_solver import check_code
 from freetoken_agents.recipes.sandbox import SandboxLimits, namespaces_available, run_python
 
 NEEDS_NS = pytest.mark.skipif(not namespaces_available(), reason="namespaces need Linux, root, unshare")

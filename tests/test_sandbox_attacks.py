@@ -17,7 +17,7 @@ import pytest
 from test_sandbox import MODES, NEEDS_NS, live_processes_with
 
 from freetoken_agents.recipes import _sandbox_isolation as isolation
-from freetoken_agents.recipes.coding_assistant import check_code
+from freetoken_agents.recipes.coding_solver import check_code
 from freetoken_agents.recipes.sandbox import SandboxError, namespaces_available, run_python
 
 NEEDS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root")

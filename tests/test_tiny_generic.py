@@ -16,7 +16,7 @@ from freetoken_agents.recipes.tiny import generic
 from freetoken_agents.recipes.tiny.corpus import TOOL_SCHEMAS, build_corpus
 from freetoken_agents.recipes.tiny.domains import DOMAINS, HELDOUT_DOMAINS
 from freetoken_agents.recipes.tiny.evaluate_generic import heldout_cases, no_fit_cases
-from freetoken_agents.recipes.tiny.train import render
+from freetoken_agents.recipes.tiny.examples import render
 
 
 def _requests(split: str, count: int, seed: int = 0) -> list[generic.Request]:
@@ -66,11 +66,9 @@ def test_heldout_domains_and_wordings_never_reach_training():
     from transformers import PreTrainedTokenizerFast
 
     from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE
-    from freetoken_agents.recipes.tiny.train import _character_tokenizer
+    from freetoken_agents.recipes.tiny.tokenizer import character_tokenizer
 
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=_character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE
-    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE)
     texts = [render(tok, d)[0] for d in build_corpus(random.Random(0), 3000)]
     assert sum("<tool_call>" in t for t in texts) > 1000
     for text in texts:

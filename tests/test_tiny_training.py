@@ -12,18 +12,16 @@ from tiny_models import load_reference
 from transformers import DynamicCache
 
 from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, Engine, render_chat
+from freetoken_agents.recipes._coding_format import extract_code
 from freetoken_agents.recipes.tiny import coding, corpus, generic, world
-from freetoken_agents.recipes.tiny.train import (
-    batches,
+from freetoken_agents.recipes.tiny.examples import batches, encode, encode_all, render
+from freetoken_agents.recipes.tiny.forward import (
     cache_argument,
     distillation_loss,
     distilled_blocks,
-    encode,
-    encode_all,
-    render,
     shared_block_forward,
-    train,
 )
+from freetoken_agents.recipes.tiny.train import train
 
 
 def test_heldout_values_are_never_training_values():
@@ -97,12 +95,9 @@ def test_heldout_code_tasks_use_unseen_names_and_wording():
 
 
 def test_extract_code_takes_the_first_block():
-    assert (
-        coding.extract_code("Sure:\n```python\ndef f():\n    return 1\n```\nmore")
-        == "def f():\n    return 1\n"
-    )
-    assert coding.extract_code("no code") is None
-    assert coding.extract_code("```python\ndef f(): pass") == "def f(): pass"
+    assert extract_code("Sure:\n```python\ndef f():\n    return 1\n```\nmore") == "def f():\n    return 1\n"
+    assert extract_code("no code") is None
+    assert extract_code("```python\ndef f(): pass") == "def f(): pass"
 
 
 def test_render_chat_falls_back_to_the_default_template(tiny_checkpoint):
@@ -123,12 +118,12 @@ def test_render_chat_falls_back_to_the_default_template(tiny_checkpoint):
 def test_loss_mask_covers_the_conversation_but_not_the_system_block():
     from transformers import PreTrainedTokenizerFast
 
-    from freetoken_agents.recipes.tiny.train import _character_tokenizer, train_tokenizer
+    from freetoken_agents.recipes.tiny.tokenizer import character_tokenizer, train_tokenizer
 
     rng = random.Random(4)
     dialogues = [corpus.dialogue(rng) for _ in range(60)]
     bootstrap = PreTrainedTokenizerFast(
-        tokenizer_object=_character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE
+        tokenizer_object=character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE
     )
     rendered = [render(bootstrap, d) for d in dialogues]
     tok = train_tokenizer([t for t, _ in rendered], 600)
@@ -148,11 +143,11 @@ def test_loss_mask_covers_the_conversation_but_not_the_system_block():
 def test_tokenizer_splits_a_name_into_the_same_tokens_in_prose_json_and_code():
     from transformers import PreTrainedTokenizerFast
 
-    from freetoken_agents.recipes.tiny.train import _character_tokenizer, train_tokenizer
+    from freetoken_agents.recipes.tiny.tokenizer import character_tokenizer, train_tokenizer
 
     rng = random.Random(5)
     bootstrap = PreTrainedTokenizerFast(
-        tokenizer_object=_character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE
+        tokenizer_object=character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE
     )
     tok = train_tokenizer([render(bootstrap, corpus.dialogue(rng))[0] for _ in range(300)], 600)
 
@@ -298,11 +293,12 @@ def test_only_coding_and_world_batches_are_distilled():
     # In the real corpus the three kinds never share a system block.
     from transformers import PreTrainedTokenizerFast
 
-    from freetoken_agents.recipes.tiny.train import _character_tokenizer, split_system_block, train_tokenizer
+    from freetoken_agents.recipes.tiny.examples import split_system_block
+    from freetoken_agents.recipes.tiny.tokenizer import character_tokenizer, train_tokenizer
 
     dialogues = corpus.build_corpus(random.Random(0), 120, code_share=0.3, world_share=0.2)
     bootstrap = PreTrainedTokenizerFast(
-        tokenizer_object=_character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE
+        tokenizer_object=character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE
     )
     rendered = [render(bootstrap, d) for d in dialogues]
     tok = train_tokenizer([t for t, _ in rendered], 600)

@@ -7,76 +7,31 @@ change them or fault on them: a map of a shrunk file raises SIGBUS, a shared pag
 the new bytes), and expert blocks are read with ``os.pread`` on demand, one block at a time, and
 verified against their checksum before anything is decoded. A read that comes back short raises
 FTWFormatError ("file truncated"), a checksum that no longer matches raises FTWFormatError naming
-the tensor or block. Reading is thread-safe.
+the tensor or block. Reading is thread-safe. The checks themselves: `opening.py` (header and
+manifest), `blocks.py` (each expert block, its decompression and its projections).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import json
 import logging
 import os
 import threading
-import warnings
 from types import TracebackType
 from typing import Any
 
 import torch
 import xxhash
-import zstandard
 
 from ..errors import FTWFormatError
+from . import blocks
+from .blocks import Buffer
 from .codecs import EncodedTensor, get_codec
-from .layout import (
-    ALIGNMENT,
-    BLOCK_HEADER_SIZE,
-    BLOCK_MAGIC,
-    BLOCK_STRUCT,
-    COMPRESSION_IDS,
-    DTYPES,
-    FORMAT_MAJOR,
-    HEADER_HASH_STRUCT,
-    HEADER_SIZE,
-    HEADER_STRUCT,
-    MAGIC,
-    DenseInfo,
-    ExpertInfo,
-    hex64,
-    parse_dense,
-    parse_expert,
-)
+from .layout import BLOCK_HEADER_SIZE, DTYPES, DenseInfo, ExpertInfo, hex64
+from .opening import read_manifest
 
 logger = logging.getLogger(__name__)
-
-Buffer = bytes | bytearray | memoryview
-
-
-def _view(buf: Buffer, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
-    """Zero-copy tensor over ``buf[offset:]`` (non-writable buffers give a tensor to treat as read-only)."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    if isinstance(buf, bytearray) or (isinstance(buf, memoryview) and not buf.readonly):
-        # (catch_warnings costs more than the view itself: ~7 us, four times an expert)
-        t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset)
-    else:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset)
-    return t.view(shape)
-
-
-def _tensor_view(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
-    """Zero-copy tensor over the uint8 tensor ``raw[offset:]`` (parts start PART_ALIGN-aligned,
-    so the reinterpretation is always aligned)."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    return raw[offset : offset + nbytes].view(dtype).view(shape)
 
 
 class FTWFile:
@@ -135,62 +90,17 @@ class FTWFile:
 
     def _load(self) -> None:
         self.file_size = os.fstat(self._fd).st_size
-        if self.file_size < HEADER_SIZE:
-            raise self._err(f"file truncated or not an FTW file: only {self.file_size} bytes", offset=0)
-        head = self._pread(HEADER_SIZE, 0)
-        fields = HEADER_STRUCT.unpack_from(head)
-        magic, major, minor, flags, alignment, m_off, m_len, m_hash = fields
-        if magic != MAGIC:
-            raise self._err(f"not an FTW file: magic {magic!r}, expected {MAGIC!r}", offset=0)
-        (h_hash,) = HEADER_HASH_STRUCT.unpack_from(head, HEADER_STRUCT.size)
-        if xxhash.xxh64_intdigest(head[: HEADER_STRUCT.size]) != h_hash:
-            raise self._err("header checksum mismatch (corrupted header)", offset=0)
-        if major != FORMAT_MAJOR:
-            raise self._err(
-                f"unsupported FTW format version {major}.{minor}; this reader reads {FORMAT_MAJOR}.x",
-                offset=4,
-            )
-        if alignment != ALIGNMENT:
-            raise self._err(f"unsupported alignment {alignment}, expected {ALIGNMENT}", offset=12)
-        self.version = (major, minor)
-        self.flags = flags
-        if m_off < ALIGNMENT or m_off + m_len > self.file_size:
-            raise self._err(
-                f"file truncated: manifest spans [{m_off}, {m_off + m_len}) but the file has "
-                f"{self.file_size} bytes",
-                offset=m_off,
-            )
-        blob = self._pread(m_len, m_off)
-        if xxhash.xxh64_intdigest(blob) != m_hash:
-            raise self._err("manifest checksum mismatch (corrupted manifest)", offset=m_off)
-        try:
-            man = json.loads(blob.decode("utf-8"))
-            fmt = man["format"]
-            if fmt["major"] != major or fmt["minor"] != minor:
-                raise ValueError(f"manifest format {fmt} disagrees with header {major}.{minor}")
-            self._model_config: dict[str, Any] = man["model_config"]
-            self._metadata: dict[str, Any] = man["metadata"]
-            self._tokenizer_b64: dict[str, str] = dict(man["tokenizer_files"])
-            self._dense = {name: parse_dense(name, rec) for name, rec in man["dense"].items()}
-            self._experts: dict[tuple[int, int], ExpertInfo] = {}
-            for rec in man["experts"]:
-                info = parse_expert(rec)
-                if (info.layer, info.expert) in self._experts:
-                    raise ValueError(f"duplicate expert ({info.layer}, {info.expert})")
-                self._experts[(info.layer, info.expert)] = info
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
-            raise self._err(f"malformed manifest: {e!r}", offset=m_off) from e
-        for d in self._dense.values():
-            if d.offset < ALIGNMENT or d.offset + d.nbytes > m_off:
-                raise self._err(f"dense tensor {d.name!r} lies outside the data region", offset=d.offset)
-        for key, x in self._experts.items():
-            if x.offset < ALIGNMENT or x.data_offset + x.stored_length > m_off:
-                raise self._err("block lies outside the data region", offset=x.offset, key=key)
+        manifest = read_manifest(self._pread, self.file_size, self._err)
+        self.version, self.flags = manifest.version, manifest.flags
+        self._model_config: dict[str, Any] = manifest.model_config
+        self._metadata: dict[str, Any] = manifest.metadata
+        self._tokenizer_b64: dict[str, str] = manifest.tokenizer_b64
+        self._dense: dict[str, DenseInfo] = manifest.dense
+        self._experts: dict[tuple[int, int], ExpertInfo] = manifest.experts
         logger.debug(
             "opened %s: FTW %d.%d, %d dense, %d experts",
             self.path,
-            major,
-            minor,
+            *self.version,
             len(self._dense),
             len(self._experts),
         )
@@ -290,95 +200,11 @@ class FTWFile:
         xxhash64. The one check of every path that reads blocks (`read_expert_bytes`, and
         `memory.storage.BlockReader` past the page cache). FTWFormatError naming the block and
         the byte offset of the first mismatch."""
-        key = (info.layer, info.expert)
-        magic, b_layer, b_expert, s_len, r_len, digest, comp = BLOCK_STRUCT.unpack_from(head)
-        if magic != BLOCK_MAGIC:
-            raise self._err(
-                f"bad block magic {magic!r}, expected {BLOCK_MAGIC!r}", offset=info.offset, key=key
-            )
-        want = (
-            info.layer,
-            info.expert,
-            info.stored_length,
-            info.raw_length,
-            int(info.xxhash64, 16),
-            COMPRESSION_IDS[info.compression],
-        )
-        got = (b_layer, b_expert, s_len, r_len, digest, comp)
-        if got != want:
-            raise self._err(
-                f"block header (layer, expert, stored_length, raw_length, xxhash64, compression) = {got} "
-                f"disagrees with the manifest {want}",
-                offset=info.offset,
-                key=key,
-            )
-        self._check_stored(info, stored)
+        blocks.check_block(info, head, stored, self._err)
 
-    def _check_stored(self, info: ExpertInfo, stored: Buffer) -> None:
-        key = (info.layer, info.expert)
-        if len(stored) != info.stored_length:
-            raise self._err(
-                f"stored bytes have length {len(stored)}, expected {info.stored_length}",
-                offset=info.data_offset,
-                key=key,
-            )
-        h = hex64(xxhash.xxh64_intdigest(stored))
-        if h != info.xxhash64:
-            raise self._err(
-                f"checksum mismatch over bytes [{info.data_offset}, "
-                f"{info.data_offset + info.stored_length}): xxhash64 {h}, manifest says "
-                f"{info.xxhash64} (corrupted block)",
-                offset=info.data_offset,
-                key=key,
-            )
-
-    def _raw(self, info: ExpertInfo, stored: Buffer) -> Buffer:
-        if info.compression == "none":
-            return stored
-        key = (info.layer, info.expert)
-        try:
-            # zstandard allocates the size the frame header declares: check it before decompressing.
-            declared = zstandard.frame_content_size(stored)
-            if declared not in (-1, info.raw_length):
-                raise self._err(
-                    f"zstd frame declares {declared} bytes of content, the manifest's raw_length is "
-                    f"{info.raw_length}",
-                    offset=info.data_offset,
-                    key=key,
-                )
-            raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=info.raw_length)
-        except zstandard.ZstdError as e:
-            raise self._err(f"zstd decompression failed: {e}", offset=info.data_offset, key=key) from e
-        except MemoryError as e:  # a raw_length no machine can hold
-            raise self._err(
-                f"cannot allocate {info.raw_length} bytes to decompress the block",
-                offset=info.data_offset,
-                key=key,
-            ) from e
-        if len(raw) != info.raw_length:
-            raise self._err(
-                f"decompressed to {len(raw)} bytes, expected {info.raw_length}",
-                offset=info.data_offset,
-                key=key,
-            )
-        return raw
-
-    def _encoded(self, info: ExpertInfo, raw: Buffer | torch.Tensor) -> dict[str, EncodedTensor]:
-        key = (info.layer, info.expert)
-        view = _tensor_view if isinstance(raw, torch.Tensor) else _view
-        out: dict[str, EncodedTensor] = {}
-        for pname, t in info.tensors.items():
-            parts = {
-                part_name: view(raw, DTYPES[p.dtype], p.shape, p.offset_in_block)
-                for part_name, p in t.parts.items()
-            }
-            enc = EncodedTensor(t.codec, t.shape, parts)
-            try:
-                get_codec(t.codec).validate(enc)
-            except ValueError as e:
-                raise self._err(f"projection {pname!r}: {e}", offset=info.offset, key=key) from e
-            out[pname] = enc
-        return out
+    def _projections(self, info: ExpertInfo, stored: Buffer) -> dict[str, EncodedTensor]:
+        """A block's verified stored bytes -> its projections undecoded (`blocks.projections`)."""
+        return blocks.projections(info, blocks.raw_of(info, stored, self._err), self._err)
 
     def encoded_expert(self, layer: int, expert: int) -> dict[str, EncodedTensor]:
         """Read and verify one block and return its projections undecoded (parts as stored).
@@ -386,7 +212,7 @@ class FTWFile:
         The parts are zero-copy views of the block's raw bytes; treat them as read-only.
         """
         info = self.expert_info(layer, expert)
-        return self._encoded(info, self._raw(info, self.read_expert_bytes(layer, expert)))
+        return self._projections(info, self.read_expert_bytes(layer, expert))
 
     def encoded_stored(
         self, layer: int, expert: int, stored: Buffer, *, verify: bool = True
@@ -396,8 +222,8 @@ class FTWFile:
         as read-only). `verify`: as in `decode_stored`."""
         info = self.expert_info(layer, expert)
         if verify or len(stored) != info.stored_length:
-            self._check_stored(info, stored)
-        return self._encoded(info, self._raw(info, stored))
+            blocks.check_stored(info, stored, self._err)
+        return self._projections(info, stored)
 
     def decode_stored(
         self,
@@ -428,8 +254,8 @@ class FTWFile:
         block is not compressed)."""
         info = self.expert_info(layer, expert)
         if len(stored) != info.stored_length:
-            self._check_stored(info, stored)
-        return self._raw(info, stored)
+            blocks.check_stored(info, stored, self._err)
+        return blocks.raw_of(info, stored, self._err)
 
     def encoded_raw(self, layer: int, expert: int, raw: torch.Tensor) -> dict[str, EncodedTensor]:
         """A block's raw bytes held in a uint8 tensor on any device (see `raw_bytes`) -> its
@@ -443,7 +269,7 @@ class FTWFile:
                 offset=info.data_offset,
                 key=(layer, expert),
             )
-        return self._encoded(info, raw)
+        return blocks.projections(info, raw, self._err)
 
     def decode_raw(
         self, layer: int, expert: int, raw: torch.Tensor, dtype: torch.dtype = torch.float32
@@ -477,7 +303,7 @@ class FTWFile:
             disable=not progress,
         ):
             info = self._experts[(layer, expert)]
-            self._encoded(info, self._raw(info, self.read_expert_bytes(layer, expert)))
+            self._projections(info, self.read_expert_bytes(layer, expert))
 
     # -- lifetime --------------------------------------------------------------------------------
     def fileno(self) -> int:

@@ -1,6 +1,6 @@
 """Int8 weight-only linear layers: int8 weights with one fp32 scale per output row, no float copy.
 
-The layout is FTW's ``int8`` codec (`ftw.codecs.Int8Codec`): ``weight int8 [out, in]`` in
+The layout is FTW's ``int8`` codec (`ftw.codecs.int8_channel.Int8Codec`): ``weight int8 [out, in]`` in
 [-127, 127] and ``scale float32 [out]``, ``W = weight * scale[:, None]``.
 
 How a product is computed (`int8_linear`), measured on a 2-core AVX2 CPU with torch 2.13:

@@ -1,7 +1,7 @@
 """MXFP4 weight-only linear layers: products computed from the stored 4-bit form, never decoded
 into a resident float copy (`expert_quant="compact"`).
 
-The layout is FTW's ``mxfp4`` codec (`ftw.codecs.MXFP4Codec`, gpt-oss's on-disk form) with the
+The layout is FTW's ``mxfp4`` codec (`ftw.codecs.mxfp4.MXFP4Codec`, gpt-oss's on-disk form) with the
 block axis flattened: ``blocks uint8 [N, K/2]`` (two E2M1 codes a byte, the even input feature in
 the low nibble) and ``scales uint8 [N, K/32]`` (E8M0: 2**(s - 127) for each run of 32 inputs).
 An expert held this way takes ~0.53 bytes a weight: 3.8x fewer than bf16, 7.5x fewer than fp32.
@@ -13,7 +13,7 @@ How a product is computed (`mxfp4_linear`):
   instead of decoded ones. The first use on a device checks it against the codec's decode
   (`kernel_ok`); a kernel that fails or disagrees is logged once and the decode path serves.
 - CPU (`cpu_linear`): decode `DECODE_BLOCK` weights at a time into a per-thread scratch that stays
-  in cache, with one gather per stored byte from `codecs.mxfp4_scaled_pairs` (a table of every
+  in cache, with one gather per stored byte from `codecs.mxfp4.mxfp4_scaled_pairs` (a table of every
   byte's two values times every scale), and ``F.linear`` each row block. Decoding the whole
   weight at once wrote (and page-faulted) 8 fp32 bytes per stored byte: 0.21 GB/s of stored
   bytes for a [16384, 4096] projection one token at a time, against ~1 GB/s now (2-core Xeon).
@@ -35,7 +35,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ..ftw.codecs import MXFP4_BLOCK, EncodedTensor, get_codec, mxfp4_scaled_pairs
+from ..ftw.codecs import MXFP4_BLOCK, EncodedTensor, get_codec
+from ..ftw.codecs.mxfp4 import mxfp4_scaled_pairs
 from . import gemv_triton
 from .scratch import thread_buffer
 
@@ -95,7 +96,7 @@ def mxfp4_linear(
 def cpu_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ W.T`` -> [..., N] in x.dtype, W decoded `DECODE_BLOCK` weights (whole rows)
     at a time into a per-thread scratch: one integer gather per stored byte (its two values,
-    scaled) from `codecs.mxfp4_scaled_pairs`. Values are the codec's decode into x.dtype; a weight
+    scaled) from `codecs.mxfp4.mxfp4_scaled_pairs`. Values are the codec's decode into x.dtype; a weight
     of one block gives exactly ``F.linear(x, decode_weight(...))``."""
     n, half = blocks.shape
     nb = scales.shape[1]

@@ -21,7 +21,7 @@ from .common import model_label, write
 
 if TYPE_CHECKING:
     from ..model import FreeTokenModel
-    from ..recipes.coding_assistant import CodingResult
+    from ..recipes.coding_solver import CodingResult
 
 # The agent, the model, the recipes and their torch load inside the functions that run the demo,
 # never for `freetoken --help` (issue 65).
@@ -116,7 +116,7 @@ def _coding_part(
     model: FreeTokenModel, seed: int, tasks: int, attempts: int, max_new_tokens: int
 ) -> list[CodingResult]:
     from ..recipes._printing import CodingPrinter, answer_block
-    from ..recipes.coding_assistant import solve
+    from ..recipes.coding_solver import solve
     from ..recipes.tiny.coding import code_task
 
     write("== 2. Coding assistant: tests in a sandbox, rollback to the code-block anchor ==\n")

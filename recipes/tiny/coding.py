@@ -13,8 +13,6 @@ from typing import Any
 
 from .world import Split, in_split, number
 
-CODING_SYSTEM_PROMPT = "You are a careful Python programmer. Answer with one Python code block."
-
 _WORDS = [
     "alpha", "amber", "atlas", "basil", "birch", "blaze", "cedar", "cobalt", "coral", "delta", "ember",
     "fable", "fern", "flint", "gale", "garnet", "harbor", "hazel", "indigo", "iris", "jade", "juniper",
@@ -198,20 +196,3 @@ def code_task(rng: random.Random, split: Split, template: CodeTemplate | None = 
 def code_reply(rng: random.Random, code: str) -> str:
     """The assistant's answer: a short lead-in and one fenced block."""
     return f"{rng.choice(_REPLIES)}\n```python\n{code}```"
-
-
-def extract_code(text: str) -> str | None:
-    """The first fenced code block of a reply (None when there is none)."""
-    start = text.find("```")
-    if start < 0:
-        return None
-    body_start = text.find("\n", start)
-    if body_start < 0:
-        return None
-    end = text.find("```", body_start)
-    return text[body_start + 1 : end if end >= 0 else len(text)]
-
-
-def code_failure_note(attempt: int, error: str) -> str:
-    """What the coding recipe appends after rolling back to the code-block anchor."""
-    return f"[attempt {attempt} failed: {error}. Fix the code.]\n"

@@ -14,8 +14,9 @@ from typing import Any, Literal
 
 from freetoken_agents.retry import DEFAULT_NOTE
 
+from .._coding_format import CODING_SYSTEM_PROMPT, code_failure_note
 from . import generic
-from .coding import CODING_SYSTEM_PROMPT, TEMPLATES, code_failure_note, code_reply, code_task
+from .coding import TEMPLATES, code_reply, code_task
 from .world import (
     CHITCHAT,
     SYSTEM_PROMPT,

@@ -151,7 +151,7 @@ def score_agent(
 
 
 def score_coding(model: FreeTokenModel, tasks: int, attempts: int, seed: int) -> CodingScore:
-    from freetoken_agents.recipes.coding_assistant import solve
+    from ..coding_solver import solve
 
     rng = random.Random(seed)
     first = solved = 0

@@ -51,17 +51,15 @@ Reproducible: the corpus, the tokenizer, the initialisation and the batch order 
 engine's own `render_chat`; the tokenizer is a byte-level BPE trained with `tokenizers` on that
 text; the trained model is saved as a Hugging Face checkpoint and converted to FTW by the engine's
 converter (the same Qwen3-MoE adapter the engine loads it with). Loss is on the conversation after
-the system block (see `render`).
+the system block (see `examples.render`).
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import math
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -69,23 +67,18 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from freetoken_agents.engine import (
-    DEFAULT_CHAT_TEMPLATE,
-    EngineError,
-    FTWFormatError,
-    check_device,
-    render_chat,
-)
+from freetoken_agents.engine import DEFAULT_CHAT_TEMPLATE, EngineError, FTWFormatError, check_device
 from freetoken_agents.engine.ftw.reader import FTWFile
 
 from . import generic
-from .corpus import TOOL_SCHEMAS, Dialogue, Kind, build_corpus
+from .corpus import TOOL_SCHEMAS, Dialogue, build_corpus
+from .examples import Example, batches, encode_all, render, short_enough, split_system_block, steps_of
+from .forward import distillation_loss, distilled_blocks, shared_block_forward
+from .resume import load_progress, save_progress
+from .tokenizer import character_tokenizer, train_tokenizer
 from .warm import load_ftw
 
 logger = logging.getLogger(__name__)
-
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TAG_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 
 def model_config(vocab_size: int, eos_id: int, pad_id: int) -> Any:
@@ -115,221 +108,6 @@ def model_config(vocab_size: int, eos_id: int, pad_id: int) -> Any:
     )
 
 
-# ---- tokenizer ---------------------------------------------------------------------------------------
-# A character inside a capitalised word or a snake_case identifier. Oniguruma lookbehind must
-# have a fixed length per alternative, hence one alternative per position (words up to 16 letters).
-_AFTER_CAPITAL = "|".join(r"\b[A-Z]" + "[a-z]" * k for k in range(16))
-_AFTER_UNDERSCORE = "|".join("_" + "[a-z0-9]" * k for k in range(16))
-# Upper-case letters (tickers, codes, "CA") and non-ASCII characters are alone too, so a value in
-# another script is copied character by character (its bytes, when BPE never merged them).
-NAME_CHARACTERS = (
-    rf"(?<={_AFTER_CAPITAL}|{_AFTER_UNDERSCORE})[a-z0-9]|[a-z](?=[a-z0-9]*_)|_|[A-Z]|[^\x00-\x7f]"
-)
-
-
-def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
-    """Byte-level BPE (digits split one by one, so unseen numbers are copied digit by digit),
-    wrapped as a transformers fast tokenizer carrying the engine's default chat template."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            # The space before a name or an identifier is a token of its own, so a name is the same
-            # tokens in a question ("of Kavonbou"), a JSON string ('"Kavonbou"') and code ("def
-            # get_x" vs "`get_x`").
-            pre_tokenizers.Split(Regex(r"\s(?=[A-Z]|[A-Za-z0-9]+_)"), behavior="isolated"),
-            # Names (capitalised words) and identifiers (words with "_") are spelled one character
-            # a token, like digits: copying them is then copying from a 40-symbol alphabet. With
-            # BPE pieces (~1,500 rare name tokens) a model trained here copied digits perfectly and
-            # names not at all (loss on a name piece = uniform over name pieces).
-            pre_tokenizers.Split(Regex(NAME_CHARACTERS), behavior="isolated"),
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[AddedToken(t, special=True) for t in SPECIAL_TOKENS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=DEFAULT_CHAT_TEMPLATE,
-        model_max_length=2048,
-    )
-
-
-# ---- examples ----------------------------------------------------------------------------------------
-def render(tokenizer: Any, d: Dialogue) -> tuple[str, list[tuple[int, int]]]:
-    """The dialogue's text and the character span the loss covers: the whole conversation after
-    the system block (user turns, calls, tool results, answers).
-
-    Why not assistant turns only: a name is copied from the question into the call, the tool
-    result and the answer; learning the user and tool turns too triples the copies a step sees,
-    and copying unseen names is exactly what the held-out test asks. The system block (the same
-    tool schemas every time) teaches nothing after the first steps and is left out.
-    """
-    text = render_chat(tokenizer, d.messages, d.tools, add_generation_prompt=False)
-    first = next(i for i, m in enumerate(d.messages) if m["role"] != "system")
-    # The conversation starts at the first non-system turn's "<|im_start|>ROLE" (the template puts
-    # a tools-only system block first when the dialogue has no system message of its own).
-    head = render_chat(tokenizer, d.messages[:first], d.tools, add_generation_prompt=False) if first else ""
-    start = text.find(f"<|im_start|>{d.messages[first]['role']}", len(head))
-    if start < 0 or not text.startswith(head):
-        raise ValueError("the chat template does not render prefixes of a dialogue as prefixes")
-    return text, [(start, len(text))]
-
-
-def encode(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-    """Token ids and labels (-100 outside `spans`)."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    return enc["input_ids"], _labels(enc["input_ids"], enc["offset_mapping"], spans)
-
-
-def encode_all(
-    tokenizer: Any, rendered: list[tuple[str, list[tuple[int, int]]]], chunk: int = 2048
-) -> list[tuple[list[int], list[int]]]:
-    """`encode` over many dialogues, a chunk per tokenizer call: the Rust tokenizer encodes a batch
-    on every core (a 16-core GPU machine tokenizes a 100k-dialogue corpus in seconds, not minutes).
-    Equal to `encode` one by one."""
-    out: list[tuple[list[int], list[int]]] = []
-    for i in tqdm(range(0, len(rendered), chunk), desc="tokenize", leave=False):
-        part = rendered[i : i + chunk]
-        enc = tokenizer([t for t, _ in part], add_special_tokens=False, return_offsets_mapping=True)
-        for ids, offsets, (_, spans) in zip(enc["input_ids"], enc["offset_mapping"], part, strict=True):
-            out.append((ids, _labels(ids, offsets, spans)))
-    return out
-
-
-def _labels(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    return [
-        tid if any(a <= start < b for a, b in spans) else -100
-        for tid, (start, _) in zip(ids, offsets, strict=True)
-    ]
-
-
-MAX_TOKENS = 1536  # longer dialogues (rare: four tools with long schemas, two exchanges) are left out
-Example = tuple[tuple[int, ...], list[int], list[int]]  # (system-block ids, conversation ids, labels)
-
-
-def split_system_block(ids: list[int], labels: list[int]) -> Example:
-    """Cut an encoded dialogue where the loss starts: the system block before, the conversation after."""
-    k = next(i for i, y in enumerate(labels) if y != -100)
-    return tuple(ids[:k]), ids[k:], labels[k:]
-
-
-def batches(examples: list[Example], tokens_per_batch: int, pad_id: int, rng: random.Random):
-    """Shuffled batches of dialogues that share one system block: (system block [P], conversation
-    ids [B, T], labels [B, T], attention mask [B, P + T]), length-bucketed under `tokens_per_batch`
-    conversation tokens.
-
-    The system block (the four tool schemas: ~70% of a tool dialogue's tokens) is computed once per
-    batch and its KV shared by every row, so a step sees ~3x the dialogues for the same compute;
-    the logits equal those of the full sequences (checked in tests/test_tiny_training.py).
-    """
-    by_block: dict[tuple[int, ...], list[int]] = {}
-    for i, (block, _, _) in enumerate(examples):
-        by_block.setdefault(block, []).append(i)
-    groups: list[list[int]] = []
-    for members in by_block.values():
-        members.sort(key=lambda i: len(examples[i][1]))
-        current: list[int] = []
-        longest = 0
-        for i in members:
-            longest = max(longest, len(examples[i][1]))
-            if current and longest * (len(current) + 1) > tokens_per_batch:
-                groups.append(current)
-                current, longest = [], len(examples[i][1])
-            current.append(i)
-        if current:
-            groups.append(current)
-    rng.shuffle(groups)
-    for group in groups:
-        block = torch.tensor(examples[group[0]][0])
-        width = max(len(examples[i][1]) for i in group)
-        ids = torch.full((len(group), width), pad_id)
-        labels = torch.full((len(group), width), -100)
-        mask = torch.zeros((len(group), len(block) + width), dtype=torch.long)
-        mask[:, : len(block)] = 1
-        for row, i in enumerate(group):
-            _, x, y = examples[i]
-            ids[row, : len(x)], labels[row, : len(y)] = torch.tensor(x), torch.tensor(y)
-            mask[row, len(block) : len(block) + len(x)] = 1
-        yield block, ids, labels, mask
-
-
-def steps_of(micro_batches, tokens_per_batch: int):
-    """Group batches into optimizer steps of at least `tokens_per_batch` conversation tokens: a
-    generic tool set's eight dialogues are one small batch (their own system block), so a step
-    accumulates gradients over several."""
-    step, tokens = [], 0
-    for batch in micro_batches:
-        step.append(batch)
-        tokens += batch[1].numel()
-        if tokens >= tokens_per_batch:
-            yield step
-            step, tokens = [], 0
-    if step:
-        yield step
-
-
-def shared_block_forward(model: Any, block: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, **kw: Any):
-    """The model's forward over `block` [P] followed by each row of `ids` [B, T]: the block runs
-    once (with gradients) and its KV cache is repeated for the rows."""
-    out = model(input_ids=block[None], use_cache=True)
-    cache = out.cache if hasattr(out, "cache") else out.past_key_values
-    cache.batch_repeat_interleave(ids.shape[0])
-    p = block.shape[0]
-    positions = torch.arange(p, p + ids.shape[1], device=ids.device).expand_as(ids)
-    return model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        use_cache=False,
-        **{cache_argument(model): cache},
-        **kw,
-    )
-
-
-def distillation_loss(
-    logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor
-) -> torch.Tensor:
-    """KL(teacher || student) of the next-token distributions, averaged over the labelled tokens
-    (`labels` [B, T] as the model's own loss takes them: position t predicts label t + 1).
-
-    Learning without forgetting (Li & Hoiem 2016; Hinton et al. 2015): the whole distribution of a
-    model that already writes the code is a denser target than the one right token, so a
-    continuation that learns the user's tools keeps what the teacher knew."""
-    mask = labels[:, 1:] != -100  # [B, T-1]
-    student = torch.log_softmax(logits[:, :-1][mask].float(), dim=-1)  # [N, V]
-    target = torch.log_softmax(teacher_logits[:, :-1][mask].float(), dim=-1)  # [N, V]
-    return torch.nn.functional.kl_div(student, target, log_target=True, reduction="batchmean")
-
-
-def distilled_blocks(examples: list[Example], kinds: list[Kind]) -> set[tuple[int, ...]]:
-    """The system blocks of the coding and world dialogues: the batches a teacher keeps (a batch
-    holds the dialogues of one system block). A generic tool set is never one of them."""
-    kept = {block for (block, _, _), kind in zip(examples, kinds, strict=True) if kind != "generic"}
-    if any(block in kept for (block, _, _), kind in zip(examples, kinds, strict=True) if kind == "generic"):
-        raise ValueError("a generic dialogue shares its system block with a coding or world dialogue")
-    return kept
-
-
-def cache_argument(model: Any) -> str:
-    """The name `model.forward` takes its KV cache by: `cache` in recent transformers 5 releases,
-    `past_key_values` before (deprecated since, and removed in 5.40)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-# ---- training ----------------------------------------------------------------------------------------
 def train(
     out: Path,
     *,
@@ -387,12 +165,12 @@ def train(
             plain_generic=True,
         )  # fmt: skip
     last = out / "last"
-    state = _load_progress(last) if resume else None
+    state = load_progress(last) if resume else None
 
     from transformers import PreTrainedTokenizerFast
 
     bootstrap = PreTrainedTokenizerFast(
-        tokenizer_object=_character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE
+        tokenizer_object=character_tokenizer(), chat_template=DEFAULT_CHAT_TEMPLATE
     )  # renders text before the real tokenizer exists (rendering does not depend on the vocabulary)
     rendered = [render(bootstrap, d) for d in tqdm(corpus + first, desc="render", leave=False)]
     if state is not None:
@@ -406,7 +184,7 @@ def train(
         tokenizer = train_tokenizer([t for t, _ in rendered[: min(20_000, len(corpus))]], vocab_size)
     encoded = [split_system_block(ids, labels) for ids, labels in encode_all(tokenizer, rendered)]
     encoded, first_encoded = encoded[: len(corpus)], encoded[len(corpus) :]
-    kept, first_kept = _short_enough(encoded), _short_enough(first_encoded)
+    kept, first_kept = short_enough(encoded), short_enough(first_encoded)
     examples = [encoded[i] for i in kept]
     first_examples = [first_encoded[i] for i in first_kept]
     if copy_first and not first_examples:
@@ -492,7 +270,7 @@ def train(
                 # At a phase's last step the place to resume is the next phase's beginning.
                 place = (0, 0) if step >= phase_end else (phase_epoch, in_epoch)
                 progress = {"step": step, "epoch": place[0], "in_epoch": place[1]}
-                _save_progress(last, model, tokenizer, opt, sched, progress)
+                save_progress(last, model, tokenizer, opt, sched, progress)
             if step >= phase_end:
                 break
         epoch, skip = 0, 0  # the next phase starts at its beginning
@@ -509,11 +287,6 @@ def train(
     return ftw
 
 
-def _short_enough(encoded: list[Example]) -> list[int]:
-    """The indices of the encoded dialogues within `MAX_TOKENS` (system block and conversation)."""
-    return [i for i, (block, ids, _) in enumerate(encoded) if len(block) + len(ids) <= MAX_TOKENS]
-
-
 _COPY_FIRST_SEED = 1_000_003  # offsets the copy-first corpus's and batch order's seeds from the run's
 
 
@@ -528,39 +301,6 @@ def _phase_steps(
             if in_epoch > skip:  # the ones before were done before the run was resumed
                 yield epoch, in_epoch, micro
         epoch, skip = epoch + 1, 0
-
-
-def _save_progress(last: Path, model: Any, tokenizer: Any, opt: Any, sched: Any, progress: dict) -> None:
-    """Write the checkpoint a run resumes from, replacing the previous one only once complete (a run
-    killed while saving keeps the last whole checkpoint)."""
-    tmp = last.with_name(last.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": torch.get_rng_state()}
-    torch.save({**state, **progress}, tmp / "progress.pt")
-    old = last.with_name(last.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if last.exists():
-        last.rename(old)
-    tmp.rename(last)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _load_progress(last: Path) -> dict | None:
-    if not (last / "progress.pt").is_file():
-        old = last.with_name(last.name + ".old")  # killed between the two renames
-        if not (old / "progress.pt").is_file():
-            logger.info("no checkpoint in %s: starting from the beginning", last)
-            return None
-        old.rename(last)
-    return torch.load(last / "progress.pt", weights_only=False)
-
-
-def _character_tokenizer() -> Any:
-    from tokenizers import Tokenizer, models
-
-    return Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
 
 
 def _check_teacher(p: argparse.ArgumentParser, teacher: Path, init: Path | None, resume: bool) -> None:

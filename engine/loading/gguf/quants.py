@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...ftw.codecs import QBLOCK, EncodedTensor, encode, pack_nibbles
+from ...ftw.codecs import QBLOCK, EncodedTensor, encode
+from ...ftw.codecs.gguf_blocks import pack_nibbles
 from .reader import GGUFTensor, dequantize, raw_rows
 
 #: GGUF type name -> the FTW codec its weights are kept in (anything else: fp32, or bf16 for BF16)
