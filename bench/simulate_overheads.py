@@ -3,11 +3,12 @@ fixed costs priced in.
 
     python bench/simulate_overheads.py [--hardware rtx4090-pcie4] [--fast 0.25,0.5]   # ~4 min, 2 cores
 
-The built-in GPU profiles leave `tier_overhead_us` (per MoE layer of a tiered step: bookkeeping and
-pre-gating), `miss_overhead_us` (per routed expert outside tier 1: q*'s decision and the Python
-around computing it where its weights are) and `stream_overhead_us` (what a STREAM's tier moves
-add) at 0, so `freetoken simulate` predicts q*'s policy on an engine whose bookkeeping
-is free; llama.cpp's static split, written in C++, has none to speak of. This measures the three
+`tier_overhead_us` (per MoE layer of a tiered step: bookkeeping and pre-gating), `miss_overhead_us`
+(per routed expert outside tier 1: q*'s decision and the Python around computing it where its
+weights are) and `stream_overhead_us` (what a STREAM's tier moves add) are what the engine's own
+policies pay and llama.cpp's static split, written in C++, does not. The built-in profiles price
+them at what this bench measured (`engine/simulate/engine_costs.py`: `MEASURED`, with the command
+and date; re-measure here and update it when the provider's hot path changes). This measures the three
 costs, and the all-hit layer's (a decode layer whose routed experts are all in tier 1, beyond the
 resident engine's layer: `simulate.all_hit.all_hit_overhead_us`; printed, not simulated, as the
 profiles have no field for it), on this machine on each model's own MoE layer shape, its experts

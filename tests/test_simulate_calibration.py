@@ -98,14 +98,3 @@ def test_the_cpu_reaches_its_share_of_memory_bandwidth() -> None:
     half = ExpertCosts.of(shape, dataclasses.replace(card, host_efficiency=0.5), "bf16")
     assert half.host_compute_s(1) == pytest.approx(2 * full.host_compute_s(1), rel=1e-6)
     assert half.fast_compute_s(1) == full.fast_compute_s(1)  # the GPU is not the CPU
-
-
-def test_the_published_setups_fit_their_machines_and_replay() -> None:
-    from freetoken_agents.engine.simulate.published import PUBLISHED_RUNS, predict
-
-    ratios = {run.profile: predict(run, tokens=8) / run.published for run in PUBLISHED_RUNS}
-    assert all(r > 0 for r in ratios.values())
-    # The setups whose routing does not matter (every routed expert on the CPU) are priced by the
-    # shared CPU and per-layer figures alone: within 1.25x of what was published.
-    for profile in ("xeon6454s-rtx4090d", "rx7900xt-5900x"):
-        assert 1 / 1.25 <= ratios[profile] <= 1.25, (profile, ratios[profile])

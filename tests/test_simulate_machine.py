@@ -82,13 +82,66 @@ def test_cuda_dense_in_bf16_with_overheads() -> None:
     assert c.link_s == c.promote_s(False) == pytest.approx(1e-6 + c.stored_bytes / 4e9)
 
 
-def test_overheads_default_to_zero() -> None:
+def test_layer_and_expert_overheads_default_to_zero() -> None:
     p = _profile("cpu")
-    assert (p.layer_overhead_us, p.expert_overhead_us, p.tier_overhead_us) == (0.0, 0.0, 0.0)
+    assert (p.layer_overhead_us, p.expert_overhead_us) == (0.0, 0.0)
     c = ExpertCosts.of(SHAPE, p, "fp32")
     assert c.dense_s(1) == pytest.approx(SHAPE.dense_bytes_per_token("fp32") / 2 / 10e9)
     assert c.fast_compute_s(1) == pytest.approx(c.fast_bytes / 10e9)
-    assert c.link_s == 0.0 and c.tier_overhead_s == 0.0
+    assert c.link_s == 0.0
+
+
+def test_the_engines_bookkeeping_is_priced_by_default_at_its_measured_cost() -> None:
+    """Issue 62: a profile that names no tier/miss/stream cost charges the engine's policies what
+    `bench/simulate_overheads.py` measured on the nearest MoE layer shape (before: 0, an engine
+    whose Python is free beside llama.cpp's C++). A profile's own figure, 0 included, replaces it."""
+    from freetoken_agents.engine.simulate.engine_costs import MEASURED, MEASURED_BY, priced
+    from freetoken_agents.engine.simulate.shapes import shape_for
+
+    assert "bench/simulate_overheads.py" in MEASURED_BY and "2026-" in MEASURED_BY
+    card = load_profile("rtx4090-pcie4")
+    assert card.tier_overhead_us is None
+    for name, key in (("mixtral-8x7b", (8, 2)), ("qwen3-30b-a3b", (128, 8)), ("deepseek-v3", (128, 8))):
+        c = ExpertCosts.of(shape_for(name), card, "mxfp4")
+        m = MEASURED[key]
+        assert (c.tier_overhead_s, c.miss_overhead_s, c.stream_overhead_s) == pytest.approx(
+            (m.tier_us * 1e-6, m.miss_us * 1e-6, m.stream_us * 1e-6)
+        )
+    assert ExpertCosts.of(SHAPE, _profile("cpu"), "fp32").tier_overhead_s == MEASURED[(8, 2)].tier_us * 1e-6
+    free = dataclasses.replace(card, tier_overhead_us=0.0, stream_overhead_us=5.0)
+    c = ExpertCosts.of(shape_for("mixtral-8x7b"), free, "mxfp4")
+    assert (c.tier_overhead_s, c.stream_overhead_s) == (0.0, pytest.approx(5e-6))
+    assert c.miss_overhead_s == pytest.approx(MEASURED[(8, 2)].miss_us * 1e-6)
+    assert (
+        "'rtx4090-pcie4''s tier/stream; the rest: Mixtral" in priced(shape_for("mixtral-8x7b"), free).source
+    )
+
+
+def test_only_the_engines_policies_pay_its_bookkeeping_and_the_output_says_so(capsys) -> None:
+    from freetoken_agents.cli import main
+    from freetoken_agents.engine.simulate.shapes import shape_for
+    from freetoken_agents.engine.simulate.simulator import simulate
+    from freetoken_agents.engine.simulate.synthetic import QWEN3_30B_A3B, preset_trace
+
+    shape, card = shape_for("qwen3-30b-a3b"), load_profile("rtx4090-pcie4")
+    trace = preset_trace(QWEN3_30B_A3B, tokens=4, seed=0)
+    fast = shape.total_expert_bytes("mxfp4") // 4
+    free = dataclasses.replace(card, tier_overhead_us=0.0, miss_overhead_us=0.0, stream_overhead_us=0.0)
+    runs = [
+        simulate(trace, shape, p, fast_bytes=fast, codec="mxfp4", policies=("qstar", "static"))
+        for p in (card, free)
+    ]
+    priced_run, free_run = ({r.policy: r.tokens_per_s for r in run.results} for run in runs)
+    assert priced_run["static"] == free_run["static"]
+    assert priced_run["qstar"] < free_run["qstar"]
+    assert runs[0].engine_costs["charged"] == ["qstar"] and runs[0].engine_costs["miss_us"] == 34.7
+    argv = ["simulate", "--synthetic", "qwen3-30b-a3b", "--tokens", "4", "--hardware", "rtx4090-pcie4"]
+    argv += ["--codec", "mxfp4", "--fast-mem", "0.25"]
+    assert main([*argv, "--policies", "qstar,static"]) == 0
+    out = capsys.readouterr().out
+    assert "engine costs priced for qstar: 68.9 us a tiered MoE layer, 34.7 us a tier-1 miss" in out
+    assert main([*argv, "--policies", "static"]) == 0
+    assert "engine costs priced" not in capsys.readouterr().out
 
 
 def _write(path: Path, doc: dict) -> Path:
@@ -100,7 +153,13 @@ def _write(path: Path, doc: dict) -> Path:
 
 def test_toml_without_optional_keys(tmp_path: Path) -> None:
     p = load_profile(_write(tmp_path / "old.toml", {"name": "old", "device": "cpu", **REQUIRED}))
-    assert (p.layer_overhead_us, p.expert_overhead_us, p.tier_overhead_us) == (0.0, 0.0, 0.0)
+    assert (p.layer_overhead_us, p.expert_overhead_us, p.tier_overhead_us) == (0.0, 0.0, None)
+    assert (
+        load_profile(_write(tmp_path / "t.toml", {"name": "t", "device": "cpu", **REQUIRED}))
+        .to_toml()
+        .count("overhead_us")
+        == 2
+    )  # layer and expert; the engine's costs left out read back as left out
     full = HardwareProfile(name="new", device="cpu", **REQUIRED, **OVERHEADS)  # type: ignore[arg-type]
     assert "tier_overhead_us = 50.0" in full.to_toml()
     assert (

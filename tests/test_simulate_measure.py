@@ -149,8 +149,8 @@ def test_an_expert_overhead_under_the_floor_is_the_floor(monkeypatch: pytest.Mon
     """The per-expert overhead is floored at 0.1 us; floored in seconds and scaled, it read
     0.0999... us, and the test above failed whenever a loaded machine timed an expert faster than
     its bytes."""
-    from freetoken_agents.engine.simulate import measure
+    from freetoken_agents.engine.simulate import measure_overheads
 
-    monkeypatch.setattr(measure, "median_seconds", lambda fn, reps: 0.0)
-    monkeypatch.setattr(measure, "_engine_layer_s", lambda *a, **kw: 0.0)
-    assert measure._overheads_us(1, 20.0, None) == (0.1, 0.1)
+    monkeypatch.setattr(measure_overheads, "median_seconds", lambda fn, reps: 0.0)
+    monkeypatch.setattr(measure_overheads, "_engine_layer_s", lambda *a, **kw: 0.0)
+    assert measure_overheads._overheads_us(1, 20.0, None) == (0.1, 0.1)

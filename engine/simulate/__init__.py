@@ -2,7 +2,8 @@
 and policy on a modelled machine (issue 33).
 
 - `shapes`: model shapes (layers, experts, top-k, bytes per expert per codec, dense bytes per
-  token) from a config.json or a built-in name (`builtin_models`); whether a trace fits one.
+  token) from a config.json or a built-in name (`builtin_models`); whether a trace fits one
+  (`trace_fit`).
 - `profiles`: hardware profiles (links, memory, compute), built in or from a TOML file
   (`profile_toml`: reading one).
 - `synthetic`: routing traces with set temporal reuse, popularity skew and cross-layer correlation.
@@ -15,5 +16,9 @@ and policy on a modelled machine (issue 33).
 - `caches`: LRU and Belady's optimum fed a step at a time (Belady with its next uses precomputed).
 - `bounds`: the bound no policy can beat, counted as the steps stream by.
 - `simulator`: `simulate()`, every policy and the bound in one `SimulationReport`.
-- `measure`: this machine measured as a profile (`freetoken simulate --profile-here`).
+- `measure`: this machine measured as a profile (`freetoken simulate --profile-here`);
+  `measure_overheads`: the engine's own fixed costs measured.
+- `engine_costs`: the engine's measured bookkeeping, priced by default for its own policies.
+- `published`, `peers`: published runs of real offloading systems as setups, and those systems'
+  own expert caches where no policy of `simulate` is theirs.
 """

@@ -25,7 +25,7 @@ import torch
 from ..ftw import FTWWriter
 from ..ftw.codecs import encode
 from ..model.experts import ExpertWeights, InMemoryExpertProvider
-from .measure import median_seconds
+from .measure_overheads import median_seconds
 
 
 def all_hit_overhead_us(

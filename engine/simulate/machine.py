@@ -21,7 +21,8 @@ the resources that run those steps in parallel.
   plus `layer_overhead_us` for each transformer layer (the model's layers / its MoE layers per
   MoE layer); a tiered step adds `tier_overhead_us` per MoE layer (`tier_overhead_s`),
   `miss_overhead_us` per expert it finds outside tier 1 (`miss_overhead_s`) and
-  `stream_overhead_us` more per STREAM among them (`stream_overhead_s`: the tier moves).
+  `stream_overhead_us` more per STREAM among them (`stream_overhead_s`: the tier moves), each the
+  engine's measured figure where the profile names none (`engine_costs.priced`).
 
 `Timeline` holds when each resource is next free: "device" (GPU compute), "cpu" (host compute),
 "link" (host -> device copies) and "disk". On a CPU-only profile the device, the CPU and the link
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .engine_costs import priced
 from .profiles import HardwareProfile
 from .shapes import GGUF_BITS, ModelShape, codec_name
 
@@ -121,6 +123,7 @@ class ExpertCosts:
         dense = codec_name(dense_codec) if dense_codec else ("fp32" if dev == "cpu" else "bf16")
         dense_bytes = shape.dense_bytes_per_token(dense) / n_moe
         dense_flops = shape.dense_flops_per_token() / n_moe
+        engine = priced(shape, profile)  # the tiered provider's bookkeeping (TieredReplay only)
         return cls(
             device=dev,
             codec=c,
@@ -140,9 +143,9 @@ class ExpertCosts:
             host_flops=host_flops,
             expert_overhead_s=expert_overhead,
             layer_overhead_s=profile.layer_overhead_us * 1e-6 * max(shape.num_layers, n_moe) / n_moe,
-            tier_overhead_s=profile.tier_overhead_us * 1e-6,
-            miss_overhead_s=profile.miss_overhead_us * 1e-6,
-            stream_overhead_s=profile.stream_overhead_us * 1e-6,
+            tier_overhead_s=engine.tier_us * 1e-6,
+            miss_overhead_s=engine.miss_us * 1e-6,
+            stream_overhead_s=engine.stream_us * 1e-6,
             copy_s=copy_s,
             host_codec_bps=_codec_gbps(profile, c) * 1e9,
             fast_codec_bps=_codec_gbps(profile, fast_codec) * 1e9 if dev == "cpu" else 0.0,

@@ -20,14 +20,16 @@ a TOML file with every field (`load_profile`), for example a 4090 box with 128 G
     cpu_gflops = 1000.0          # sustained fp32 GFLOP/s, all cores
     cpu_cores = 16
 
-Five fixed costs are optional (default 0: not modelled), in microseconds: `layer_overhead_us`
-(per transformer layer per step besides reading its weights: op launches, Python around norms,
-attention, the router), `expert_overhead_us` (per routed expert call: its ops and the Python
-around them), `tier_overhead_us` (per MoE layer of a tiered step: the tiered provider's
-bookkeeping and pre-gating), `miss_overhead_us` (per routed expert a tiered step finds outside
-tier 1: q*'s decision and the Python around computing it where its weights are) and
+Five fixed costs are optional, in microseconds: `layer_overhead_us` (per transformer layer per
+step besides reading its weights: op launches, Python around norms, attention, the router) and
+`expert_overhead_us` (per routed expert call: its ops and the Python around them), default 0: not
+modelled; and the engine's own bookkeeping, which only the policies run through its tiered
+provider pay (qstar, qstar-profiled, layer-lru): `tier_overhead_us` (per MoE layer of a tiered
+step: bookkeeping and pre-gating), `miss_overhead_us` (per routed expert a tiered step finds
+outside tier 1: q*'s decision and the Python around computing it where its weights are) and
 `stream_overhead_us` (per STREAM on top of that: the promotion into tier 1 and the eviction and
-demotion it causes). `measure_profile` measures
+demotion it causes), default None: the engine's measured figures (`engine_costs.MEASURED`, for
+the model's layer shape); 0 prices one at nothing. `measure_profile` measures
 them on the machine it runs on, and two optional rates: `host_int8_gbps` and `host_mxfp4_gbps`,
 how fast the CPU runs int8 / MXFP4 experts with the engine's kernels (default 0: as fast as
 reading their bytes, `host_mem_gbps`).
@@ -86,11 +88,14 @@ class HardwareProfile:
             (op launches, Python), microseconds; optional, default 0.
         expert_overhead_us: fixed cost of one routed expert call, microseconds; optional, default 0.
         tier_overhead_us: fixed cost per MoE layer of a tiered step (bookkeeping, pre-gating),
-            microseconds; optional, default 0.
+            microseconds; optional, default None: the engine's measured figure
+            (`engine_costs.priced`), 0: not priced.
         miss_overhead_us: fixed cost per routed expert a tiered step finds outside tier 1 (the
-            decision, and computing it where its weights are), microseconds; optional, default 0.
+            decision, and computing it where its weights are), microseconds; optional, default
+            None as `tier_overhead_us`.
         stream_overhead_us: fixed cost a STREAM adds to `miss_overhead_us` (the promotion into
-            tier 1, the eviction and demotion it causes), microseconds; optional, default 0.
+            tier 1, the eviction and demotion it causes), microseconds; optional, default None
+            as `tier_overhead_us`.
         host_int8_gbps, host_mxfp4_gbps: the CPU's rate through int8 / MXFP4 expert weights on
             one token with the engine's own kernels, GB/s of those weights; optional, default 0:
             weight-read bound at host_mem_gbps (what a fused kernel reaches on a desktop CPU).
@@ -118,9 +123,9 @@ class HardwareProfile:
     cpu_cores: int
     layer_overhead_us: float = 0.0
     expert_overhead_us: float = 0.0
-    tier_overhead_us: float = 0.0
-    miss_overhead_us: float = 0.0
-    stream_overhead_us: float = 0.0
+    tier_overhead_us: float | None = None
+    miss_overhead_us: float | None = None
+    stream_overhead_us: float | None = None
     host_int8_gbps: float = 0.0
     host_mxfp4_gbps: float = 0.0
     host_efficiency: float = 0.0
@@ -138,6 +143,8 @@ class HardwareProfile:
         lines = []
         for f in fields(self):
             v = getattr(self, f.name)
+            if v is None:  # TOML has no null: a key left out reads back as None
+                continue
             lines.append(f"{f.name} = " + (f'"{v}"' if isinstance(v, str) else repr(v)))
         return "\n".join(lines) + "\n"
 
@@ -165,18 +172,18 @@ _TYPES: dict[str, type] = {
     "host_mxfp4_gbps": float,
     "host_efficiency": float,
 }
-_OPTIONAL: dict[str, float] = {
+_OPTIONAL: dict[str, float | None] = {
     "layer_overhead_us": 0.0,
     "expert_overhead_us": 0.0,
-    "tier_overhead_us": 0.0,
-    "miss_overhead_us": 0.0,
-    "stream_overhead_us": 0.0,
+    "tier_overhead_us": None,
+    "miss_overhead_us": None,
+    "stream_overhead_us": None,
     "host_int8_gbps": 0.0,
     "host_mxfp4_gbps": 0.0,
     "host_efficiency": 0.0,
 }
-"""Keys a profile may leave out (their defaults), >= 0: fixed costs (0: not modelled) and the
-CPU's per-codec rates (0: at host_mem_gbps)."""
+"""Keys a profile may leave out (their defaults), >= 0: fixed costs (0: not modelled; None: the
+engine's measured bookkeeping, `engine_costs`) and the CPU's per-codec rates (0: at host_mem_gbps)."""
 _DEVICES = ("cuda", "cpu")
 _RATE, _US = (1e-3, 1e5, "GB/s"), (1e-6, 1e6, "us")
 RANGES: dict[str, tuple[float, float, str]] = {
@@ -226,6 +233,9 @@ def _validate(
     out: dict[str, Any] = {}
     for key, kind in _TYPES.items():
         v, here = doc.get(key, _OPTIONAL.get(key)), at(key)
+        if v is None and key in _OPTIONAL and _OPTIONAL[key] is None:
+            out[key] = None  # left out: the engine's measured figure (`engine_costs.priced`)
+            continue
         if kind is str:
             if not isinstance(v, str) or not v:
                 raise ProfileError(f"{here}: key {key!r} must be a non-empty string, got {_short(v)}")
@@ -291,7 +301,8 @@ BUILTIN_PROFILES: dict[str, HardwareProfile] = {
         # peak), ~40% sustained in GEMV-like loops.
         cpu_gflops=1000.0,
         cpu_cores=16,
-        # layer/expert/tier overheads: left 0 (see the h200 profile for the eager engine's).
+        # layer/expert overheads: left 0 (see the h200 profile for the eager engine's); the tiered
+        # provider's tier/miss/stream costs: the engine's measured ones (`engine_costs`).
     ),
     # A desktop RTX 5090 on PCIe 5.0 x16 with dual-channel DDR5.
     "rtx5090-pcie5": HardwareProfile(
@@ -315,7 +326,7 @@ BUILTIN_PROFILES: dict[str, HardwareProfile] = {
         disk_gbps=8.0,
         cpu_gflops=1000.0,  # estimate, as rtx4090-pcie4
         cpu_cores=16,
-        # layer/expert/tier overheads: not measured, left 0 (as rtx4090-pcie4).
+        # layer/expert overheads: not measured, left 0; tier/miss/stream: measured (as rtx4090-pcie4).
     ),
     # The project's H200 machine (FACTS.md, measured 2026-12-04).
     "h200": HardwareProfile(
@@ -338,8 +349,9 @@ BUILTIN_PROFILES: dict[str, HardwareProfile] = {
         # estimate: not measured; 16 server cores with AVX-512 at ~2 GHz sustained, ~40% of peak.
         cpu_gflops=800.0,
         cpu_cores=16,  # measured: FACTS.md
-        # Overheads left 0, as on the other GPU profiles, so the cards compare on what the memory
-        # policies allow. FACTS.md measured what this engine pays today when it runs eagerly (a
+        # Layer/expert overheads left 0, as on the other GPU profiles, so the cards compare on what
+        # the memory policies allow (the tiered provider's own costs: measured, `engine_costs`).
+        # FACTS.md measured what this engine pays today when it runs eagerly (a
         # tiered decode step does): the 4-layer Qwen3-30B-A3B shape at 120 tok/s where HBM allows
         # ~4,000, ~2 ms per layer of Python and launches, and 8 separate bf16 expert matmuls from
         # Python in 237 us; a TOML profile with layer_overhead_us = 1500 and expert_overhead_us =
@@ -362,8 +374,9 @@ BUILTIN_PROFILES: dict[str, HardwareProfile] = {
         disk_gbps=5.0,  # estimate, PCIe 4.0 NVMe as rtx4090-pcie4
         cpu_gflops=1000.0,  # estimate, as rtx4090-pcie4
         cpu_cores=16,
-        # layer/expert/tier overheads: not measured on such a machine, left 0; `measure_profile`
-        # (``--profile-here``) measures them on the machine it runs on.
+        # layer/expert overheads: not measured on such a machine, left 0 (tier/miss/stream: the
+        # engine's measured ones); `measure_profile` (``--profile-here``) measures them all on the
+        # machine it runs on.
     ),
 }
 """Built-in hardware profiles by name (sources beside each figure)."""

@@ -40,18 +40,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..memory.routing_trace import Step
 from .baselines import PROFILE_FRACTION, profiling_steps, replay_static, replay_streaming
 from .bounds import Bound, BoundTally, LayerChain, bound, bound_tally
+from .engine_costs import EngineCosts, priced
 from .fit import FitError, check_fits
 from .machine import ExpertCosts
 from .profiles import HardwareProfile
 from .replay import SimulationError, Tally, TieredReplay
-from .shapes import ModelShape, check_trace_fits, codec_name
+from .shapes import ModelShape, codec_name
 from .source import RecordSource, TraceSource, trace_source
+from .trace_fit import check_trace_fits
 
 __all__ = [
     "POLICIES",
@@ -65,6 +67,8 @@ __all__ = [
 ]
 
 POLICIES = ("qstar", "qstar-profiled", "layer-lru", "static", "static-layers", "stream", "belady")
+_ENGINE_POLICIES = ("qstar", "qstar-profiled", "layer-lru")
+"""Policies run through the engine's own tiered provider: they pay its bookkeeping (`engine_costs`)."""
 _NO_TIER1_FLOOR = ("static", "static-layers")
 """Policies that run with less tier 1 than one layer's top-k (llama.cpp's -cmoe: none at all)."""
 
@@ -117,10 +121,22 @@ class SimulationReport:
     bound: Bound
     online_bound: Bound
     profile: str  # what static and qstar-profiled start from
+    # What the policies run through the engine's tiered provider were charged for its bookkeeping
+    # (`engine_costs.EngineCosts` as a dict, and "charged": those policies among the ones run).
+    engine_costs: dict[str, Any] = field(default_factory=dict)
     simulated: bool = True
 
     def result(self, policy: str) -> PolicyResult:
         return next(r for r in self.results if r.policy == policy)
+
+    def costs_line(self) -> str:
+        """One line saying which of the engine's own costs the replay priced, and for which
+        policies (empty when none of them ran)."""
+        c = self.engine_costs
+        if not c.get("charged"):
+            return ""
+        what = EngineCosts(c["tier_us"], c["miss_us"], c["stream_us"], c["source"]).line()
+        return f"engine costs priced for {', '.join(c['charged'])}: {what}\n"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -202,7 +218,7 @@ def simulate(
     results = []
     for policy in policies:
         overlapped = None  # the engine's policies: their own misses, perfectly overlapped
-        if policy in ("qstar", "qstar-profiled", "layer-lru"):
+        if policy in _ENGINE_POLICIES:
             try:
                 replay = TieredReplay(
                     shape,
@@ -256,4 +272,8 @@ def simulate(
         bound=the_bound.result(),
         online_bound=bound(steps, layers, costs, **budgets, cache="lru", figures=figures),
         profile=source,
+        engine_costs={
+            **asdict(priced(shape, profile)),
+            "charged": [p for p in policies if p in _ENGINE_POLICIES],
+        },
     )

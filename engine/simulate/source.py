@@ -22,7 +22,7 @@ from typing import Union
 
 from ..memory.routing_trace import RoutingRecord, RoutingTraceError, Step, iter_steps, read_trace
 from .caches import NextUses
-from .shapes import TraceFootprint, trace_footprint
+from .trace_fit import TraceFootprint, trace_footprint
 
 RecordSource = Union[str, "os.PathLike[str]", Sequence[RoutingRecord], Callable[[], Iterable[RoutingRecord]]]
 """A trace file's path, records already in memory, or a function giving the records afresh."""

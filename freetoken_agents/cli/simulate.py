@@ -293,6 +293,7 @@ def format_reports(reports: Sequence[SimulationReport], total: int) -> str:
         f"hardware {r0.hardware}, codec {r0.codec}, {r0.decode_tokens} decode tokens\n",
         f"experts: {format_size(total)} in all, as tier 1 holds them; host memory for experts: {host}\n",
         f"static and qstar-profiled start from {r0.profile}\n",
+        r0.costs_line(),
     ]
     for r in reports:
         links = sorted({link for res in r.results for link in res.bytes_per_token})
