@@ -25,12 +25,11 @@ from freetoken_agents.engine.simulate.shapes import (
     BUILTIN_CONFIGS,
     CODEC_ALIASES,
     ModelShape,
-    check_trace_fits,
     shape_for,
     shape_from_config,
     shape_from_spec,
-    trace_footprint,
 )
+from freetoken_agents.engine.simulate.trace_fit import check_trace_fits, trace_footprint
 
 # ---- built-in models against published facts ----------------------------------------------------
 

@@ -43,20 +43,16 @@ from ..ftw.layout import ALIGNMENT, BLOCK_HEADER_SIZE, PART_ALIGN
 from ..loading.convert import QUANT_CODECS
 from ..spec import AttentionSpec, ModelSpec, MoESpec
 from .builtin_models import BUILTIN_CONFIGS
-from .trace_fit import TraceFootprint, check_trace_fits, trace_footprint
 
 __all__ = [
     "BUILTIN_CONFIGS",
     "CODEC_ALIASES",
     "GGUF_BITS",
     "ModelShape",
-    "TraceFootprint",
-    "check_trace_fits",
     "codec_name",
     "shape_for",
     "shape_from_config",
     "shape_from_spec",
-    "trace_footprint",
 ]
 
 CODEC_ALIASES: dict[str, str] = QUANT_CODECS

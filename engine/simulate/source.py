@@ -2,7 +2,7 @@
 
 Each replay, baseline and bound walks a trace once, in order (`TraceSource` gives each its own
 walk: a file is re-read line by line), and keeps running totals, not per-step records. What is
-kept between walks of one trace: its footprint (`shapes.TraceFootprint`) and its `TraceFigures`,
+kept between walks of one trace: its footprint (`trace_fit.TraceFootprint`) and its `TraceFigures`,
 whose `caches.NextUses` is the one part that grows with the trace: Belady's offline optimum (the
 "belady" policy and the bound) must know when each routed expert is used next, 4 bytes per routed
 expert in replay order (a decode token of Qwen3-30B-A3B, top-8 of 128 in 48 layers: 1.5 KiB; of
@@ -91,7 +91,7 @@ class TraceSource:
         return iter_steps(self.records())
 
     def footprint(self) -> TraceFootprint:
-        """`shapes.trace_footprint` of the records (one walk, then kept)."""
+        """`trace_fit.trace_footprint` of the records (one walk, then kept)."""
         if self._footprint is None:
             self._footprint = trace_footprint(self.records())
         return self._footprint

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from ..memory.routing_trace import RoutingRecord, RoutingTraceError
 
-if TYPE_CHECKING:  # shapes imports this module: a runtime import back would be circular
+if TYPE_CHECKING:  # only an annotation here
     from .shapes import ModelShape
 
 __all__ = ["TraceFootprint", "check_trace_fits", "trace_footprint"]
