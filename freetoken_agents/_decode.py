@@ -23,8 +23,9 @@ from freetoken_agents.engine.runtime.sampling import Sampler
 from ._turn_output import RecordingStepper, TurnOutput
 from ._turn_text import StopStringHit, TurnModel, TurnText
 from .backend import GenerateRequest, GenEvent
-from .constrained import ConstrainedDecode, JsonConstraint
+from .constrained import ConstrainedDecode
 from .errors import TokenLimitTooSmall
+from .json_constraint import JsonConstraint
 from .relevance import relevant_tools
 
 logger = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from ._fences import FenceDetector
 from ._turn_output import TurnOutput
 from .anchors import AnchorHandle
 from .backend import GenerateRequest, GenEvent
-from .constrained import GrammarFactory
 from .detokenize import IncrementalDetokenizer
+from .grammar_factory import GrammarFactory
 from .parsers import ReasoningMarkers, ToolCallParser
 from .trace import AnchorKind
 

@@ -28,7 +28,6 @@ from freetoken_agents.engine import MemoryBudgetError
 
 from .anchors import AnchorHandle
 from .backend import GenerateRequest, ModelBackend, Usage
-from .constrained import ToolChoice, resolve_tool_choice
 from .errors import (
     MaxStepsExceeded,
     MemoryLimitReached,
@@ -42,6 +41,7 @@ from .relevance import user_sources
 from .retry import RetryPolicy
 from .sync_bridge import iterate_sync, run_sync, step_worker, turn_gate
 from .tool_calls import ResultValidator, ToolCaller
+from .tool_choice import ToolChoice, resolve_tool_choice
 from .tools import (
     UNSET,
     Timeout,

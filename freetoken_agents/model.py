@@ -18,61 +18,32 @@ from a context it did not write.
 from __future__ import annotations
 
 import copy
-import functools
-import logging
 import threading
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from freetoken_agents.engine import MemoryBudgetError, SamplingParams, encode_plain
-from freetoken_agents.engine.runtime.sampling import Sampler
+from freetoken_agents.engine import SamplingParams, encode_plain
 
+from ._context_guard import ContextGuard, context_read, context_step
 from ._decode import TurnDecoder
-from ._turn_output import RecordingStepper, TurnOutput
+from ._structured_decode import decode_structured
 from .anchors import AnchorBook, AnchorHandle, RollbackOutcome
 from .backend import GenerateRequest, GenEvent, ModelBackend, Usage, common_prefix_length
-from .constrained import ConstrainedDecode, GrammarFactory, TextGrammar
 from .embedded import is_default_model
-from .errors import ContextConflict, TokenLimitTooSmall
+from .grammar_factory import GrammarFactory, TextGrammar
 from .parsers import parser_for, reasoning_markers, with_template_call_ids
 from .trace import AnchorKind
+from .trained_tools import trained_tools
 
 if TYPE_CHECKING:
     from freetoken_agents.engine import Anchor, Engine, Session
 
-logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 __all__ = ["FreeTokenModel", "GenEvent", "GenerateRequest", "ModelBackend", "Usage", "common_prefix_length"]
-
-
-def _context_step(method: Callable[..., T]) -> Callable[..., T]:
-    """A step that changes the context: it holds the context's lock and counts as a change (a
-    turn suspended meanwhile raises ContextConflict when it resumes)."""
-
-    @functools.wraps(method)
-    def step(self: FreeTokenModel, *args: Any, **kwargs: Any) -> T:
-        with self._lock:
-            self._version += 1
-            return method(self, *args, **kwargs)
-
-    return step
-
-
-def _context_read(method: Callable[..., T]) -> Callable[..., T]:
-    """A step that leaves the token context as it is (anchors, logits): it holds the lock only."""
-
-    @functools.wraps(method)
-    def step(self: FreeTokenModel, *args: Any, **kwargs: Any) -> T:
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return step
 
 
 @dataclass
@@ -83,7 +54,7 @@ class _SharedParts:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class FreeTokenModel:
+class FreeTokenModel(ContextGuard):
     """The FreeToken engine as an agent backend: one context (an engine session), native anchors
     when the engine has them (else token-id-validated truncation), xgrammar-constrained tool
     arguments.
@@ -135,8 +106,7 @@ class FreeTokenModel:
         self.session = session if session is not None else self.engine.new_session()
         self._usage = Usage()
         self._logits: torch.Tensor | None = None  # next-token logits [V] after the context, when known
-        self._lock = threading.RLock()
-        self._version = 0  # changes made to the context (see _context_step)
+        self._open_guard()
 
     @property
     def step_owner(self) -> Engine:
@@ -152,7 +122,7 @@ class FreeTokenModel:
         twin._open()
         return twin
 
-    @_context_read
+    @context_read
     def fork(self) -> FreeTokenModel:
         """Another context holding this one's tokens: the engine session forked (its KV blocks
         shared, copy-on-write: no prefill) and the next-token logits shared; its own anchors (none)
@@ -163,7 +133,7 @@ class FreeTokenModel:
         twin._logits = self._logits
         return twin
 
-    @_context_step
+    @context_step
     def close(self) -> None:
         """Release this context: its anchors leave the engine's store, its KV blocks go back to
         the pool. Idempotent; a closed context raises the engine's EngineError when used."""
@@ -240,7 +210,7 @@ class FreeTokenModel:
             messages, tools, add_generation_prompt=generation_prompt, variables=variables
         )
 
-    @_context_step
+    @context_step
     def sync(self, ids: Sequence[int]) -> None:
         """Make the context exactly `ids`: keep the common prefix, drop the rest, prefill the tail."""
         ids = list(ids)
@@ -252,13 +222,13 @@ class FreeTokenModel:
         if keep < len(ids):
             self.prefill(ids[keep:])
 
-    @_context_step
+    @context_step
     def append_text(self, text: str) -> None:
         # The text is a failure note quoting tool errors (untrusted): special-token text stays text.
         if text:
             self.prefill(encode_plain(self.tokenizer, text))
 
-    @_context_step
+    @context_step
     def reset(self) -> None:
         """Start an empty context: forget (and discard) this model's anchors, release the KV."""
         self.anchors.clear()
@@ -268,7 +238,7 @@ class FreeTokenModel:
         return self._usage.model_copy()
 
     # ---- model steps (the public seam for decoders) -----------------------------------------------
-    @_context_step
+    @context_step
     def prefill(self, token_ids: Sequence[int]) -> None:
         """Append `token_ids` to the context and run them (one batch); next-token logits are ready."""
         ids = list(token_ids)
@@ -278,20 +248,20 @@ class FreeTokenModel:
         self._logits = self.session.prefill(ids, last_only=True)[-1]
         self._usage.prefilled += self.session.cached_tokens - before
 
-    @_context_step
+    @context_step
     def decode(self, token_id: int) -> None:
         """Append one sampled token and run it (counted as decoded)."""
         self._logits = self.session.decode(token_id)
         self._usage.decoded += 1
 
-    @_context_step
+    @context_step
     def append_pending(self, token_id: int) -> None:
         """Append a token without running it yet (the stop token that ends a turn): it runs with
         the next prefill or decode, so ending a turn costs no model step."""
         self.session.append_unprocessed(token_id)
         self._logits = None
 
-    @_context_step
+    @context_step
     def truncate(self, position: int) -> None:
         """Keep the first `position` tokens of the context (pointer work on the KV cache); anchors
         past it are forgotten."""
@@ -299,7 +269,7 @@ class FreeTokenModel:
         self.anchors.forget_after(position)
         self._logits = None
 
-    @_context_read
+    @context_read
     def next_logits(self) -> torch.Tensor:
         """Logits [V] for the token after the context (recomputes the last token if unknown)."""
         if self._logits is None:  # the same tokens, the last one run again: not a change
@@ -312,11 +282,11 @@ class FreeTokenModel:
         return self._logits
 
     # ---- anchors --------------------------------------------------------------------------------
-    @_context_read
+    @context_read
     def anchor(self, kind: AnchorKind, label: str | None = None) -> AnchorHandle:
         return self.anchors.place(self.session, kind, label)
 
-    @_context_step
+    @context_step
     def rollback(self, anchor: AnchorHandle, *, validate: str | None = None) -> RollbackOutcome:
         """Back to `anchor`, checked by `validate` (default: this model's `validate`). If the check
         fails, rebuild the anchor's prefix by prefill in a fresh session (rebuilt=True)."""
@@ -333,13 +303,13 @@ class FreeTokenModel:
             self._usage.saved_by_rollback += anchor.position
         return RollbackOutcome(start, anchor.position, rebuilt)
 
-    @_context_read
+    @context_read
     def pin(self, kind: AnchorKind = "manual", label: str | None = None) -> Anchor:
         """An engine anchor of the current context that this model does not hold: the caller owns
         it (a prefix cache) and discards it with `engine.anchors.discard(anchor.id)`."""
         return self.session.anchor(kind, label=label)
 
-    @_context_step
+    @context_step
     def restore(self, anchor: Anchor, *, validate: str | None = None) -> None:
         """Make the context the state pinned by engine `anchor` (pointer work, no prefill),
         checked by `validate` (default: this model's). Raises the engine's AnchorNotFoundError /
@@ -392,7 +362,7 @@ class FreeTokenModel:
         token afterwards (pending: it costs no model step). ContextConflict as for `generate`.
         """
         return self._guarded(
-            self._decode_json(schema, max_tokens, sampling or SamplingParams(), end_turn, limit_name)
+            decode_structured(self, schema, max_tokens, sampling or SamplingParams(), end_turn, limit_name)
         )
 
     def decode_grammar(
@@ -403,95 +373,19 @@ class FreeTokenModel:
         sampling: SamplingParams | None = None,
         end_turn: bool = True,
     ) -> Iterator[GenEvent]:
-        """Decode text under `grammar` (`constrained.TextGrammar`: a regex, an EBNF / GBNF grammar,
-        a choice of strings) after the context, with `decode_json`'s events, sampling and
+        """Decode text under `grammar` (`grammar_factory.TextGrammar`: a regex, an EBNF / GBNF
+        grammar, a choice of strings) after the context, with `decode_json`'s events, sampling and
         `end_turn`. The text ends with "stop" where the model ends it and the grammar allows (or
         allows nothing more), else at `max_tokens` sampled tokens with "length", perhaps short of
-        the grammar's end (`constrained.TextConstraint`: no closing guarantee) and then without
-        the end-of-turn token. The compiler's error (RuntimeError, ValueError) when it refuses
+        the grammar's end (`json_constraint.TextConstraint`: no closing guarantee) and then
+        without the end-of-turn token. The compiler's error (RuntimeError, ValueError) when it refuses
         the grammar."""
         return self._guarded(
-            self._decode_json(grammar, max_tokens, sampling or SamplingParams(), end_turn, "max_tokens")
+            decode_structured(self, grammar, max_tokens, sampling or SamplingParams(), end_turn, "max_tokens")
         )
-
-    def _decode_json(
-        self,
-        schema: dict[str, Any] | TextGrammar,
-        max_tokens: int,
-        sampling: SamplingParams,
-        end_turn: bool,
-        limit_name: str,
-    ) -> Iterator[GenEvent]:
-        sampler = Sampler(sampling, self.token_ids if sampling.repetition_penalty != 1.0 else ())
-        output = TurnOutput(self, sampler, sampling.logprobs)
-        call = ConstrainedDecode(
-            RecordingStepper(self, output) if output.records else self,
-            self.grammars().text_grammar(schema)
-            if isinstance(schema, TextGrammar)
-            else self.grammars().json_schema(schema),
-            budget=max_tokens,
-            room=self.max_context - self.position - (1 if end_turn else 0),
-            sampler=sampler,
-            tokenizer=self.tokenizer,
-        )
-        if call.min_tokens > max_tokens:
-            raise TokenLimitTooSmall(
-                f"{limit_name}={max_tokens} is too small for this schema: its shortest JSON value "
-                f"takes {call.min_tokens} sampled tokens",
-                limit=limit_name,
-                value=max_tokens,
-                needed=call.min_tokens,
-            )
-        try:
-            for delta in call:
-                if delta:
-                    yield GenEvent("text", delta, logprobs=output.take())
-        except MemoryBudgetError as e:  # what was decoded has been delivered
-            logger.warning("structured output stopped by the memory limit: %s", e)
-            yield GenEvent("done", finish_reason="memory", logprobs=output.take())
-            return
-        # a grammar's text cut by its budget did not end: no end of turn (as free text), so its
-        # completion counts max_tokens tokens, not one more
-        ended = call.finish_reason == "stop" or not isinstance(schema, TextGrammar)
-        if end_turn and ended and self.stop_ids:
-            self.append_pending(self.stop_ids[0])
-        yield GenEvent("done", finish_reason=call.finish_reason, logprobs=output.take())
 
     # ---- internals ------------------------------------------------------------------------------
-    def _guarded(self, events: Iterator[GenEvent]) -> Generator[GenEvent, None, None]:
-        """`events` (a turn) advanced under the context's lock, checking on each resume that the
-        context was not changed by anyone else while the turn was suspended."""
-        seen: int | None = None
-        try:
-            while True:
-                with self._lock:
-                    if seen is not None and self._version != seen:
-                        raise ContextConflict(
-                            "the context was changed by another caller while a turn was being "
-                            "generated on it; give each conversation its own context (new_context())"
-                        )
-                    try:
-                        event = next(events)
-                    except StopIteration:
-                        return
-                    seen = self._version
-                yield event
-        finally:
-            events.close()
-
     def _new_session(self) -> None:
         self.session.close()
         self.session = self.engine.new_session()
         self._logits = None
-
-
-def trained_tools(source: str | Path | None) -> frozenset[str]:
-    """The tools a model file says it was trained to call (an FTW file's metadata
-    "trained_tools", which `recipes/tiny/train.py` writes); none for any other source."""
-    if source is None or Path(source).suffix != ".ftw" or not Path(source).is_file():
-        return frozenset()
-    from freetoken_agents.engine.ftw import FTWFile
-
-    with FTWFile(source) as f:
-        names = f.metadata.get("trained_tools")
-    return frozenset(n for n in names if isinstance(n, str)) if isinstance(names, list) else frozenset()
