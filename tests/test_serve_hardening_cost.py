@@ -14,7 +14,7 @@ import openai
 import pytest
 from serve_harness import MODEL, running_server, send_raw, wait_until
 
-from freetoken_agents.integrations.openai_server import prepare as prepare_module
+from freetoken_agents.integrations.openai_server import prompt_bound
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -115,14 +115,14 @@ def test_recursion_with_a_way_out_is_served_and_its_reply_ends(server):
 def test_a_prompt_far_over_the_context_is_refused_after_a_contexts_worth_of_tokenizing(server, monkeypatch):
     backend = server.app.state.server.backend
     tokenized, rendered, threads = [], [], set()
-    real_encode, real_render = prepare_module.encode_plain, backend.render
+    real_encode, real_render = prompt_bound.encode_plain, backend.render
 
     def counting_encode(tokenizer, text):
         tokenized.append(len(text))
         threads.add(threading.current_thread().name)
         return real_encode(tokenizer, text)
 
-    monkeypatch.setattr(prepare_module, "encode_plain", counting_encode)
+    monkeypatch.setattr(prompt_bound, "encode_plain", counting_encode)
     monkeypatch.setattr(backend, "render", lambda *a, **k: rendered.append(1) or real_render(*a, **k))
     huge = "the weather in Paris is sunny today " * 100_000  # 3.5 MB: 5 CPU-s to tokenize whole
     call = lambda: server.client().chat.completions.create(  # noqa: E731
@@ -130,17 +130,15 @@ def test_a_prompt_far_over_the_context_is_refused_after_a_contexts_worth_of_toke
     )
     assert "maximum context length" in one_line_400(call, "messages")
     assert not rendered  # the whole prompt was never rendered nor tokenized
-    assert 0 < sum(tokenized) <= 4 * prepare_module.BOUND_CHUNK  # 2,048 tokens: about 10 kB of this text
+    assert 0 < sum(tokenized) <= 4 * prompt_bound.BOUND_CHUNK  # 2,048 tokens: about 10 kB of this text
     # on the engine's step worker (the one executor of every front end), inside the bounded queue
     assert len(threads) == 1 and threads.pop().startswith("freetoken-model")
 
 
 def test_a_prompt_without_spaces_far_over_the_context_is_refused_without_tokenizing(server, monkeypatch):
     tokenized = []
-    real = prepare_module.encode_plain
-    monkeypatch.setattr(
-        prepare_module, "encode_plain", lambda t, text: tokenized.append(text) or real(t, text)
-    )
+    real = prompt_bound.encode_plain
+    monkeypatch.setattr(prompt_bound, "encode_plain", lambda t, text: tokenized.append(text) or real(t, text))
     call = lambda: server.client().chat.completions.create(  # noqa: E731
         model=MODEL, messages=[{"role": "user", "content": "x" * 3_000_000}], max_tokens=2
     )
@@ -151,7 +149,7 @@ def test_a_prompt_without_spaces_far_over_the_context_is_refused_without_tokeniz
 def test_a_client_that_leaves_while_its_prompt_is_tokenized_stops_the_work(server, monkeypatch):
     backend = server.app.state.server.backend
     entered, release, calls, rendered = threading.Event(), threading.Event(), [], []
-    real_encode, real_render = prepare_module.encode_plain, backend.render
+    real_encode, real_render = prompt_bound.encode_plain, backend.render
 
     def gated_encode(tokenizer, text):
         calls.append(len(text))
@@ -159,7 +157,7 @@ def test_a_client_that_leaves_while_its_prompt_is_tokenized_stops_the_work(serve
         release.wait(120)
         return real_encode(tokenizer, text)
 
-    monkeypatch.setattr(prepare_module, "encode_plain", gated_encode)
+    monkeypatch.setattr(prompt_bound, "encode_plain", gated_encode)
     monkeypatch.setattr(backend, "render", lambda *a, **k: rendered.append(1) or real_render(*a, **k))
     before = server.queue()
     content = "a long document about the weather " * 20_000  # 680 kB, tokenized in chunks
@@ -222,10 +220,10 @@ def test_the_longest_token_cache_never_outlives_its_tokenizer():
         def get_vocab(self) -> dict[str, int]:
             return self.vocab
 
-    before = len(prepare_module._LONGEST)
+    before = len(prompt_bound._LONGEST)
     first = Tokenizer(5)
-    assert prepare_module._longest_token(first) == 5
+    assert prompt_bound._longest_token(first) == 5
     del first
     gc.collect()
-    assert len(prepare_module._LONGEST) == before
-    assert prepare_module._longest_token(Tokenizer(40)) == 40
+    assert len(prompt_bound._LONGEST) == before
+    assert prompt_bound._longest_token(Tokenizer(40)) == 40

@@ -34,7 +34,8 @@ from .completions_schemas import (
     completion_id,
 )
 from .errors import OpenAIError, bad_request, model_not_found
-from .prepare import _bound_prompt, _logit_bias
+from .prepare import _logit_bias
+from .prompt_bound import bound_prompt
 from .queue import Job
 from .request_io import ServerHost, as_openai_error, cancelled, read_request, respond, start
 
@@ -123,7 +124,7 @@ def _job(host: ServerHost, body: CompletionRequest, who: str, loop: asyncio.Abst
 
 @dataclass(frozen=True)
 class _PromptOnly:
-    """A prompt as `prepare._bound_prompt` reads a chat request: its texts and no tools."""
+    """A prompt as `prompt_bound.bound_prompt` reads a chat request: its texts and no tools."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)
@@ -138,7 +139,7 @@ def _prompt_ids(body: CompletionRequest, backend: Any, stop: Any) -> tuple[list[
         prompt = prompt[0]
     if isinstance(prompt, str):
         try:  # a prompt far over the context is refused before it is tokenized whole
-            if not _bound_prompt(_PromptOnly([{"content": prompt}]), backend, limit, stop):  # type: ignore[arg-type]
+            if not bound_prompt(_PromptOnly([{"content": prompt}]), backend, limit, stop):  # type: ignore[arg-type]
                 return None, ""
         except OpenAIError as e:
             raise bad_request(e.message.replace("your messages", "your prompt"), "prompt", e.code) from None

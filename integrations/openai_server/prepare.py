@@ -10,31 +10,29 @@ Three steps: `check` (on the HTTP side, time linear in the body, no tokenizer), 
 (on the HTTP side too, on the grammar factory's one compile thread, with a deadline: a schema
 compiled on the engine worker held every client until it was done, a 380-byte one more than 90 s)
 and `prepare` (on the engine worker, inside the bounded queue: render, tokenize; it stops when the
-client left).
+client left). The messages as the template takes them: request_messages.py; a prompt bounded
+before it is rendered: prompt_bound.py; the continue_final_message prompt: continue_final.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
-import secrets
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from freetoken_agents import SchemaRejected, user_sources
 from freetoken_agents.constrained import TextGrammar
-from freetoken_agents.engine import ChatTemplateError, encode_plain, render_chat
+from freetoken_agents.engine import ChatTemplateError
 from freetoken_agents.errors import GrammarCompilerBusy
 from freetoken_agents.grammar_cache import CompiledGrammar
-from freetoken_agents.parsers import with_template_call_ids
 from freetoken_agents.schema_check import check_schema
 
 from ..chat_turn import MAX_CHOICES, no_calls
+from .continue_final import open_final_message
 from .errors import OpenAIError, bad_request
 from .extensions import (
     check_extensions,
@@ -44,7 +42,9 @@ from .extensions import (
     template_kwargs,
 )
 from .extensions import max_tokens as extension_max_tokens
-from .schemas import ChatCompletionRequest, Content, NamedToolChoice
+from .prompt_bound import bound_prompt, too_long
+from .request_messages import chat_messages
+from .schemas import ChatCompletionRequest, NamedToolChoice
 
 if TYPE_CHECKING:
     from freetoken_agents.model import FreeTokenModel
@@ -89,111 +89,6 @@ class PreparedRequest:
     stop: tuple[str, ...] = ()
     logit_bias: dict[int, float] = field(default_factory=dict)
     call_sources: tuple[str, ...] | None = None
-
-
-def content_text(content: Content) -> str:
-    """A message's content as one string (text parts joined)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part.text for part in content)
-
-
-def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The request's messages as the chat template takes them: assistant tool calls with their
-    arguments parsed into dicts (so they render exactly as the model writes them), tool results
-    with the name of the call they answer."""
-    out: list[dict[str, Any]] = []
-    names: dict[str, str] = {}
-    for i, message in enumerate(request.messages):
-        if message.role in ("system", "developer"):
-            out.append({"role": "system", "content": content_text(message.content)})
-        elif message.role == "user":
-            out.append({"role": "user", "content": content_text(message.content)})
-        elif message.role == "assistant":
-            entry: dict[str, Any] = {"role": "assistant", "content": content_text(message.content)}
-            calls = []
-            for j, call in enumerate(message.tool_calls or []):
-                arguments = _arguments(
-                    call.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments"
-                )
-                calls.append(
-                    {
-                        "id": call.id,
-                        "type": "function",
-                        "function": {"name": call.function.name, "arguments": arguments},
-                    }
-                )
-                if call.id:
-                    names[call.id] = call.function.name
-            if calls:
-                entry["tool_calls"] = calls
-            out.append(entry)
-        else:
-            out.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": message.tool_call_id,
-                    "name": names.get(message.tool_call_id, ""),
-                    "content": content_text(message.content),
-                }
-            )
-    return out
-
-
-MAX_ARGUMENT_DEPTH = 64  # nesting of a tool call's arguments in the messages (as for schemas)
-MAX_NUMBER_CHARS = 100  # characters of one number in them (Python refuses ints past 4,300 digits)
-
-
-def _arguments(text: str, param: str) -> dict[str, Any]:
-    """A past call's arguments: a JSON object, nested at most MAX_ARGUMENT_DEPTH levels, its
-    numbers finite and at most MAX_NUMBER_CHARS long; else a 400 naming `param` (a deep nesting
-    was a RecursionError, a 5,001-digit integer a ValueError: both a 500)."""
-    try:
-        value = json.loads(text or "{}", parse_int=_int, parse_float=_float, parse_constant=_not_json)
-    except json.JSONDecodeError as e:
-        raise bad_request(f"{param}: not valid JSON ({e.msg} at position {e.pos})", param=param) from None
-    except RecursionError:
-        raise bad_request(f"{param}: nested deeper than {MAX_ARGUMENT_DEPTH} levels", param=param) from None
-    except ValueError as e:  # a number `_int` / `_float` / `_not_json` refused
-        raise bad_request(f"{param}: {e}", param=param) from None
-    if not isinstance(value, dict):
-        raise bad_request(f"{param}: must be a JSON object, got {type(value).__name__}", param=param)
-    if _depth_over(value, MAX_ARGUMENT_DEPTH):
-        raise bad_request(f"{param}: nested deeper than {MAX_ARGUMENT_DEPTH} levels", param=param)
-    return value
-
-
-def _int(text: str) -> int:
-    if len(text) > MAX_NUMBER_CHARS:
-        raise ValueError(f"a number of {len(text)} characters; at most {MAX_NUMBER_CHARS}")
-    return int(text)
-
-
-def _float(text: str) -> float:
-    if len(text) > MAX_NUMBER_CHARS:
-        raise ValueError(f"a number of {len(text)} characters; at most {MAX_NUMBER_CHARS}")
-    value = float(text)
-    if not math.isfinite(value):  # 1e999: the template would write Infinity, which is not JSON
-        raise ValueError(f"the number {text} is out of range")
-    return value
-
-
-def _not_json(text: str) -> Any:
-    raise ValueError(f"{text} is not a JSON value")
-
-
-def _depth_over(value: Any, limit: int) -> bool:
-    """Whether `value` nests deeper than `limit` levels (iteratively: no recursion to run out)."""
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-    return False
 
 
 @dataclass(frozen=True)
@@ -324,15 +219,17 @@ def prepare(
     """Render and tokenize the prompt (on the engine worker, one request at a time); None as soon
     as `cancelled()` (the client left). OpenAIError (400) for a prompt over the context. A prompt
     far over the context is refused after tokenizing about a context's worth of it
-    (`_bound_prompt`), never all of it. Its grammars were compiled before (`compile_grammars`):
+    (`prompt_bound.bound_prompt`), never all of it. Its grammars were compiled before (`compile_grammars`):
     they go back in the cache here, for the reply to find."""
     request = checked.request
     limit = backend.max_context
-    if not _bound_prompt(checked, backend, limit, cancelled):
+    if not bound_prompt(checked, backend, limit, cancelled):
         return None
     try:
         if continue_final_message(request):  # vLLM's: the reply continues the last assistant message
-            ids = _open_final_message(checked, backend)
+            ids = open_final_message(
+                checked.messages, checked.tools or None, template_kwargs(request), backend
+            )
         else:
             prompt_header = generation_prompt(request)  # vLLM's add_generation_prompt (default true)
             ids = backend.render(
@@ -345,7 +242,7 @@ def prepare(
         raise bad_request(str(e), param="messages") from None
     prompt = len(ids)
     if prompt + 1 > limit:
-        raise _too_long(limit, prompt)
+        raise too_long(limit, prompt)
     requested = extension_max_tokens(request)  # max_completion_tokens, max_tokens or n_predict
     if requested is not None and prompt + requested > limit:
         raise bad_request(
@@ -388,124 +285,6 @@ def prepare(
         n=request.n or 1,
         stop=request.stop_strings,
         **calls,
-    )
-
-
-SUFFIX_TOKENS = 64  # tokens searched from the prompt's end for the end of turn to remove
-
-
-def _open_final_message(checked: CheckedRequest, backend: FreeTokenModel) -> list[int]:
-    """The prompt of vLLM's continue_final_message, as transformers builds it: the messages
-    rendered, ending right after the last (assistant) message's text, without what the template
-    writes after it (the end-of-turn token and the like), so the reply continues that text. The
-    template is rendered once as text with a unique tag after that text (what follows the tag is
-    the suffix), and the engine's own ids of the messages (its untrusted spans kept) lose the
-    trailing tokens that decode to the suffix; text of a token that straddles the cut is
-    tokenized again. A 400 when the template drops the text or the suffix cannot be found."""
-    messages, tools = checked.messages, checked.tools or None
-    variables = template_kwargs(checked.request)
-    tag = f"FTCONTINUE{secrets.token_hex(8)}"
-    tagged = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + tag}]
-    # the call ids `backend.render` writes (a Mistral template refuses others)
-    text = render_chat(
-        backend.tokenizer,
-        with_template_call_ids(tagged),
-        tools,
-        add_generation_prompt=False,
-        variables=variables,
-    )
-    at = text.rfind(tag)
-    if at == -1:
-        raise bad_request(
-            "continue_final_message: the chat template does not write the last message's text",
-            param="continue_final_message",
-        )
-    suffix = text[at + len(tag) :]
-    ids = backend.render(messages, tools, generation_prompt=False, variables=variables)
-    if not suffix:
-        return ids
-    tokenizer = backend.tokenizer
-    for k in range(len(ids) - 1, max(-1, len(ids) - 1 - SUFFIX_TOKENS), -1):
-        tail = tokenizer.decode(ids[k:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        if tail.endswith(suffix):
-            head = tail[: len(tail) - len(suffix)]  # the message's end, in a token shared with it
-            if "\ufffd" not in head:  # not a cut inside a character's bytes
-                return ids[:k] + (encode_plain(tokenizer, head) if head else [])
-    raise bad_request(
-        "continue_final_message: the end of turn after the last message was not found in the prompt",
-        param="continue_final_message",
-    )
-
-
-BOUND_CHUNK = 16_384  # characters tokenized at a time by `_bound_prompt`
-BOUND_FROM = 65_536  # prompts with fewer characters are tokenized whole at once
-CUT_SLACK = 8  # tokens a cut between two chunks may add (a merge across it lost)
-
-
-def _bound_prompt(
-    checked: CheckedRequest, backend: FreeTokenModel, limit: int, cancelled: Callable[[], bool]
-) -> bool:
-    """False when cancelled; OpenAIError (400) once the prompt's texts certainly hold more than
-    `limit` tokens. Texts are tokenized in chunks cut before a space that follows a non-space (a
-    pre-token boundary for BPE tokenizers); each chunk counts CUT_SLACK tokens less than it got, so
-    the sum stays a lower bound of the rendered prompt's tokens. A 3.5 MB prompt cost 5 CPU-s
-    before it was found too long; now the work stops past about `limit` tokens."""
-    texts = [m["content"] for m in checked.messages if isinstance(m.get("content"), str)]
-    texts += [json.dumps(checked.tools)] if checked.tools else []
-    if sum(map(len, texts)) <= BOUND_FROM:
-        return not cancelled()
-    longest = _longest_token(backend.tokenizer)
-    tokens = 0
-    for text in texts:
-        for chunk, at_space in _chunks(text):
-            if at_space:
-                tokens += max(0, len(encode_plain(backend.tokenizer, chunk)) - CUT_SLACK)
-            else:  # no pre-token boundary to cut at: no token holds more than `longest` characters
-                tokens += len(chunk) // longest
-            if cancelled():  # nobody would read the answer
-                return False
-            if tokens + 1 > limit:
-                raise _too_long(limit, None)
-    return True
-
-
-def _chunks(text: str) -> Iterator[tuple[str, bool]]:
-    """`text` in pieces of about BOUND_CHUNK characters, each with whether both its ends are
-    pre-token boundaries (the text's ends, or before a space that follows a non-space); a piece of
-    a long run without such a space is cut anywhere (False)."""
-    start, clean = 0, True  # clean: `start` is a pre-token boundary
-    while len(text) - start > BOUND_CHUNK:
-        cut = text.find(" ", start + BOUND_CHUNK, start + 4 * BOUND_CHUNK)
-        while cut != -1 and text[cut - 1].isspace():
-            cut = text.find(" ", cut + 1, start + 4 * BOUND_CHUNK)
-        if cut == -1:
-            yield text[start : start + BOUND_CHUNK], False
-            start, clean = start + BOUND_CHUNK, False
-        else:
-            yield text[start:cut], clean
-            start, clean = cut, True
-    yield text[start:], clean
-
-
-# per tokenizer object, forgotten with it (an id() key could be reused by another tokenizer)
-_LONGEST: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-
-
-def _longest_token(tokenizer: Any) -> int:
-    """The most characters one token's text can decode to (its vocabulary string's length is an
-    upper bound: byte-level and byte-fallback spellings are never shorter than the text)."""
-    if tokenizer not in _LONGEST:
-        _LONGEST[tokenizer] = max(1, max(map(len, tokenizer.get_vocab()), default=1))
-    return _LONGEST[tokenizer]
-
-
-def _too_long(limit: int, prompt: int | None) -> OpenAIError:
-    got = f"in {prompt} tokens" if prompt is not None else f"in more than {limit} tokens"
-    return bad_request(
-        f"This model's maximum context length is {limit} tokens. However, your messages resulted "
-        f"{got}. Please reduce the length of the messages.",
-        param="messages",
-        code="context_length_exceeded",
     )
 
 
