@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -123,18 +125,33 @@ def test_shared_temp_dirs_count_within_the_same_quota(mode, folder):
         assert err == 28 and 0 < written <= 22 * MIB, result  # 28: ENOSPC
 
 
-@pytest.mark.parametrize("mode", DISK)
-def test_no_mount_or_cgroup_outlives_a_run(mode):
-    result = run_python(UNHOOK + "open('/dev/shm/x', 'w').write('y')\nprint(1)", isolation=mode)
-    assert result.passed, result
-    mounts = Path("/proc/self/mountinfo").read_text()
-    assert "freetoken-sandbox" not in mounts
+def _sandbox_cgroups() -> set[Path]:
     own = [line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines()]
     parents = [
         Path("/sys/fs/cgroup", names.split(",")[0] if names else "", path.lstrip("/"))
         for _, names, path in own
     ]
-    assert [p for d in parents if d.is_dir() for p in d.glob("freetoken-sandbox-*")] == []
+    return {p for d in parents if d.is_dir() for p in d.glob("freetoken-sandbox-*")}
+
+
+@pytest.mark.parametrize("mode", DISK)
+def test_no_mount_or_cgroup_outlives_a_run(mode, monkeypatch, tmp_path):
+    # Other processes on the machine (a concurrent test run, the docs' recipe blocks) may be running
+    # sandboxes of their own: this run's disk is made under tmp_path, so its mounts are told apart
+    # by path, and a cgroup that was not there before must go away (another run's ends with it;
+    # a leaked one never does).
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    before = _sandbox_cgroups()
+    result = run_python(UNHOOK + "open('/dev/shm/x', 'w').write('y')\nprint(1)", isolation=mode)
+    assert result.passed, result
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert str(tmp_path) not in mounts
+    new = _sandbox_cgroups() - before
+    deadline = time.monotonic() + 60
+    while new and time.monotonic() < deadline:
+        time.sleep(0.5)
+        new = {p for p in new if p.exists()}
+    assert new == set()
     assert not os.path.exists("/dev/shm/x")
 
 
